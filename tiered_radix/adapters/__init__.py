@@ -1,0 +1,1 @@
+"""Adapters that let serving engines (SGLang, Hugging Face transformers) run the tier engine."""

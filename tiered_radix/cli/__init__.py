@@ -1,0 +1,1 @@
+"""The `tiered-radix` command line."""

@@ -1,0 +1,1 @@
+"""The tier engine: engine-agnostic units, tiers, ledger, codecs, scores, allocators, diagnostics."""

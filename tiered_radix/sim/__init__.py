@@ -1,0 +1,1 @@
+"""Trace files, the trace recorder and the simulator that replays traces through the engine."""
