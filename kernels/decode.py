@@ -1,0 +1,194 @@
+"""TriZone decode attention: ``plan()`` per batch (may touch the CPU), ``run()`` per layer.
+
+``run()`` launches three kernels with fixed-address buffers and no host sync, so it can be
+captured in a CUDA graph: split (one program per (request, KV head, split) reading its pages and
+rows once), merge (log-sum-exp over splits), and, when the side output is on, mass (turns the
+split kernel's stored logits into probabilities with the merged lse and accumulates them per unit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from tiered_radix.kernels import _decode_kernels as K
+from tiered_radix.kernels.layout import TriZoneLayout
+
+LOG2E = 1.4426950408889634
+NUM_SMS_DEFAULT = 132
+
+
+class DecodeInputError(ValueError):
+    """A tensor given to plan() or run() has the wrong shape, dtype or device."""
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Launch configuration and scratch buffers for one batch (shared by all layers).
+
+    part_acc: float32 [B*H_kv, S, G_pad, d]; part_ml: float32 [B*H_kv, S, 2, G_pad];
+    lse: float32 [B*H_kv, G_pad] (log2 domain); score: float32 [rows, G] (side output only).
+    """
+
+    batch: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    num_splits: int
+    g_pad: int
+    v_bits: tuple[int, ...]
+    k_bits: tuple[int, ...]
+    side_output: bool
+    block_n: int
+    num_warps: int
+    num_stages: int
+    part_acc: torch.Tensor
+    part_ml: torch.Tensor
+    lse: torch.Tensor
+    score: torch.Tensor
+
+
+def _splits(batch: int, hkv: int, max_rows: int, num_sms: int) -> int:
+    want = math.ceil(4 * num_sms / (batch * hkv))
+    cap = max(1, max_rows // 256)  # >= 256 tokens a split, else merging costs more than it saves
+    return int(max(1, min(want, cap, 64)))
+
+
+def plan(
+    layout: TriZoneLayout,
+    *,
+    num_q_heads: int,
+    side_output: bool = False,
+    num_splits: int | None = None,
+    v_bits: tuple[int, ...] | None = None,
+    k_bits: tuple[int, ...] | None = None,
+    max_rows: int | None = None,
+    num_sms: int | None = None,
+) -> DecodePlan:
+    """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
+
+    v_bits / k_bits: bit widths the kernel is compiled for (default: those present in
+    ``layout``); pass (2, 4, 8, 16) to serve every layer of a model with one plan.
+    max_rows: longest per-head token count (default: from ``layout``, a CPU read).
+    """
+    hkv, d = layout.num_kv_heads, layout.head_dim
+    if num_q_heads % hkv:
+        raise DecodeInputError(f"num_q_heads={num_q_heads} is not a multiple of H_kv={hkv}")
+    if d not in (64, 128):
+        raise DecodeInputError(f"head_dim {d} unsupported: use 64 or 128")
+    group = num_q_heads // hkv
+    bh = layout.batch * hkv
+    dev = layout.k_pool.device
+    if max_rows is None:
+        ind = layout.full_indptr.cpu()
+        pages = layout.page_indptr.cpu().view(-1)
+        per = (ind[1:] - ind[:-1]) + (pages[4::4] - pages[0:-1:4]) * layout.page_size
+        fr = layout.fresh_indptr.cpu()
+        max_rows = int(per.max()) + int((fr[1:] - fr[:-1]).max())
+    if num_sms is None:
+        num_sms = (
+            torch.cuda.get_device_properties(dev).multi_processor_count
+            if dev.type == "cuda"
+            else NUM_SMS_DEFAULT
+        )
+    s = num_splits or _splits(layout.batch, hkv, max_rows, num_sms)
+    g_pad = max(16, 1 << (group - 1).bit_length())
+    rows = (
+        layout.page_ntok.numel() * layout.page_size
+        + layout.full_slots.numel()
+        + layout.fresh_slots.numel() * hkv
+    )
+    f32 = dict(dtype=torch.float32, device=dev)
+    return DecodePlan(
+        batch=layout.batch,
+        num_kv_heads=hkv,
+        group=group,
+        head_dim=d,
+        num_splits=s,
+        g_pad=g_pad,
+        v_bits=tuple(v_bits or layout.v_bits_present),
+        k_bits=tuple(k_bits or layout.k_bits_present),
+        side_output=side_output,
+        block_n=64 if d == 64 else 32,
+        num_warps=4,
+        num_stages=2,
+        part_acc=torch.empty(bh, s, g_pad, d, **f32),
+        part_ml=torch.empty(bh, s, 2, g_pad, **f32),
+        lse=torch.empty(bh, g_pad, **f32),
+        score=torch.empty(max(rows, 1) if side_output else 1, group, **f32),
+    )
+
+
+def _check(q: torch.Tensor, layout: TriZoneLayout, p: DecodePlan, out, mass) -> None:
+    want = (p.batch, p.num_kv_heads * p.group, p.head_dim)
+    if tuple(q.shape) != want or q.dtype != layout.dtype or q.stride(-1) != 1:
+        raise DecodeInputError(f"q must be {layout.dtype} {list(want)} (last dim contiguous)")
+    if (layout.batch, layout.num_kv_heads, layout.head_dim) != (p.batch, p.num_kv_heads, want[2]):
+        raise DecodeInputError("layout batch/heads/head_dim differ from the plan's")
+    if not set(layout.v_bits_present) <= set(p.v_bits):
+        raise DecodeInputError(f"layout has V bits {layout.v_bits_present}, plan {p.v_bits}")
+    if not set(layout.k_bits_present) <= set(p.k_bits):
+        raise DecodeInputError(f"layout has K bits {layout.k_bits_present}, plan {p.k_bits}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise DecodeInputError("out must have q's shape and dtype")
+    if p.side_output:
+        if mass is None or mass.dtype != torch.float32 or mass.dim() != 2:
+            raise DecodeInputError("side output on: pass mass, float32 [B, max_units]")
+        if mass.shape[0] != p.batch or mass.shape[1] < layout.max_units or mass.stride(1) != 1:
+            raise DecodeInputError(f"mass must be [{p.batch}, >= {layout.max_units}]")
+    elif mass is not None:
+        raise DecodeInputError("mass given but the plan was made with side_output=False")
+
+
+def run(
+    q: torch.Tensor,
+    layout: TriZoneLayout,
+    p: DecodePlan,
+    *,
+    out: torch.Tensor | None = None,
+    mass: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Decode attention of q ``[B, H_q, d]`` over one layer's TriZone cache; graph-safe.
+
+    mass: float32 ``[B, >= max_units]``, accumulated (+=) with each unit's attention
+    probability summed over the query heads of the KV group (side output on).
+    Returns out ``[B, H_q, d]`` (q's dtype).
+    """
+    _check(q, layout, p, out, mass)
+    out = torch.empty_like(q) if out is None else out
+    hkv, bh, s = p.num_kv_heads, p.batch * p.num_kv_heads, p.num_splits
+    qk = (sm_scale if sm_scale is not None else p.head_dim**-0.5) * LOG2E
+    dt = K.tl.bfloat16 if q.dtype == torch.bfloat16 else K.tl.float16
+    if q.device.type == "cpu":  # the Triton interpreter computes bf16 tl.dot wrongly
+        dt = K.tl.float32
+    arena = layout.arena
+    row_full = layout.page_ntok.numel() * layout.page_size
+    row_fresh = row_full + layout.full_slots.numel()
+    vb, kb = set(p.v_bits), set(p.k_bits)
+    K._decode_split_kernel[(bh, s)](
+        q, q.stride(0), q.stride(1), layout.perm,
+        layout.k_pool, layout.v_pool, layout.k_pool.stride(0), layout.k_pool.stride(1),
+        layout.full_indptr, layout.full_slots, layout.fresh_indptr, layout.fresh_slots,
+        arena, arena.view(torch.float16), arena.view(q.dtype), layout.page_off, layout.page_ntok,
+        layout.page_indptr, layout.page_ids, layout.k_table, p.part_acc, p.part_ml, p.score,
+        row_full, row_fresh, qk, hkv, p.group, s,
+        DT=dt, D=p.head_dim, G_PAD=p.g_pad, P=layout.page_size, VG=layout.v_group,
+        BLOCK_N=p.block_n, MASS=p.side_output,
+        V2=2 in vb, V4=4 in vb, V8=8 in vb, V16=16 in vb,
+        K2=2 in kb, K4=4 in kb, K8=8 in kb, K16=16 in kb,
+        num_warps=p.num_warps, num_stages=p.num_stages,
+    )  # fmt: skip
+    K._decode_merge_kernel[(bh,)](
+        p.part_acc, p.part_ml, out, out.stride(0), out.stride(1), p.lse, hkv, p.group, s,
+        D=p.head_dim, G_PAD=p.g_pad, S_PAD=max(2, 1 << (s - 1).bit_length()), num_warps=4,
+    )  # fmt: skip
+    if p.side_output:
+        K._decode_mass_kernel[(bh, s)](
+            p.score, p.lse, mass, mass.stride(0), layout.full_indptr, layout.full_units,
+            layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,
+            layout.page_ntok, layout.page_units, row_full, row_fresh, hkv, p.group, s,
+            G_PAD=p.g_pad, P=layout.page_size, BLOCK_N=64, num_warps=4,
+        )  # fmt: skip
+    return out
