@@ -94,7 +94,7 @@ def tree_from_text(text: str, name: str) -> Map:
                           _mark(mark, name, text) if mark else Span(name, 1, 1, text)) from None
     if root is None:
         raise PolicyError("empty policy file", Span(name, 1, 1, text),
-                          expected="a mapping with at least `budget:` and `tiers:`")
+                          expected="a mapping with at least `budget:`, `units:` and `allocate:`")
     tree = _convert(root, name, text)
     if not isinstance(tree, Map):
         raise PolicyError("a policy file must be a mapping of keys to values", tree.span)
