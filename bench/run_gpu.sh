@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device block: GPU tests at full size, then every benchmark, results under $OUT.
+# Run on the GPU machine after staging (../shared/gpu/README.md), from the repo root:
+#   bash bench/run_gpu.sh [quick]
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/results}
+mkdir -p "$OUT"
+mode=${1:-full}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+python3 -m pytest -q -x tests/kernels 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+quick=(); [ "$mode" = quick ] && quick=(--quick)
+python3 bench/decode_attention.py --out "$OUT" "${quick[@]}" 2>&1 | tail -60
+python3 bench/quant_pack.py --out "$OUT" 2>&1 | tail -20
+python3 bench/routing_step.py --device cuda --out "$OUT" 2>&1 | tail -10
