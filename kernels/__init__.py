@@ -1,0 +1,1 @@
+"""Triton kernels of tiered-radix, imported as ``tiered_radix.kernels``."""
