@@ -1,0 +1,117 @@
+"""What routing did: per-unit transitions and one record per routing step.
+
+A routing step over 32 layers x 8 heads x 4096 windows can move ~10^5 units, so transitions are
+kept as columns of CPU tensors (:class:`Transitions`) and turned into :class:`Transition` objects
+only when someone iterates them. ``Transitions`` is a read-only ``Sequence[Transition]``: use it
+like a list (``len``, indexing, iteration, ``count(kind)`` via :meth:`Transitions.counts`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Kind = Literal["demote", "promote", "evict"]
+KINDS: tuple[Kind, ...] = ("demote", "promote", "evict")
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One unit moved between tiers. ``unit`` indexes the layer's units of that part."""
+
+    kind: Kind
+    layer: int
+    head: int
+    unit: int
+    src: str
+    dst: str
+    ledger_write: bool  # True when this move quantized fresh data into the ledger / copy store
+
+
+class Transitions(Sequence):
+    """Columns of transitions: int64 CPU tensors ``layer, head, unit, src, dst`` ``[n]`` (tier
+    indices into ``tier_names``) and bool ``ledger_write [n]``."""
+
+    def __init__(self, tier_names: Sequence[str], evict_index: int | None, layer: Tensor,
+                 head: Tensor, unit: Tensor, src: Tensor, dst: Tensor, ledger_write: Tensor):
+        self.tier_names = tuple(tier_names)
+        self.evict_index = evict_index
+        self.layer, self.head, self.unit = layer, head, unit
+        self.src, self.dst, self.ledger_write = src, dst, ledger_write
+
+    @classmethod
+    def empty(cls, tier_names: Sequence[str], evict_index: int | None = None) -> Transitions:
+        z = torch.zeros(0, dtype=torch.long)
+        return cls(tier_names, evict_index, z, z, z, z, z, z.bool())
+
+    @classmethod
+    def concat(cls, parts: Sequence[Transitions], tier_names, evict_index) -> Transitions:
+        if not parts:
+            return cls.empty(tier_names, evict_index)
+        cols = ("layer", "head", "unit", "src", "dst", "ledger_write")
+        return cls(tier_names, evict_index, *(torch.cat([getattr(p, c) for p in parts])
+                                              for c in cols))
+
+    def kinds(self) -> Tensor:
+        """int64 ``[n]``: 0 demote, 1 promote, 2 evict (indices into ``KINDS``)."""
+        ev = self.dst == (-1 if self.evict_index is None else self.evict_index)
+        return torch.where(ev, 2, torch.where(self.dst > self.src, 0, 1))
+
+    def counts(self) -> dict[str, int]:
+        c = torch.bincount(self.kinds(), minlength=3).tolist()
+        return dict(zip(KINDS, c, strict=True))
+
+    def __len__(self) -> int:
+        return int(self.layer.numel())
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        kind = KINDS[int(self.kinds()[i])]
+        return Transition(kind, int(self.layer[i]), int(self.head[i]), int(self.unit[i]),
+                          self.tier_names[int(self.src[i])], self.tier_names[int(self.dst[i])],
+                          bool(self.ledger_write[i]))
+
+    def __iter__(self):
+        kinds = self.kinds().tolist()
+        cols = [c.tolist() for c in (self.layer, self.head, self.unit, self.src, self.dst,
+                                     self.ledger_write)]
+        for k, ly, h, u, s, d, w in zip(kinds, *cols, strict=True):
+            yield Transition(KINDS[k], ly, h, u, self.tier_names[s], self.tier_names[d], w)
+
+    def __repr__(self) -> str:
+        return f"Transitions({len(self)}: {self.counts()})"
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """One routing step. ``over_budget``: the forced content (protected tokens, the partial
+    trailing window, ``keep``/``promote`` rules, tiers without an evicting option) alone exceeded
+    the budget, so everything else went to its cheapest tier and ``bytes_used > budget``."""
+
+    step: int
+    reason: str
+    transitions: Transitions
+    bytes_used: int
+    budget: int
+    over_budget: bool = False
+
+
+@dataclass
+class EventLog:
+    steps: list[StepEvents] = field(default_factory=list)
+    counters: Counter = field(default_factory=Counter)  # by kind, plus "ledger_write"
+
+    def record(self, ev: StepEvents) -> None:
+        self.steps.append(ev)
+        self.counters.update(ev.transitions.counts())
+        self.counters["ledger_write"] += int(ev.transitions.ledger_write.sum())
+
+    @property
+    def over_budget_steps(self) -> list[int]:
+        return [s.step for s in self.steps if s.over_budget]

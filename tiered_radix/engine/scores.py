@@ -1,0 +1,253 @@
+"""Evaluating policy expressions per unit: scores, rule conditions, RD weights, spread shares.
+
+``evaluate(layer, expr, part)`` returns ``[H, U]`` for the units of ``part`` (a
+:class:`~tiered_radix.engine.units.UnitLayout`). Evaluation is bottom-up at one *level*:
+
+- unit level (the default): per-token signals that add up (``attn``, ``colmass``, ``obs_attn``,
+  ``key_norm``) are summed over each unit's tokens; ``sigma`` is the standard deviation of the
+  unit's V entries (of ``K[:, c]`` over kept tokens for a channel); ``position`` is the unit's
+  first token, ``recency`` counts tokens after its last one. Functions then act per unit.
+- token level: inside ``sum_window``/``mean_window``/``max_window`` and ``pool_max`` the argument
+  is evaluated per token, then reduced over each unit (``pool_max``'s result is summed).
+- ``cumulative(x, decay)`` keeps its running sum per token (per channel for channel signals),
+  advanced by :meth:`ScoreEvaluator.update` once per call (once per decode step, or once after
+  prefill): ``state = decay * state + x``; at unit level it is summed over the unit's tokens.
+- ``*_heads`` reduce over the KV heads and broadcast back; ``quantile(x, q)`` is the q-quantile
+  over the units of each (layer, head).
+
+Signals from the caller that were never observed raise :class:`SignalError` when used, except
+inside ``cumulative`` (nothing accumulated yet is 0). ``colmass``/``obs_attn`` are 0 for tokens
+generated after the prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tiered_radix.policy.expr import BinOp, Call, Expr, Name, Num, UnaryOp
+from tiered_radix.policy.model import Policy, RankAllocation, RateDistortion
+
+from .signals import CacheState, SignalError, Signals, pad_tokens
+from .units import UnitLayout
+
+ADDITIVE = ("attn", "colmass", "obs_attn", "key_norm")
+CHANNEL = ("qnorm", "knorm")
+OBSERVED = ("attn", "colmass", "obs_attn", "qnorm")
+_BIN = {"+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div, "^": torch.pow,
+        "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge, "==": torch.eq,
+        "!=": torch.ne, "and": torch.logical_and, "or": torch.logical_or}
+_UNARY = {"log": lambda x: x.clamp(min=1e-30).log(), "exp": torch.exp,
+          "sqrt": lambda x: x.clamp(min=0).sqrt(), "abs": torch.abs}
+_HEADS = {"sum_heads": "sum", "mean_heads": "mean", "max_heads": "amax"}
+_WINDOW = {"sum_window": "sum", "mean_window": "mean", "max_window": "max"}
+
+
+class _Ctx:
+    def __init__(self, layer: int, cache: CacheState, layout: UnitLayout, token_level: bool):
+        self.layer, self.cache, self.layout, self.token_level = layer, cache, layout, token_level
+        self.device = cache.k.device
+
+    def at_tokens(self) -> _Ctx:
+        if not self.layout.over_tokens:
+            raise SignalError("a per-token function was used on channel units")
+        return _Ctx(self.layer, self.cache, self.layout, True)
+
+
+class ScoreEvaluator:
+    """Evaluates a policy's expressions for ``n_layers`` layers of ``n_heads`` KV heads.
+
+    ``cache(layer) -> CacheState`` supplies the engine-derived signals; ``evaluate`` and
+    ``update`` also accept an explicit ``cache=``.
+    """
+
+    def __init__(self, policy: Policy, n_layers: int, n_heads: int, *,
+                 cache: Callable[[int], CacheState] | None = None) -> None:
+        self.policy, self.n_layers, self.n_heads = policy, n_layers, n_heads
+        self._scores = dict(policy.scores)
+        self._cache_fn = cache
+        self._observed: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
+        self._state: list[dict[Call, Tensor]] = [{} for _ in range(n_layers)]
+        self._cumulative = list(dict.fromkeys(
+            n for e in _policy_exprs(policy) for n in self._walk(e)
+            if isinstance(n, Call) and n.fn == "cumulative"))
+
+    # -- public ------------------------------------------------------------------------------
+    def update(self, layer: int, signals: Signals, *, cache: CacheState | None = None) -> None:
+        """Record ``signals`` as the layer's latest and advance every ``cumulative``."""
+        cache = self._cache(layer, cache)
+        signals.check(self.n_heads, cache.n_tokens, cache.k.shape[-1])
+        for name in OBSERVED:
+            if getattr(signals, name) is not None:
+                self._observed[layer][name] = getattr(signals, name).float()
+        for node in self._cumulative:
+            channel = self._uses(node.args[0], CHANNEL)
+            layout = UnitLayout("channel" if channel else "token", 1, cache.k.shape[-1])
+            if any(getattr(signals, n) is None and self._uses(node.args[0], (n,))
+                   for n in OBSERVED):
+                continue  # accumulate only what this step observed
+            x = self._eval(node.args[0], _Ctx(layer, cache, layout, not channel))
+            decay = _const(node.kwarg("decay", Num(1.0)))
+            old = self._state[layer].get(node)
+            if old is not None and not channel:
+                old = pad_tokens(old, cache.n_tokens)
+            x = torch.broadcast_to(x.float(), (self.n_heads, x.shape[-1]))
+            self._state[layer][node] = x if old is None else decay * old + x
+
+    def evaluate(self, layer: int, expr: Expr, part: UnitLayout, *,
+                 cache: CacheState | None = None) -> Tensor:
+        """float32 (bool for conditions) ``[H, U]`` for the units of ``part``."""
+        cache = self._cache(layer, cache)
+        out = self._eval(expr, _Ctx(layer, cache, part, False))
+        return torch.broadcast_to(out, (self.n_heads, part.n_units(cache.n_tokens)))
+
+    def observed(self, layer: int, name: str) -> Tensor | None:
+        return self._observed[layer].get(name)
+
+    # -- evaluation ------------------------------------------------------------------------
+    def _cache(self, layer: int, cache: CacheState | None) -> CacheState:
+        if cache is None and self._cache_fn is None:
+            raise SignalError("ScoreEvaluator needs the layer's cache (pass cache=...)")
+        return cache if cache is not None else self._cache_fn(layer)
+
+    def _eval(self, e: Expr, c: _Ctx) -> Tensor:
+        if isinstance(e, Num):
+            return torch.tensor(float(e.value), device=c.device)
+        if isinstance(e, Name):
+            if e.id in self._scores:
+                return self._eval(self._scores[e.id], c)
+            return self._name(e.id, c)
+        if isinstance(e, BinOp):
+            left, right = self._eval(e.left, c), self._eval(e.right, c)
+            return _BIN[e.op](left, right)
+        if isinstance(e, UnaryOp):
+            x = self._eval(e.operand, c)
+            return torch.logical_not(x) if e.op == "not" else -x
+        assert isinstance(e, Call), e
+        return self._call(e, c)
+
+    def _name(self, name: str, c: _Ctx) -> Tensor:
+        cache, lay, t = c.cache, c.layout, c.cache.n_tokens
+        if name == "head_dim":
+            return torch.tensor(float(cache.k.shape[-1]), device=c.device)
+        if name == "seq_len":
+            return torch.tensor(float(t), device=c.device)
+        if not lay.over_tokens:
+            if name == "qnorm":
+                return self._need(c.layer, "qnorm")
+            if name == "knorm":
+                return cache.knorm()
+            if name == "sigma":
+                return cache.channel_sigma()
+            raise SignalError(f"signal '{name}' is per token; it has no value per K channel")
+        if name in CHANNEL:
+            raise SignalError(f"signal '{name}' is per K channel; it has no value per token")
+        pos = torch.arange(t, device=c.device).float()
+        if name == "sigma":
+            return _unit_sigma(cache, lay if not c.token_level else UnitLayout("token", 1, 0))
+        if name in ("position", "recency"):
+            if not c.token_level:
+                first, last = lay.first_token(t, c.device), lay.last_token(t, c.device)
+                return first.float() if name == "position" else (t - 1 - last).float()
+            return pos if name == "position" else t - 1 - pos
+        x = cache.key_norm() if name == "key_norm" else pad_tokens(self._need(c.layer, name), t)
+        return x if c.token_level else lay.aggregate(x)
+
+    def _need(self, layer: int, name: str) -> Tensor:
+        x = self._observed[layer].get(name)
+        if x is None:
+            raise SignalError(f"the policy uses signal '{name}' but layer {layer} never received "
+                              f"it: pass Signals({name}=...) to observe() before routing")
+        return x
+
+    def _call(self, e: Call, c: _Ctx) -> Tensor:
+        fn, args = e.fn, e.args
+        if fn == "cumulative":
+            state = self._state[c.layer].get(e)
+            if state is None:
+                state = torch.zeros(self.n_heads, c.cache.n_tokens, device=c.device)
+            if c.layout.over_tokens:
+                state = pad_tokens(state, c.cache.n_tokens)
+                return state if c.token_level else c.layout.aggregate(state)
+            return state
+        if fn in _HEADS:
+            x = self._eval(args[0], c).float()
+            x = torch.broadcast_to(x, (self.n_heads, *x.shape[-1:]))
+            return getattr(x, _HEADS[fn])(0, keepdim=True)
+        if fn in _WINDOW:
+            x = self._tokens(args[0], c)
+            u = c.layout.aggregate(x, _WINDOW[fn])
+            return c.layout.expand(u, c.cache.n_tokens) if c.token_level else u
+        if fn == "pool_max":
+            size = int(_const(e.kwarg("size", Num(7))))
+            x = self._tokens(args[0], c)
+            y = F.max_pool1d(x[:, None], size, 1, size // 2)[:, 0, : x.shape[-1]]
+            return y if c.token_level else c.layout.aggregate(y)
+        if fn == "quantile":
+            x = self._eval(args[0], c).float()
+            x = torch.broadcast_to(x, (self.n_heads, *x.shape[-1:]))
+            return torch.quantile(x, _const(args[1]), dim=-1, keepdim=True)
+        vals = [self._eval(a, c) for a in args]
+        if fn == "min":
+            return torch.minimum(*vals)
+        if fn == "max":
+            return torch.maximum(*vals)
+        if fn == "clip":
+            return torch.maximum(torch.minimum(vals[0], vals[2]), vals[1])
+        return _UNARY[fn](vals[0].float())
+
+    def _tokens(self, e: Expr, c: _Ctx) -> Tensor:
+        x = self._eval(e, c.at_tokens()).float()
+        return torch.broadcast_to(x, (self.n_heads, c.cache.n_tokens))
+
+    def _walk(self, e: Expr):
+        for n in e.walk():
+            yield n
+            if isinstance(n, Name) and n.id in self._scores:
+                yield from self._walk(self._scores[n.id])
+
+    def _uses(self, e: Expr, names: tuple[str, ...]) -> bool:
+        return any(isinstance(n, Name) and n.id in names for n in self._walk(e))
+
+
+IMPLEMENTED_FUNCTIONS = frozenset({"cumulative", "pool_max", "quantile", "min", "max", "clip",
+                                   *_HEADS, *_WINDOW, *_UNARY})
+IMPLEMENTED_SIGNALS = frozenset({*ADDITIVE, *CHANNEL, "sigma", "recency", "position"})
+IMPLEMENTED_CONSTANTS = frozenset({"head_dim", "seq_len"})
+
+
+def _unit_sigma(cache: CacheState, lay: UnitLayout) -> Tensor:
+    """``[H, U]``: standard deviation of each unit's V entries (kept tokens only)."""
+    v = torch.nan_to_num(cache.v.float(), nan=0.0)
+    w = cache.kept.float()
+    t, d = v.shape[1], v.shape[2]
+    n = lay.aggregate(w).clamp(min=1) * d
+    mean = lay.aggregate(v.sum(-1) * w) / n
+    dev = ((v - lay.expand(mean, t)[..., None]) ** 2).sum(-1) * w
+    return (lay.aggregate(dev) / n).sqrt()
+
+
+def _const(e: Expr) -> float:
+    """Fold a constant expression (numbers and arithmetic) to a float."""
+    if isinstance(e, Num):
+        return float(e.value)
+    if isinstance(e, UnaryOp) and e.op == "-":
+        return -_const(e.operand)
+    if isinstance(e, BinOp) and e.op in ("+", "-", "*", "/", "^"):
+        return float(_BIN[e.op](torch.tensor(_const(e.left)), torch.tensor(_const(e.right))))
+    raise SignalError("this argument must be a number (e.g. decay=0.99, size=7, 50%)")
+
+
+def _policy_exprs(p: Policy) -> list[Expr]:
+    out = [e for _, e in p.scores] + [r.when for r in p.rules]
+    if p.spread.by is not None:
+        out.append(p.spread.by)
+    a = p.allocate
+    if isinstance(a, RankAllocation):
+        out.append(a.by)
+    elif isinstance(a, RateDistortion):
+        out += [a.v_weight, a.k_weight, a.sigma]
+    return out

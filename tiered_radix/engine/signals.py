@@ -1,0 +1,93 @@
+"""Measurements a caller hands the engine for one layer, and the ones the engine derives itself.
+
+The caller (SGLang adapter, transformers cache, simulator) provides what only attention can see
+(:class:`Signals`); the engine computes ``knorm``, ``key_norm``, ``sigma``, ``recency`` and
+``position`` from the cache it holds (:class:`CacheState`, built by the store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class SignalError(ValueError):
+    """A policy needs a signal the caller never provided, or a signal has the wrong shape."""
+
+
+@dataclass(frozen=True)
+class Signals:
+    """Signals of ONE layer, all on one device. H = KV heads, T = tokens cached so far.
+
+    attn: float ``[H, T']`` (T' <= T; missing trailing tokens count 0): probability mass each
+        token receives from the newest query (decode step, or the last prompt query after
+        prefill), summed over the query heads of the KV group; computed over what the policy
+        keeps (evicted tokens get 0).
+    colmass: float ``[H, T_prompt]``: sum over prompt queries tau of ``a[tau, t]`` (RDKV ``w_t``).
+    obs_attn: float ``[H, T_prompt]``: mass from the last 32 prompt queries (SnapKV).
+    qnorm: float ``[H, d]``: per K channel, ``||Q[:, c]||`` over prompt queries of the group.
+    """
+
+    attn: Tensor | None = None
+    colmass: Tensor | None = None
+    obs_attn: Tensor | None = None
+    qnorm: Tensor | None = None
+
+    def check(self, n_heads: int, n_tokens: int, head_dim: int) -> None:
+        """Raises :class:`SignalError` on a wrong shape."""
+        for name in ("attn", "colmass", "obs_attn"):
+            x = getattr(self, name)
+            if x is not None and (x.dim() != 2 or x.shape[0] != n_heads or x.shape[1] > n_tokens):
+                raise SignalError(f"signal '{name}' must be [H={n_heads}, T<={n_tokens}], got "
+                                  f"{list(x.shape)}")
+        if self.qnorm is not None and tuple(self.qnorm.shape) != (n_heads, head_dim):
+            raise SignalError(f"signal 'qnorm' must be [H={n_heads}, d={head_dim}], got "
+                              f"{list(self.qnorm.shape)}")
+
+
+def pad_tokens(x: Tensor, n_tokens: int, fill: float = 0.0) -> Tensor:
+    """``[H, T']`` -> ``[H, n_tokens]``, float32, new tokens filled with ``fill``."""
+    x = x.float()
+    if x.shape[1] >= n_tokens:
+        return x[:, :n_tokens]
+    return torch.nn.functional.pad(x, (0, n_tokens - x.shape[1]), value=fill)
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """What the engine reads from its own cache to derive signals, for one layer.
+
+    k, v: float32 ``[H, T, d]`` the attended view (quantized units dequantized; evicted rows
+    may hold anything); kept: bool ``[H, T]`` (False for evicted tokens).
+    """
+
+    k: Tensor
+    v: Tensor
+    kept: Tensor
+
+    @property
+    def n_tokens(self) -> int:
+        return self.k.shape[1]
+
+    def key_norm(self) -> Tensor:
+        """``[H, T]``: ``||k_t||``, 0 for evicted tokens."""
+        return torch.where(self.kept, torch.linalg.vector_norm(_clean(self.k), dim=-1), 0.0)
+
+    def knorm(self) -> Tensor:
+        """``[H, d]``: ``||K[:, c]||`` over the kept tokens."""
+        return torch.linalg.vector_norm(_clean(self.k) * self.kept[..., None], dim=1)
+
+    def channel_sigma(self) -> Tensor:
+        """``[H, d]``: standard deviation of ``K[:, c]`` over the kept tokens."""
+        w = self.kept[..., None].float()
+        n = w.sum(1).clamp(min=1)
+        k = _clean(self.k)
+        mean = (k * w).sum(1) / n
+        return (((k - mean[:, None]) ** 2 * w).sum(1) / n).sqrt()
+
+
+def _clean(x: Tensor) -> Tensor:
+    """Evicted rows are NaN-poisoned; derived signals treat them as 0 (they are masked anyway)."""
+    return torch.nan_to_num(x.float(), nan=0.0)

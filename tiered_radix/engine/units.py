@@ -1,0 +1,95 @@
+"""Token <-> unit mapping for window, token and channel granularity, and protected masks.
+
+Units are positional and identical for every KV head of a layer (each head has its own tier per
+unit). With ``window(size=W)`` unit ``u`` holds tokens ``[u*W, (u+1)*W)``; ``token`` is ``W = 1``;
+``channel`` units are the ``d`` K channels (RDKV's K side). A trailing window with fewer than ``W``
+tokens is *partial*: it stays at full precision (zone C, like freshly appended tokens) until it
+fills up, because a K channel group needs ``W`` tokens.
+
+A unit is *protected* (always full precision, paid before anything else) when any of its tokens
+is one of the first ``sinks`` or the last ``recent`` tokens, or when it is partial.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tiered_radix.policy.model import Granularity, Protect
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """How one part (K or V) of a layer is cut into units."""
+
+    kind: str  # "window" | "token" | "channel"
+    size: int  # tokens per unit (1 for token; unused for channel)
+    head_dim: int
+
+    @classmethod
+    def of(cls, g: Granularity, head_dim: int) -> UnitLayout:
+        return cls(g.kind, g.size if g.kind == "window" else 1, head_dim)
+
+    @property
+    def over_tokens(self) -> bool:
+        return self.kind != "channel"
+
+    def n_units(self, n_tokens: int) -> int:
+        """Units covering ``n_tokens`` tokens (the partial trailing window included)."""
+        return self.head_dim if self.kind == "channel" else -(-n_tokens // self.size)
+
+    def n_complete(self, n_tokens: int) -> int:
+        return n_tokens // self.size
+
+    def aggregate(self, x: Tensor, how: str = "sum") -> Tensor:
+        """Per-token ``[H, T]`` -> per-unit ``[H, U]`` by ``sum``, ``mean`` or ``max`` over each
+        unit's tokens (a partial window aggregates the tokens it has)."""
+        assert self.over_tokens, "channel units have no tokens to aggregate"
+        w, (h, t) = self.size, x.shape
+        if w == 1:
+            return x
+        u = self.n_units(t)
+        fill = -torch.inf if how == "max" else 0.0
+        xw = F.pad(x, (0, u * w - t), value=fill).reshape(h, u, w)
+        if how == "sum":
+            return xw.sum(-1)
+        if how == "max":
+            return xw.amax(-1)
+        count = torch.full((u,), float(w), device=x.device)
+        count[-1] = t - (u - 1) * w
+        return xw.sum(-1) / count
+
+    def expand(self, x: Tensor, n_tokens: int) -> Tensor:
+        """Per-unit ``[..., U]`` -> per-token ``[..., T]`` (each token takes its unit's value)."""
+        assert self.over_tokens
+        return x.repeat_interleave(self.size, dim=-1)[..., :n_tokens]
+
+    def first_token(self, n_tokens: int, device=None) -> Tensor:
+        """int64 ``[U]``: the first token position of each unit."""
+        return torch.arange(self.n_units(n_tokens), device=device) * self.size
+
+    def last_token(self, n_tokens: int, device=None) -> Tensor:
+        """int64 ``[U]``: the last token position of each unit."""
+        return (self.first_token(n_tokens, device) + self.size - 1).clamp(max=n_tokens - 1)
+
+    def protected(self, n_tokens: int, protect: Protect, device=None) -> Tensor:
+        """bool ``[U]``: units that must stay at full precision (see the module docstring)."""
+        if not self.over_tokens:
+            return torch.zeros(self.head_dim, dtype=torch.bool, device=device)
+        first, last = self.first_token(n_tokens, device), self.last_token(n_tokens, device)
+        sink = first < protect.sinks
+        recent = last >= n_tokens - protect.recent
+        partial = (last - first + 1) < self.size
+        return sink | recent | partial
+
+    def token_mask(self, unit_mask: Tensor, n_tokens: int) -> Tensor:
+        """bool ``[..., U]`` -> ``[..., T]``."""
+        return self.expand(unit_mask, n_tokens)
+
+    def rows(self, x: Tensor, n_units: int) -> Tensor:
+        """Token rows ``[H, >=U*W, d]`` -> unit blocks ``[H, U, W, d]`` (complete units only)."""
+        h, _, d = x.shape
+        return x[:, : n_units * self.size].reshape(h, n_units, self.size, d)
