@@ -1,0 +1,168 @@
+"""TriZone decode kernel vs its torch twin and vs dense float64 attention over the dequantized
+cache (rebuilt here from the dense K/V and the plan, independently of the byte layout)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+if not CUDA:  # must precede the import of any @triton.jit module
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="Triton is not installed")
+if not CUDA and os.environ["TRITON_INTERPRET"] != "1":
+    pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
+
+from tiered_radix.kernels import decode  # noqa: E402
+from tiered_radix.kernels.layout import TierPlan, build_trizone  # noqa: E402
+
+from tiered_radix.engine import codecs  # noqa: E402
+from tiered_radix.engine.attention_ref import decode_attention_ref  # noqa: E402
+
+
+def dense_reference(q, k, v, plan, page, v_group, unit_tokens, max_units):
+    """float64 attention and mass over the cache as the plan stores it (pages rebuilt here)."""
+    bsz, hq, d = q.shape
+    hkv = k[0].shape[1]
+    grp = hq // hkv
+    out = torch.zeros(bsz, hq, d, dtype=torch.float64)
+    mass = torch.zeros(bsz, max_units, dtype=torch.float64)
+    for r in range(bsz):
+        t_r = k[r].shape[0]
+        fresh = plan.fresh[r] if plan.fresh else 0
+        for h in range(hkv):
+            bits = plan.v_bits[r][h].clone().cpu()
+            bits[t_r - fresh :] = 16
+            kb = None if plan.k_bits is None else plan.k_bits[r][h].cpu()
+            kk, vv, pos = [], [], []
+            for b in (2, 4, 8, 16):
+                tp = torch.nonzero(bits == b).flatten()
+                if b == 16 and (kb is None or fresh):
+                    full = tp if kb is None else tp[tp >= t_r - fresh]
+                    kk.append(k[r][full, h].double().cpu())
+                    vv.append(v[r][full, h].double().cpu())
+                    pos.append(full)
+                    tp = tp[tp < t_r - fresh] if kb is not None else tp[:0]
+                for i in range(0, len(tp), page):
+                    idx = tp[i : i + page]
+                    pad = torch.cat([idx, idx[-1:].expand(page - len(idx))])
+                    kp = k[r][pad, h].cpu().T  # [d, P]
+                    kq = torch.zeros(d, page, dtype=torch.float64)
+                    for c in range(d):
+                        cb = b if kb is None else int(kb[c])
+                        if cb == 16:
+                            kq[c] = kp[c].double()
+                        elif cb:
+                            kq[c] = codecs.dequantize(codecs.quantize(kp[c], cb, page)).double()
+                    vp = v[r][pad, h].cpu()
+                    vq = (
+                        vp.double()
+                        if b == 16
+                        else codecs.dequantize(codecs.quantize(vp, b, v_group))
+                    )
+                    kk.append(kq.T[: len(idx)])
+                    vv.append(vq.double()[: len(idx)])
+                    pos.append(idx)
+            kk, vv, pos = torch.cat(kk), torch.cat(vv), torch.cat(pos)
+            qg = q[r, h * grp : (h + 1) * grp].double().cpu()
+            p = torch.softmax(qg @ kk.T / d**0.5, -1)
+            out[r, h * grp : (h + 1) * grp] = p @ vv
+            mass[r].index_add_(0, pos // unit_tokens, p.sum(0))
+    return out, mass
+
+
+def make_case(seed, lens, hkv, grp, d, dtype, bits, k_bits=None, fresh=None, unit_tokens=1):
+    g = torch.Generator().manual_seed(seed)
+    k = [torch.randn(t, hkv, d, generator=g).to(dtype).to(DEV) for t in lens]
+    v = [torch.randn(t, hkv, d, generator=g).to(dtype).to(DEV) for t in lens]
+    choice = torch.tensor(bits)
+    vb = [choice[torch.randint(0, len(bits), (hkv, t), generator=g)] for t in lens]
+    kb = None
+    if k_bits is not None:
+        kc = torch.tensor(k_bits)
+        kb = [kc[torch.randint(0, len(k_bits), (hkv, d), generator=g)] for _ in lens]
+    q = torch.randn(len(lens), hkv * grp, d, generator=g).to(dtype).to(DEV)
+    return q, k, v, TierPlan(vb, kb, fresh)
+
+
+CASES = [  # lens, hkv, grp, d, dtype, v bits, k bits, fresh, unit_tokens, page, splits
+    ([40, 23], 2, 1, 64, torch.float16, [16], None, None, 1, 16, 2),
+    ([48], 1, 4, 128, torch.bfloat16, [2, 0], None, [0], 16, 16, 2),
+    ([37, 50], 2, 7, 64, torch.float16, [0, 2, 4, 8, 16], None, [3, 1], 4, 16, 3),
+    ([30, 41], 1, 4, 64, torch.bfloat16, [0, 2, 4, 8, 16], [0, 2, 4, 8, 16], [2, 0], 1, 16, 2),
+    ([33], 2, 7, 64, torch.float16, [2, 4, 8, 16], [2, 16], [1], 8, 32, 1),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_decode_matches_twin_and_dense(case):
+    lens, hkv, grp, d, dt, bits, kbits, fresh, unit, page, splits = CASES[case]
+    q, k, v, tp = make_case(case, lens, hkv, grp, d, dt, bits, kbits, fresh, unit)
+    lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=unit)
+    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits)
+    out = torch.full_like(q, float("nan"))
+    mass = torch.zeros(len(lens), lay.max_units, device=DEV)
+    decode.run(q, lay, p, out=out, mass=mass)
+    ro, rm = decode_attention_ref(q, lay)
+    do, dm = dense_reference(q, k, v, tp, page, 32, unit, lay.max_units)
+    tol = 2e-2 if dt == torch.bfloat16 else 4e-3
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.float(), ro, atol=tol, rtol=tol)
+    torch.testing.assert_close(ro.double().cpu(), do, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mass.double().cpu(), dm, atol=5e-3, rtol=1e-2)
+    torch.testing.assert_close(rm.double().cpu(), dm, atol=1e-5, rtol=1e-5)
+    sums = mass.sum(1).cpu()
+    torch.testing.assert_close(sums, torch.full_like(sums, hkv * grp), atol=1e-3, rtol=1e-4)
+    assert ro.abs().max() > 0.05  # random data, never all zeros
+
+
+def test_side_output_off_and_accumulates():
+    q, k, v, tp = make_case(7, [40], 1, 4, 64, torch.float16, [2, 16], None, [2], 1)
+    lay = build_trizone(k, v, tp, page_size=16)
+    off = decode.run(q, lay, decode.plan(lay, num_q_heads=4, num_splits=2))
+    p = decode.plan(lay, num_q_heads=4, side_output=True, num_splits=2)
+    mass = torch.ones(1, lay.max_units, device=DEV)
+    on = decode.run(q, lay, p, mass=mass)
+    torch.testing.assert_close(on, off)
+    _, rm = decode_attention_ref(q, lay)
+    torch.testing.assert_close(mass.cpu() - 1, rm.cpu(), atol=2e-3, rtol=1e-2)
+
+
+def test_input_errors():
+    q, k, v, tp = make_case(3, [20], 2, 1, 64, torch.float16, [16], None, None, 1)
+    lay = build_trizone(k, v, tp, page_size=16)
+    p = decode.plan(lay, num_q_heads=2)
+    with pytest.raises(decode.DecodeInputError, match="q must be"):
+        decode.run(q[:, :1], lay, p)
+    with pytest.raises(decode.DecodeInputError, match="side_output=False"):
+        decode.run(q, lay, p, mass=torch.zeros(1, 20, device=DEV))
+    with pytest.raises(decode.DecodeInputError, match="multiple"):
+        decode.plan(lay, num_q_heads=3)
+    with pytest.raises(ValueError, match="v_bits"):
+        build_trizone(k, v, TierPlan([torch.full((1, 20), 3)]))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("grp,d", [(4, 128), (7, 64)])
+def test_cuda_full_size_and_graph(grp, d):
+    hkv, lens = 2, [4096, 1500, 3000]
+    q, k, v, tp = make_case(11, lens, hkv, grp, d, torch.bfloat16, [0, 2, 4, 16], None, [5] * 3)
+    lay = build_trizone(k, v, tp, page_size=32, unit_tokens=32)
+    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True)
+    out = torch.full_like(q, float("nan"))
+    mass = torch.zeros(len(lens), lay.max_units, device=DEV)
+    decode.run(q, lay, p, out=out, mass=mass)
+    ro, rm = decode_attention_ref(q, lay)
+    torch.testing.assert_close(out.float(), ro, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(mass, rm, atol=2e-3, rtol=1e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode.run(q, lay, p, out=out, mass=mass)
+    mass.zero_()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.testing.assert_close(out.float(), ro, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(mass, rm, atol=2e-3, rtol=1e-2)
