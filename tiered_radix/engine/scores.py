@@ -49,7 +49,7 @@ _WINDOW = {"sum_window": "sum", "mean_window": "mean", "max_window": "max"}
 class _Ctx:
     def __init__(self, layer: int, cache: CacheState, layout: UnitLayout, token_level: bool):
         self.layer, self.cache, self.layout, self.token_level = layer, cache, layout, token_level
-        self.device = cache.k.device
+        self.device = cache.device
 
     def at_tokens(self) -> _Ctx:
         if not self.layout.over_tokens:
@@ -79,13 +79,13 @@ class ScoreEvaluator:
     def update(self, layer: int, signals: Signals, *, cache: CacheState | None = None) -> None:
         """Record ``signals`` as the layer's latest and advance every ``cumulative``."""
         cache = self._cache(layer, cache)
-        signals.check(self.n_heads, cache.n_tokens, cache.k.shape[-1])
+        signals.check(self.n_heads, cache.n_tokens, cache.head_dim)
         for name in OBSERVED:
             if getattr(signals, name) is not None:
                 self._observed[layer][name] = getattr(signals, name).float()
         for node in self._cumulative:
             channel = self._uses(node.args[0], CHANNEL)
-            layout = UnitLayout("channel" if channel else "token", 1, cache.k.shape[-1])
+            layout = UnitLayout("channel" if channel else "token", 1, cache.head_dim)
             if any(getattr(signals, n) is None and self._uses(node.args[0], (n,))
                    for n in OBSERVED):
                 continue  # accumulate only what this step observed
@@ -132,7 +132,7 @@ class ScoreEvaluator:
     def _name(self, name: str, c: _Ctx) -> Tensor:
         cache, lay, t = c.cache, c.layout, c.cache.n_tokens
         if name == "head_dim":
-            return torch.tensor(float(cache.k.shape[-1]), device=c.device)
+            return torch.tensor(float(cache.head_dim), device=c.device)
         if name == "seq_len":
             return torch.tensor(float(t), device=c.device)
         if not lay.over_tokens:
@@ -168,7 +168,8 @@ class ScoreEvaluator:
         if fn == "cumulative":
             state = self._state[c.layer].get(e)
             if state is None:
-                state = torch.zeros(self.n_heads, c.cache.n_tokens, device=c.device)
+                n = c.cache.n_tokens if c.layout.over_tokens else c.cache.head_dim
+                state = torch.zeros(self.n_heads, n, device=c.device)
             if c.layout.over_tokens:
                 state = pad_tokens(state, c.cache.n_tokens)
                 return state if c.token_level else c.layout.aggregate(state)

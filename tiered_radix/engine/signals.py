@@ -55,21 +55,40 @@ def pad_tokens(x: Tensor, n_tokens: int, fill: float = 0.0) -> Tensor:
     return torch.nn.functional.pad(x, (0, n_tokens - x.shape[1]), value=fill)
 
 
-@dataclass(frozen=True)
 class CacheState:
     """What the engine reads from its own cache to derive signals, for one layer.
 
     k, v: float32 ``[H, T, d]`` the attended view (quantized units dequantized; evicted rows
-    may hold anything); kept: bool ``[H, T]`` (False for evicted tokens).
+    may hold anything); kept: bool ``[H, T]`` (False for evicted tokens). Give the tensors, or
+    ``load() -> (k, v, kept)`` with ``n_tokens``/``head_dim``/``device`` to build them only when
+    a policy reads a cache-derived signal.
     """
 
-    k: Tensor
-    v: Tensor
-    kept: Tensor
+    def __init__(self, k: Tensor | None = None, v: Tensor | None = None,
+                 kept: Tensor | None = None, *, load=None, n_tokens: int | None = None,
+                 head_dim: int | None = None, device=None) -> None:
+        self._kvm = None if k is None else (k, v, kept)
+        self._load = load
+        self.n_tokens = k.shape[1] if k is not None else n_tokens
+        self.head_dim = k.shape[2] if k is not None else head_dim
+        self.device = k.device if k is not None else torch.device(device)
+
+    def _get(self) -> tuple[Tensor, Tensor, Tensor]:
+        if self._kvm is None:
+            self._kvm = self._load()
+        return self._kvm
 
     @property
-    def n_tokens(self) -> int:
-        return self.k.shape[1]
+    def k(self) -> Tensor:
+        return self._get()[0]
+
+    @property
+    def v(self) -> Tensor:
+        return self._get()[1]
+
+    @property
+    def kept(self) -> Tensor:
+        return self._get()[2]
 
     def key_norm(self) -> Tensor:
         """``[H, T]``: ``||k_t||``, 0 for evicted tokens."""

@@ -1,0 +1,155 @@
+"""From a policy to new tiers: budgets, spread, per-unit costs, rules, allocator calls.
+
+Budget (bytes, at routing time): ``fraction`` of the full-precision bytes of every token cached
+so far (2 bytes per element, K and V), absolute ``bytes``, or ``tokens`` x the full bytes of one
+token over all layers and heads.
+
+Paid first: *forced-full* units (protected sinks/recent, the partial trailing window, units a
+``keep``/``promote`` rule holds) with any ledger copies they keep. The rest of the budget is
+spread over (layer, KV head): ``uniform``; ``pyramid(ratio)`` (layer 0 gets ``ratio`` x the last
+layer's share, linear in between, each layer's share split evenly over its heads);
+``proportional(expr)`` (share proportional to the (layer, head) sum of ``expr`` over its units,
+negative values count 0, uniform if the total is not positive). Each head's allocation spends at
+most its share, so ``bytes_used <= budget`` after routing unless the forced units alone exceed the
+budget, or no tier is cheap enough (no evict tier): then every routable unit gets its cheapest
+option and the step is flagged ``over_budget`` (never silently).
+
+Rules, in file order (a later rule wins on the same unit): ``evict`` forces evicted, ``keep`` and
+``promote`` force the full tier, ``demote`` caps at the first quantized tier. Protected units are
+always full; evicted units stay evicted (their data is gone).
+
+Allocation sees forced units at cost 0 and overrides their tiers afterwards, so the allocator's
+budget is exactly the routable share. Unit costs per tier (``cost[h, u, j]``) come from the codec:
+full rows ``2 * 2 * W * d``, a quantized copy ``unit_nbytes``, evicted 0; with a write-once ledger
+every copy the unit keeps is added (moving into a tier whose copy exists adds nothing new).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tiered_radix.policy.model import Budget, Evict, Keep, Policy, Quantize, Spread, Tier
+
+
+class EngineConfigError(ValueError):
+    """The policy asks for a layout the engine cannot store (e.g. a group that does not divide
+    the window); the message says what to change."""
+
+
+@dataclass(frozen=True)
+class TierSet:
+    """The engine's tiers: the policy's, with an implicit ``full`` tier first when the policy
+    has no ``keep`` tier (protected units need one). Index 0 is always full precision."""
+
+    tiers: tuple[Tier, ...]
+    offset: int  # engine index = policy index + offset
+
+    @classmethod
+    def of(cls, policy: Policy) -> TierSet:
+        keeps = [i for i, t in enumerate(policy.tiers) if isinstance(t.action, Keep)]
+        if keeps and keeps != [0]:
+            raise EngineConfigError("the keep(...) tier must be the first (best) tier, and only "
+                                    "one; list tiers best first: keep, quantize..., evict")
+        if keeps:
+            return cls(policy.tiers, 0)
+        return cls((Tier("full", Keep()), *policy.tiers), 1)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tiers)
+
+    @property
+    def evict(self) -> int | None:
+        return len(self.tiers) - 1 if isinstance(self.tiers[-1].action, Evict) else None
+
+    @property
+    def quantized(self) -> list[int]:
+        return [i for i, t in enumerate(self.tiers) if isinstance(t.action, Quantize)]
+
+    @property
+    def first_quantized(self) -> int | None:
+        q = self.quantized
+        return q[0] if q else None
+
+
+def full_token_bytes(n_heads: int, head_dim: int) -> int:
+    """Bytes of one token's K and V rows at full precision in one layer."""
+    return 2 * 2 * n_heads * head_dim
+
+
+def total_budget(budget: Budget, tokens_per_layer: list[int], n_heads: int,
+                 head_dim: int) -> int:
+    full = sum(tokens_per_layer) * full_token_bytes(n_heads, head_dim)
+    if budget.kind == "fraction":
+        return int(budget.value * full)
+    if budget.kind == "bytes":
+        return int(budget.value)
+    return int(budget.value) * len(tokens_per_layer) * full_token_bytes(n_heads, head_dim)
+
+
+def spread_shares(spread: Spread, n_layers: int, n_heads: int,
+                  totals: Tensor | None = None) -> Tensor:
+    """float64 ``[L, H]`` shares summing to 1. ``totals[L, H]`` for ``proportional``."""
+    if spread.kind == "proportional":
+        assert totals is not None
+        t = torch.nan_to_num(totals.double().cpu(), nan=0.0, posinf=0.0).clamp(min=0)
+        if float(t.sum()) > 0:
+            return t / t.sum()
+    w = torch.ones(n_layers, dtype=torch.float64)
+    if spread.kind == "pyramid" and n_layers > 1:
+        w = spread.ratio + (1 - spread.ratio) * torch.arange(n_layers) / (n_layers - 1)
+        w = w.double()
+    w = (w / w.sum())[:, None].expand(n_layers, n_heads)
+    return w / n_heads
+
+
+def coupled_costs(tiers: TierSet, unit_bytes: list[int], held: Tensor | None) -> Tensor:
+    """float64 ``[H, U, n_tiers]``. ``unit_bytes[j]``: bytes of one unit at tier ``j``;
+    ``held[j, H, U]`` (bool, write-once ledger only): the unit keeps a copy at tier ``j``."""
+    base = torch.tensor(unit_bytes, dtype=torch.float64)
+    if held is None:
+        return base
+    base = base.to(held.device)
+    has = torch.zeros(len(unit_bytes), *held.shape[1:], dtype=torch.float64, device=held.device)
+    has[tiers.quantized] = held.double()
+    kept = (has * base[:, None, None]).sum(0)  # bytes of the copies a unit keeps
+    cost = base[:, None, None] + kept - has * base[:, None, None]
+    if tiers.evict is not None:
+        cost[tiers.evict] = 0.0
+    return cost.permute(1, 2, 0)
+
+
+@dataclass
+class Constraints:
+    """Per-unit constraints of one layer, bool ``[H, U]`` each."""
+
+    full: Tensor  # forced to tier 0
+    evict: Tensor  # forced evicted (or to the cheapest tier when there is no evict tier)
+    cap: Tensor  # at most the first quantized tier
+
+    def apply(self, tier: Tensor, tiers: TierSet, cheapest: Tensor) -> Tensor:
+        """Override allocated ``tier[H, U]`` (engine indices); ``cheapest[H, U]`` for evictions
+        in a policy without an evict tier."""
+        q = tiers.first_quantized
+        if q is not None:
+            tier = torch.where(self.cap, tier.clamp(min=q), tier)
+        tier = torch.where(self.evict, cheapest, tier)
+        return torch.where(self.full, 0, tier)
+
+
+def rank_heads(score: Tensor, cost: Tensor, budget: list[float], *, shares, previous: Tensor,
+               hysteresis: float) -> Tensor:
+    """Rank allocation for every head of one layer: ``score[H, U]``, ``cost[H, U, J]`` (policy
+    tiers), ``previous[H, U]`` (policy tier index, -1 for units never routed). Returns int64
+    ``[H, U]`` policy tier indices."""
+    from .allocate_rank import rank_allocate
+
+    out = []
+    for h in range(score.shape[0]):
+        prev = previous[h]
+        out.append(rank_allocate(score[h], cost[h], budget[h], shares=shares,
+                                 previous=prev, hysteresis=hysteresis).long())
+    return torch.stack(out)
