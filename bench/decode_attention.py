@@ -1,0 +1,282 @@
+"""Benchmark: TriZone decode attention vs FlashInfer (bf16, fp8) and SGLang's Triton decode.
+
+    PYTHONPATH=/tmp/site python bench/decode_attention.py [--quick] [--out bench/results]
+    TRITON_INTERPRET=1 python bench/decode_attention.py --device cpu --tiny   # smoke test
+
+Measures the device-to-device copy bandwidth first, then per (shape family, context, batch):
+every peer (errors recorded, never fatal) and ours at tier mixes: ``full`` (100%: all rows full
+precision), ``qevict@B`` (32-token windows; half the byte budget B on full windows, the rest on
+INT2 windows, others evicted) and ``rdkv@B`` (V per token at 2/4/8/16 bits, K channels at mixed
+bits). Bytes are those the kernel loads (layout.bytes_kv + q + partials); fraction = bytes /
+time / copy bandwidth. Writes OUT/decode_attention.json and OUT/decode_attention.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+try:  # an uninstalled checkout: map kernels/ to tiered_radix.kernels as pyproject.toml does
+    import tiered_radix.kernels  # noqa: F401
+except ImportError:
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "tiered_radix.kernels",
+        ROOT / "kernels" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "kernels")],
+    )
+    sys.modules["tiered_radix.kernels"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["tiered_radix.kernels"])
+
+FAMILIES = {"llama3-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}
+FULL = [(4096, 1), (4096, 32), (32768, 1), (32768, 8), (131072, 1), (131072, 8)]
+QUICK = [(32768, 1), (131072, 8)]
+TINY = [(96, 2)]
+BUDGETS = (0.05, 0.10, 0.20)
+V_DIST = {16: 0.1, 8: 0.2, 4: 0.3, 2: 0.4}  # rdkv: share of kept tokens / K channels per width
+
+
+def timeit(fn, dev) -> float:
+    """Median milliseconds (triton do_bench on CUDA; a few wall-clock runs on CPU)."""
+    if dev == "cuda":
+        import triton
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    fn()
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def copy_bandwidth(dev) -> float:
+    n = (1 << 30) if dev == "cuda" else (1 << 20)
+    a, b = (
+        torch.empty(n, dtype=torch.uint8, device=dev),
+        torch.empty(n, dtype=torch.uint8, device=dev),
+    )
+    ms = timeit(lambda: b.copy_(a), dev)
+    return 2 * n / (ms * 1e-3)
+
+
+def tier_plan(kind, budget, ctx, batch, hkv, d, gen):
+    from tiered_radix.kernels.layout import TierPlan
+
+    fresh = [16] * batch
+    if kind == "full":
+        return TierPlan([torch.full((hkv, ctx), 16)] * batch, None, fresh)
+    if kind == "qevict":
+        w = ctx // 32
+        int2_cost = (2 * d * 32 * 2 // 8 + 4 * d + 4 * 32 * d // 32) / (4 * d * 32)
+        n_full, n_int2 = int(0.5 * budget * w), int(0.5 * budget * w / int2_cost)
+        bits = []
+        for _ in range(batch):
+            rank = torch.rand(hkv, w, generator=gen).argsort(1).argsort(1)
+            win = torch.where(rank < n_full, 16, torch.where(rank < n_full + n_int2, 2, 0))
+            bits.append(win.repeat_interleave(32, 1))
+        return TierPlan(bits, None, fresh)
+    widths, probs = torch.tensor(list(V_DIST)), torch.tensor(list(V_DIST.values()))
+    mean_bits = float((widths * probs).sum())
+    per_tok = (2 * d * mean_bits / 8 + 8 * d / 32) / (4 * d)  # K + V codes and metadata
+    keep = min(1.0, budget / per_tok)
+    vb, kb = [], []
+    for _ in range(batch):
+        w = widths[torch.multinomial(probs, hkv * ctx, True, generator=gen)].reshape(hkv, ctx)
+        vb.append(torch.where(torch.rand(hkv, ctx, generator=gen) < keep, w, 0))
+        kb.append(widths[torch.multinomial(probs, hkv * d, True, generator=gen)].reshape(hkv, d))
+    return TierPlan(vb, kb, fresh)
+
+
+def ours(q, k, v, kind, budget, dev, side, gen):
+    from tiered_radix.kernels import decode
+    from tiered_radix.kernels.layout import build_trizone
+
+    batch, hq, d = q.shape
+    hkv = k[0].shape[1]
+    tp = tier_plan(kind, budget, k[0].shape[0], batch, hkv, d, gen)
+    lay = build_trizone(k, v, tp, page_size=32, v_group=32, unit_tokens=32)
+    p = decode.plan(lay, num_q_heads=hq, side_output=side)
+    mass = torch.zeros(batch, lay.max_units, device=dev) if side else None
+    out = torch.empty_like(q)
+    ms = timeit(lambda: decode.run(q, lay, p, out=out, mass=mass), dev)
+    extra = q.numel() * 4 + p.part_acc.numel() * 8 + p.part_ml.numel() * 8
+    if side:
+        extra += lay.bytes_side + 2 * p.score.numel() * 4
+    full_bytes = sum(x.numel() for x in k) * 4
+    return (
+        ms,
+        lay.bytes_kv + extra,
+        {"splits": p.num_splits, "budget_actual": lay.bytes_kv / full_bytes},
+    )
+
+
+def flashinfer_peer(q, kf, vf, fp8, dev):
+    import flashinfer
+
+    batch, hq, d = q.shape
+    ctx, hkv = kf.shape[1], kf.shape[2]
+    page = 16
+    npg = ctx // page
+    kc = kf.reshape(batch * npg, page, hkv, d)
+    vc = vf.reshape(batch * npg, page, hkv, d)
+    if fp8:
+        kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    indptr = torch.arange(batch + 1, device=dev, dtype=torch.int32) * npg
+    indices = torch.arange(batch * npg, device=dev, dtype=torch.int32)
+    last = torch.full((batch,), page, device=dev, dtype=torch.int32)
+    tc = hq // hkv not in (1, 2, 4, 8)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tc)
+    w.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=q.dtype, kv_data_type=kc.dtype)
+    ms = timeit(lambda: w.run(q, (kc, vc)), dev)
+    return ms, kc.numel() * kc.element_size() * 2, {"use_tensor_cores": tc}
+
+
+def sglang_peer(q, kf, vf, splits, dev):
+    from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+
+    batch, hq, d = q.shape
+    ctx, hkv = kf.shape[1], kf.shape[2]
+    kb, vb = kf.reshape(batch * ctx, hkv, d), vf.reshape(batch * ctx, hkv, d)
+    o = torch.empty_like(q)
+    args = dict(
+        q=q, k_buffer=kb, v_buffer=vb, o=o,
+        kv_indptr=torch.arange(batch + 1, device=dev, dtype=torch.int32) * ctx,
+        kv_indices=torch.arange(batch * ctx, device=dev, dtype=torch.int32),
+        attn_logits=torch.empty(batch, hq, splits, d, device=dev),
+        attn_lse=torch.empty(batch, hq, splits, device=dev),
+        num_kv_splits=torch.full((batch,), splits, device=dev, dtype=torch.int32),
+        max_kv_splits=splits, sm_scale=d**-0.5,
+    )  # fmt: skip
+    names = inspect.signature(decode_attention_fwd).parameters
+    kw = {k: a for k, a in args.items() if k in names}
+    ms = timeit(lambda: decode_attention_fwd(**kw), dev)
+    return ms, kb.numel() * 4, {"splits": splits}
+
+
+def run_config(fam, ctx, batch, dev, bw, quick, gen):
+    hq, hkv, d = FAMILIES[fam]
+    dt = torch.bfloat16
+    q = torch.randn(batch, hq, d, device=dev, dtype=dt)
+    kf = torch.randn(batch, ctx, hkv, d, device=dev, dtype=dt)
+    vf = torch.randn(batch, ctx, hkv, d, device=dev, dtype=dt)
+    rows = []
+
+    def record(name, fn):
+        try:
+            ms, nbytes, info = fn()
+            rows.append(dict(family=fam, ctx=ctx, batch=batch, impl=name, ms=ms, bytes=nbytes,
+                             frac_copy_bw=nbytes / (ms * 1e-3) / bw, **info))  # fmt: skip
+        except Exception as e:  # a missing or failing peer is recorded, not fatal
+            rows.append(dict(family=fam, ctx=ctx, batch=batch, impl=name, error=repr(e)[:300]))
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+
+    if dev == "cuda":
+        record("flashinfer_bf16", lambda: flashinfer_peer(q, kf, vf, False, dev))
+        record("flashinfer_fp8", lambda: flashinfer_peer(q, kf, vf, True, dev))
+        for s in (16, 64):
+            record(f"sglang_triton_s{s}", lambda s=s: sglang_peer(q, kf, vf, s, dev))
+    k, v = list(kf.unbind(0)), list(vf.unbind(0))
+    mixes = [("full", 1.0)] + [(kd, b) for kd in ("qevict", "rdkv") for b in BUDGETS]
+    if quick:
+        mixes = [("full", 1.0), ("qevict", 0.10), ("rdkv", 0.10)]
+    for kind, b in mixes:
+        name = kind if kind == "full" else f"{kind}@{int(b * 100)}%"
+        record(f"ours_{name}", lambda kind=kind, b=b: ours(q, k, v, kind, b, dev, False, gen))
+    record("ours_full+mass", lambda: ours(q, k, v, "full", 1.0, dev, True, gen))
+    record("ours_qevict@10%+mass", lambda: ours(q, k, v, "qevict", 0.1, dev, True, gen))
+    base = next((r["ms"] for r in rows if r["impl"] == "flashinfer_bf16" and "ms" in r), None)
+    for r in rows:
+        if base and "ms" in r:
+            r["speedup_vs_flashinfer_bf16"] = base / r["ms"]
+    return rows
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("triton", "flashinfer", "sglang"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:
+            out[mod] = f"unavailable: {e!r}"[:120]
+    return out
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fams = sorted({r["family"] for r in rows})
+    fig, axes = plt.subplots(1, len(fams), figsize=(8 * len(fams), 5), squeeze=False)
+    for ax, fam in zip(axes[0], fams, strict=True):
+        sub = [r for r in rows if r["family"] == fam and "ms" in r]
+        cfgs = sorted({(r["ctx"], r["batch"]) for r in sub})
+        for impl in sorted({r["impl"] for r in sub}):
+            ys = [next((r["ms"] for r in sub if r["impl"] == impl and (r["ctx"], r["batch"]) == c),
+                       float("nan")) for c in cfgs]  # fmt: skip
+            ax.plot(range(len(cfgs)), ys, marker="o", label=impl)
+        ax.set_xticks(range(len(cfgs)), [f"{c // 1024}K x{b}" for c, b in cfgs], rotation=30)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms (median)")
+        ax.set_title(fam)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--quick", action="store_true", help="~1 minute subset")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="interpreter-sized smoke test")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    args = ap.parse_args(argv)
+    dev = args.device
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--device cpu needs TRITON_INTERPRET=1 (set it before starting Python)")
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    bw = copy_bandwidth(dev)
+    grid = TINY if args.tiny else QUICK if args.quick else FULL
+    rows = []
+    for fam in args.families.split(","):
+        for ctx, batch in grid:
+            if args.quick and fam != "llama3-8b" and (ctx, batch) != (32768, 1):
+                continue
+            rows += run_config(fam, ctx, batch, dev, bw, args.quick or args.tiny, gen)
+            print(f"done {fam} ctx={ctx} batch={batch}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
+    meta = {"command": " ".join(sys.argv), "gpu": gpu, "copy_bw_Bps": bw, "versions": versions()}
+    (out / "decode_attention.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    plot(rows, out / "decode_attention.png")
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {gpu}")
+    print(
+        f"{'family':13} {'ctx':>7} {'B':>3} {'impl':24} {'ms':>9} {'MB':>9} {'%bw':>6} {'xFI':>6}"
+    )
+    for r in rows:
+        if "ms" not in r:
+            print(f"{r['family']:13} {r['ctx']:7} {r['batch']:3} {r['impl']:24} {r['error'][:60]}")
+            continue
+        print(f"{r['family']:13} {r['ctx']:7} {r['batch']:3} {r['impl']:24} {r['ms']:9.4f} "
+              f"{r['bytes'] / 1e6:9.2f} {100 * r['frac_copy_bw']:6.1f} "
+              f"{r.get('speedup_vs_flashinfer_bf16', float('nan')):6.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
