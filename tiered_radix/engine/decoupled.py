@@ -1,0 +1,127 @@
+"""One layer of a decoupled (RDKV) policy: V per token, K per channel over the kept tokens.
+
+V tokens live in a V-only :class:`~tiered_radix.engine.coupled.CoupledLayer` (token units, the
+write-once ledger applies to them). K is held here:
+
+- ``k_full [H, capacity, d]``: full K rows of tokens outside the channel set (protected, fresh,
+  forced by a rule) and, for tokens in the set, the channels at 16 bits; NaN elsewhere.
+- ``in_set [H, T]``: tokens whose K is held per channel (routable tokens whose V was kept at
+  the last routing); ``tier [H, d]``: each channel's engine tier.
+- per quantized tier ``j``: codes of ``K^T [H, d, N]`` over the set's tokens in position order
+  (``index [H, N]``), groups of ``group`` tokens, the last group padded with the head's last
+  set token (an edge value: it changes neither min nor max). Only channels at tier ``j`` count.
+- a channel at 0 bits is dropped: its K reads as 0 for the set's tokens (RDKV's zeroed channel).
+
+K channel copies are not ledger entries: the set changes between routings, so each routing
+re-encodes K from what the layer holds (full rows, or the previous codes; a dropped channel stays
+0). Bytes per channel of a head with ``n`` set tokens: ``2 n`` at 16 bits,
+``quantized_nbytes(ceil(n / group) * group, bits, group)`` when quantized, 0 when dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import codecs
+from .routing import TierSet
+
+
+def channel_cost(n_set: Tensor, bits: list[int], group: int) -> Tensor:
+    """float64 ``[H, len(bits)]``: bytes of one channel over ``n_set[H]`` tokens per width."""
+    n = n_set.double()
+    padded = torch.ceil(n / group) * group
+    cols = [
+        torch.zeros_like(n) if b == 0 else 2 * n if b == 16 else padded * b / 8 + 4 * padded / group
+        for b in bits
+    ]
+    return torch.stack(cols, -1)
+
+
+class ChannelK:
+    def __init__(
+        self,
+        tiers: TierSet,
+        bits: list[int],
+        group: int,
+        n_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.tiers, self.bits, self.group = tiers, bits, group  # bits[j]: width of engine tier j
+        self.n_heads, self.head_dim, self.dtype, self.device = n_heads, head_dim, dtype, device
+        self.k_full = torch.empty(n_heads, 0, head_dim, dtype=dtype, device=device)
+        self.in_set = torch.zeros(n_heads, 0, dtype=torch.bool, device=device)
+        self.tier = torch.zeros(n_heads, head_dim, dtype=torch.long, device=device)
+        self.index = torch.zeros(n_heads, 0, dtype=torch.long, device=device)
+        self.n_set = torch.zeros(n_heads, dtype=torch.long, device=device)
+        self.codes: dict[int, codecs.QuantizedTensor] = {}
+
+    @property
+    def n_tokens(self) -> int:
+        return self.in_set.shape[1]
+
+    def append(self, k: Tensor) -> None:
+        t = self.n_tokens + k.shape[1]
+        if t > self.k_full.shape[1]:
+            pad = max(t, 2 * self.k_full.shape[1]) - self.k_full.shape[1]
+            self.k_full = torch.cat(
+                [self.k_full, self.k_full.new_full((self.n_heads, pad, self.head_dim), torch.nan)],
+                1,
+            )
+        self.k_full[:, self.n_tokens : t] = k.to(self.dtype)
+        self.in_set = torch.cat([self.in_set, self.in_set.new_zeros(self.n_heads, k.shape[1])], 1)
+
+    def view(self, kept: Tensor) -> Tensor:
+        """float32 ``[H, T, d]`` K as attention reads it; NaN where ``kept[H, T]`` is False."""
+        t = self.n_tokens
+        k = self.k_full[:, :t].float()
+        in_set = self.in_set
+        if self.index.shape[1]:
+            n, d = self.index.shape[1], self.head_dim
+            vals = torch.zeros(self.n_heads, n, d, device=self.device)  # dropped channels: 0
+            for j, q in self.codes.items():
+                on = (self.tier == j)[:, None, :]
+                vals = torch.where(on, codecs.dequantize(q)[..., :n].transpose(1, 2), vals)
+            valid = torch.arange(n, device=self.device) < self.n_set[:, None]
+            idx = torch.where(valid, self.index, t)[..., None].expand(-1, -1, d)
+            dense = torch.zeros(self.n_heads, t + 1, d, device=self.device)
+            dense = dense.scatter(1, idx, vals)[:, :t]
+            from_set = torch.where((self.tier == 0)[:, None, :], k, dense)
+            k = torch.where(in_set[..., None], from_set, k)
+        return torch.where(kept[..., None], k, torch.nan)
+
+    def apply(self, new_tier: Tensor, new_set: Tensor, kept: Tensor) -> None:
+        """Re-encode K for channel tiers ``new_tier[H, d]`` over ``new_set[H, T]``; tokens not
+        ``kept[H, T]`` are evicted (their rows poisoned)."""
+        cur = self.view(kept)  # what the layer holds now, before anything is freed
+        n_set = new_set.sum(1)
+        n = int(n_set.max()) if new_set.numel() else 0
+        padded = -(-n // self.group) * self.group
+        pos = torch.arange(self.n_tokens, device=self.device).expand(self.n_heads, -1)
+        order = torch.sort(torch.where(new_set, pos, self.n_tokens), dim=1).values[:, :padded]
+        slot = torch.arange(padded, device=self.device)
+        last = order.gather(1, (n_set - 1).clamp(min=0)[:, None])
+        index = torch.where(slot < n_set[:, None], order, last).clamp(max=self.n_tokens - 1)
+        self.codes = {}
+        if padded:
+            x = torch.nan_to_num(cur.gather(1, index[..., None].expand(-1, -1, self.head_dim)))
+            for j in self.tiers.quantized:
+                if bool((new_tier == j).any()):
+                    self.codes[j] = codecs.quantize(x.transpose(1, 2), self.bits[j], self.group)
+        self.index, self.n_set, self.tier, self.in_set = index[:, :n], n_set, new_tier, new_set
+        keep_row = kept & ~new_set
+        full_chan = new_set[..., None] & (new_tier == 0)[:, None, :]
+        rows = torch.where(keep_row[..., None] | full_chan, cur, torch.nan)
+        self.k_full[:, : self.n_tokens] = rows.to(self.dtype)
+
+    def nbytes_heads(self) -> Tensor:
+        """int64 ``[H]`` bytes of K: full rows outside the set plus the channel encodings."""
+        per = channel_cost(self.n_set, self.bits, self.group)  # [H, J]
+        chan = per.gather(1, self.tier).sum(1)
+        return chan.round().long()
+
+    def rows_bytes(self, kept: Tensor) -> Tensor:
+        """int64 ``[H]`` bytes of full K rows of kept tokens outside the set."""
+        return (kept & ~self.in_set).sum(1) * 2 * self.head_dim

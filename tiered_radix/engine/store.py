@@ -1,0 +1,236 @@
+"""``TierStore``: every layer's units, their tiers, and the routing step that moves them.
+
+Lifecycle per request: ``append`` the prompt's K/V per layer, ``observe`` the prefill signals,
+``after_prefill()``; then per decode step ``append`` one token, ``observe`` its attention, and
+``route`` when ``schedule_due(step)`` says so. Between routings new tokens stay at full precision
+(zone C); the budget is enforced at routing steps: right after ``route()``
+``bytes_used() <= budget_bytes()``, or the step's :class:`~tiered_radix.engine.events.StepEvents`
+has ``over_budget=True`` (forced content alone exceeded the budget; see ``routing``).
+
+Coupled policies keep one tier per (head, window|token) unit (:mod:`.coupled`); decoupled ones
+(RDKV: V per token, K per channel) keep V tokens like coupled token units and K in
+:mod:`.decoupled`. Transitions report V units (K channels are re-encoded at each routing).
+Tier maps are device tensors; ``plan()`` (scores -> tiers) is separate from ``apply()`` (moving
+data) so the bookkeeping can be timed alone (``bench/routing_step.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tiered_radix.policy.model import Budget, Policy, RateDistortion
+
+from .coupled import CoupledLayer
+from .decoupled import ChannelK
+from .events import EventLog, StepEvents, Transitions
+from .planner import Plan, plan_route
+from .routing import EngineConfigError, TierSet, total_budget
+from .scores import ScoreEvaluator
+from .signals import CacheState, Signals
+from .units import UnitLayout
+
+
+@dataclass
+class _Layer:
+    v: CoupledLayer  # K and V for coupled policies, V alone for decoupled ones
+    k: ChannelK | None = None
+
+
+class TierStore:
+    """The tier engine for one sequence. See the module docstring for the lifecycle.
+
+    Raises:
+        EngineConfigError: a layout the engine cannot store (group vs window, K units).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        n_layers: int,
+        n_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        max_tokens: int | None = None,
+        budget_override: Budget | None = None,
+    ) -> None:
+        self.policy, self.n_layers, self.n_heads, self.head_dim = (
+            policy,
+            n_layers,
+            n_heads,
+            head_dim,
+        )
+        self.device, self.dtype = torch.device(device), dtype
+        self.budget = budget_override or policy.budget
+        self.tier_set = TierSet.of(policy)
+        self.coupled = policy.coupled
+        self.layout = UnitLayout.of(policy.v, head_dim)
+        if not self.coupled and (policy.k.kind != "channel" or policy.v.kind != "token"):
+            raise EngineConfigError(
+                "separate K and V units are supported as RDKV's "
+                "`units: {k: channel, v: token}`; use one granularity "
+                "for both otherwise"
+            )
+        write_once = policy.ledger.write_once
+        parts = ("k", "v") if self.coupled else ("v",)
+        self.layers = [
+            _Layer(
+                CoupledLayer(
+                    self.tier_set,
+                    self.layout,
+                    n_heads,
+                    head_dim,
+                    dtype,
+                    self.device,
+                    write_once,
+                    parts,
+                )
+            )
+            for _ in range(n_layers)
+        ]
+        if not self.coupled:
+            a: RateDistortion = policy.allocate
+            bits = [0] * self.tier_set.offset + list(a.bits)
+            for layer in self.layers:
+                layer.k = ChannelK(
+                    self.tier_set, bits, a.group, n_heads, head_dim, dtype, self.device
+                )
+        self.scores = ScoreEvaluator(policy, n_layers, n_heads, cache=self._cache_state)
+        self.events = EventLog()
+        self.step = 0
+
+    # -- feeding -------------------------------------------------------------------------
+    def append(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Append tokens: ``k, v [H, t, d]`` (prefill or one decode token); they are full."""
+        want = (self.n_heads, k.shape[1], self.head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want:
+            raise ValueError(
+                f"append expects k, v of shape [H={self.n_heads}, t, "
+                f"d={self.head_dim}], got {list(k.shape)} and {list(v.shape)}"
+            )
+        k, v = k.to(self.device), v.to(self.device)
+        lay = self.layers[layer]
+        lay.v.append({"k": k, "v": v} if self.coupled else {"v": v})
+        if lay.k is not None:
+            lay.k.append(k)
+
+    def observe(self, layer: int, signals: Signals) -> None:
+        """Record one layer's signals and advance cumulative scores (once per step)."""
+        self.scores.update(layer, signals)
+
+    def schedule_due(self, decode_step: int) -> bool:
+        """After decode step ``decode_step`` (0-based): route every N steps (after steps N-1,
+        2N-1, ...) or when bytes reach the ``on_pressure`` fraction of the budget."""
+        s = self.policy.schedule
+        if s.every is not None and (decode_step + 1) % s.every == 0:
+            return True
+        return (
+            s.on_pressure is not None and self.bytes_used() >= s.on_pressure * self.budget_bytes()
+        )
+
+    def after_prefill(self) -> Transitions | None:
+        """Route once if the policy's schedule says ``after_prefill``; else None."""
+        return self.route("after_prefill") if self.policy.schedule.after_prefill else None
+
+    # -- routing -------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        """Scores -> new tiers for every layer (device tensors; nothing moves yet)."""
+        return plan_route(self)
+
+    def apply(self, plan: Plan, reason: str = "") -> Transitions:
+        """Move the data to ``plan``'s tiers; record and return the step's transitions."""
+        parts = []
+        ev = self.tier_set.evict
+        for li, (layer, new) in enumerate(zip(self.layers, plan.v, strict=True)):
+            old = layer.v.tier[:, : new.shape[1]].clone()
+            changed, wrote = layer.v.apply(new)
+            layer.v.routed_units = new.shape[1]
+            if layer.k is not None:
+                kept = new != (-1 if ev is None else ev)
+                layer.k.apply(plan.k[li], plan.k_set[li], kept)
+            h, u = changed.nonzero(as_tuple=True)
+            parts.append(
+                Transitions(
+                    self.tier_set.names,
+                    ev,
+                    torch.full_like(h, li),
+                    h,
+                    u,
+                    old[h, u],
+                    new[h, u],
+                    wrote[h, u],
+                )
+            )
+        cols = [
+            torch.cat([getattr(p, c) for p in parts]).cpu()
+            for c in ("layer", "head", "unit", "src", "dst", "ledger_write")
+        ]
+        out = Transitions(self.tier_set.names, ev, *cols)
+        used, budget = self.bytes_used(), self.budget_bytes()
+        self.events.record(
+            StepEvents(
+                self.step, reason, out, used, budget, over_budget=plan.over_budget or used > budget
+            )
+        )
+        self.step += 1
+        return out
+
+    def route(self, reason: str) -> Transitions:
+        """Run allocation for every layer and move units; returns the transitions."""
+        return self.apply(self.plan(), reason)
+
+    # -- reading -------------------------------------------------------------------------
+    def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """What attention reads: float32 ``k_hat, v_hat [H, T, d]`` (full rows, dequantized
+        copies, a dropped K channel as 0) and ``kept`` bool ``[H, T]``; evicted rows are NaN."""
+        lay = self.layers[layer]
+        rows, kept = lay.v.view()
+        k = rows["k"] if lay.k is None else lay.k.view(kept)
+        return k, rows["v"], kept
+
+    def _cache_state(self, layer: int) -> CacheState:
+        return CacheState(
+            load=lambda: self.view(layer),
+            n_tokens=self.layers[layer].v.n_tokens,
+            head_dim=self.head_dim,
+            device=self.device,
+        )
+
+    def n_tokens(self, layer: int = 0) -> int:
+        return self.layers[layer].v.n_tokens
+
+    def bytes_used(self) -> int:
+        """Exact bytes: full rows, codes with fp16 scale/lo, ledger copies kept."""
+        total = 0
+        for lay in self.layers:
+            total += lay.v.nbytes()
+            if lay.k is not None:
+                _, kept = lay.v.view()
+                total += int(lay.k.nbytes_heads().sum() + lay.k.rows_bytes(kept).sum())
+        return total
+
+    def budget_bytes(self) -> int:
+        return total_budget(
+            self.budget, [lay.v.n_tokens for lay in self.layers], self.n_heads, self.head_dim
+        )
+
+    def tiers(self, layer: int) -> Tensor:
+        """int64 ``[H, U]`` engine tier index per unit (V tokens for decoupled policies)."""
+        lay = self.layers[layer].v
+        return lay.tier[:, : lay.n_units]
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return self.tier_set.names
+
+    def occupancy(self) -> dict[str, int]:
+        """Units per tier, over layers and heads (the partial window counts as full)."""
+        n = len(self.tier_names)
+        counts = sum(
+            torch.bincount(self.tiers(li).flatten(), minlength=n) for li in range(self.n_layers)
+        )
+        return dict(zip(self.tier_names, counts.tolist(), strict=True))
