@@ -1,0 +1,158 @@
+"""Every shipped policy compiles, and each says what its paper (or its comment) says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tiered_radix import Policy, load_policy
+from tiered_radix.policy import shipped_names
+from tiered_radix.policy.expr import BinOp, Call, Name, Num
+from tiered_radix.policy.model import (
+    Evict,
+    Granularity,
+    Keep,
+    Quantize,
+    RankAllocation,
+    RateDistortion,
+)
+from tiered_radix.resources import policies_dir
+
+SHIPPED = sorted(policies_dir().glob("*.yaml"))
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_policy.yaml"
+
+
+def actions(p: Policy) -> list[type]:
+    return [type(t.action) for t in p.tiers]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_file_compiles(path: Path) -> None:
+    by_path, by_name = load_policy(path), load_policy(path.stem)
+    assert by_path == by_name
+    assert by_path.name == path.stem  # `policy:` matches the file name that selects it
+    assert by_path.description
+    assert path.read_text(encoding="utf-8").startswith("#")  # a comment says what it is
+
+
+def test_shipped_names_are_the_folder() -> None:
+    assert shipped_names() == [p.stem for p in SHIPPED]
+    assert {"qevict", "rdkv", "full"} <= set(shipped_names())
+
+
+# ---- QEvict -----------------------------------------------------------------------------------
+
+
+def test_qevict_windows_of_32_for_k_and_v() -> None:
+    p = load_policy("qevict")
+    assert p.k == p.v == Granularity("window", 32) and p.coupled
+
+
+def test_qevict_tiers_full_int2_evicted() -> None:
+    p = load_policy("qevict")
+    assert actions(p) == [Keep, Quantize, Evict]
+    assert p.tiers[1].action.bits == 2  # the recoverable INT2 tier sits between the other two
+    assert p.tiers[0].action == Keep("bf16")
+
+
+def test_qevict_cumulative_attention_with_decay() -> None:
+    p = load_policy("qevict")
+    assert isinstance(p.allocate, RankAllocation)
+    score = p.allocate.by
+    if isinstance(score, Name) and score.id in dict(p.scores):
+        score = p.score(score.id)
+    assert score.fn == "cumulative" and score.args == (Name("attn"),)
+    decay = score.kwarg("decay")
+    assert isinstance(decay, Num) and 0 < decay.value < 1  # a decay, so not H2O's plain sum
+
+
+def test_qevict_rank_allocation_write_once_and_periodic_routing() -> None:
+    p = load_policy("qevict")
+    assert isinstance(p.allocate, RankAllocation)
+    assert len(p.allocate.shares) == 2 and sum(p.allocate.shares) == pytest.approx(1.0)
+    assert p.ledger.write_once
+    assert p.schedule.after_prefill and p.schedule.every is not None and p.schedule.every >= 1
+
+
+# ---- RDKV -------------------------------------------------------------------------------------
+
+
+def test_rdkv_bit_set() -> None:
+    p = load_policy("rdkv")
+    assert isinstance(p.allocate, RateDistortion)
+    assert sorted(p.allocate.bits) == [0, 2, 4, 8, 16]
+    assert actions(p) == [Keep, Quantize, Quantize, Quantize, Evict]  # derived from the bits
+    assert [t.action.bits for t in p.tiers[1:4]] == [8, 4, 2]
+
+
+def test_rdkv_v_per_token_k_per_channel() -> None:
+    p = load_policy("rdkv")
+    assert p.v == Granularity("token") and p.k == Granularity("channel") and not p.coupled
+
+
+def test_rdkv_weights() -> None:
+    rd = load_policy("rdkv").allocate
+    assert rd.v_weight == Name("colmass")  # w_t = sum_tau a[tau, t]
+    # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d)
+    qk = BinOp("*", Name("qnorm"), Name("knorm"))
+    assert rd.k_weight == BinOp("/", qk, Call("sqrt", (Name("head_dim"),)))
+    assert rd.sigma == Name("sigma")
+
+
+def test_rdkv_weights_once_after_prefill() -> None:
+    p = load_policy("rdkv")
+    assert p.schedule.after_prefill and p.schedule.every is None and not p.ledger.write_once
+
+
+# ---- baselines, as their comments describe them -----------------------------------------------
+
+
+def test_full_keeps_everything() -> None:
+    p = load_policy("full")
+    assert (p.budget.kind, p.budget.value) == ("fraction", 1.0)
+    assert actions(p) == [Keep]
+
+
+def test_streaming_sinks_plus_recent() -> None:
+    p = load_policy("streaming")
+    assert p.protect.sinks == 4 and p.k == Granularity("token")
+    assert actions(p) == [Keep, Evict]
+    assert p.allocate.by == Name("newness") and p.score("newness") == Name("position")
+    assert p.schedule.every == 1
+
+
+def test_h2o_accumulated_attention_without_decay() -> None:
+    p = load_policy("h2o")
+    assert p.score("heavy") == Call("cumulative", (Name("attn"),), (("decay", Num(1)),))
+    assert (p.protect.sinks, p.protect.recent) == (4, 64)
+    assert actions(p) == [Keep, Evict] and p.k == Granularity("token")
+    assert p.schedule.every == 1
+
+
+def test_snapkv_one_shot_observation_window_max_pooled() -> None:
+    p = load_policy("snapkv")
+    assert p.score("vote") == Call("pool_max", (Name("obs_attn"),), (("size", Num(7)),))
+    assert actions(p) == [Keep, Evict] and p.protect.recent == 32
+    assert p.schedule.after_prefill and p.schedule.every is None  # never revisited
+
+
+def test_kivi_uniform_two_bits_with_residual() -> None:
+    p = load_policy("kivi")
+    assert actions(p) == [Quantize]  # nothing evicted, nothing full except the residual
+    assert p.tiers[0].action == Quantize(bits=2, group=32, axis="kivi")
+    assert p.protect.recent == 128 and p.budget.value == 1.0
+
+
+# ---- the example that combines both papers ----------------------------------------------------
+
+
+def test_custom_example_combines_qevict_and_rdkv() -> None:
+    p = load_policy(EXAMPLE)
+    assert p.k == p.v == Granularity("window", 32)
+    assert isinstance(p.allocate, RateDistortion) and p.allocate.bits == (16, 4, 2, 0)
+    assert actions(p) == [Keep, Quantize, Quantize, Evict]
+    assert [t.action.bits for t in p.tiers[1:3]] == [4, 2]
+    assert p.allocate.v_weight == Name("heat")
+    assert p.score("heat") == Call("cumulative", (Name("attn"),), (("decay", Num(0.99)),))
+    assert p.ledger.write_once and p.schedule.every == 16
