@@ -95,26 +95,32 @@ def test_against_exhaustive_enumeration(seed):
         assert opt - 1e-12 <= r.distortion <= opt + unit_gap(dist, cost) + 1e-12
 
 
-def sequential_greedy(dist: torch.Tensor, cost: torch.Tensor, budget: float) -> list[int]:
-    """Loop reference of the documented greedy: hull chains, segments by drop per byte, take a
-    segment if it fits, else skip it and the rest of its unit's chain."""
+def hull_segments(dist: torch.Tensor, cost: torch.Tensor):
+    """Loop reference: each unit's start option and its hull chain of single-step upgrades,
+    as (drop per byte, unit, step, target option, extra bytes, distortion drop)."""
     d, c = dist.tolist(), cost.tolist()
-    choice, segments = [], []
+    starts, segments = [], []
     for u, (du, cu) in enumerate(zip(d, c, strict=True)):
         cur = min(range(len(cu)), key=lambda j: (cu[j], du[j], j))
-        choice.append(cur)
+        starts.append(cur)
         for step in range(len(cu)):
             ups = [k for k in range(len(cu)) if cu[k] > cu[cur] and du[k] < du[cur]]
             if not ups:
                 break
             nxt = max(ups, key=lambda k: ((du[cur] - du[k]) / (cu[k] - cu[cur]), -cu[k]))
-            segments.append(
-                ((du[cur] - du[nxt]) / (cu[nxt] - cu[cur]), u, step, nxt, cu[nxt] - cu[cur])
-            )
+            dc, dd = cu[nxt] - cu[cur], du[cur] - du[nxt]
+            segments.append((dd / dc, u, step, nxt, dc, dd))
             cur = nxt
-    left = budget - sum(c[u][j] for u, j in enumerate(choice))
+    return starts, segments
+
+
+def sequential_greedy(dist: torch.Tensor, cost: torch.Tensor, budget: float) -> list[int]:
+    """Loop reference of the documented greedy: segments by drop per byte, take a segment if it
+    fits, else skip it and the rest of its unit's chain."""
+    choice, segments = hull_segments(dist, cost)
+    left = budget - sum(cost[u, j].item() for u, j in enumerate(choice))
     blocked = set()
-    for _, u, _, nxt, dc in sorted(segments, key=lambda t: (-t[0], t[1], t[2])):
+    for _, u, _, nxt, dc, _ in sorted(segments, key=lambda t: (-t[0], t[1], t[2])):
         if u in blocked:
             continue
         if dc <= left:
@@ -153,7 +159,9 @@ def test_against_dynamic_programming_n40(seed):
         opt = dp_optimum(dist, cost, budget)
         assert r.cost <= budget
         assert r.lower_bound <= opt + 1e-12 <= r.distortion + 2e-12
-        assert r.distortion <= opt + unit_gap(dist, cost) + 1e-12
+        max_drop = max(seg[5] for seg in hull_segments(dist, cost)[1])
+        assert r.distortion <= r.lower_bound + max_drop + 1e-12
+        assert max_drop <= unit_gap(dist, cost) + 1e-15
 
 
 def test_infeasible_returns_all_cheapest():

@@ -15,18 +15,22 @@ Lagrangian. ``lam`` is the smallest multiplier whose relaxed choice ``argmin_j D
 (ties to the cheaper option) fits the budget: exactly the drop per byte of the first segment that
 overflows the sorted prefix (the limit of bisection on ``lam``, found without iterating).
 
-Guarantee (tested against exhaustive search and an exact DP). Let ``e`` be the first segment the
-greedy skips, ``rho_e`` its drop per byte and ``r_e`` the bytes left when it is met. Everything
-before ``e`` is taken, and the LP relaxation (convex hulls, one fractional segment) can add at most
-``rho_e * r_e < rho_e * dc_e = drop_e`` more, so::
+Guarantee (tested against exhaustive search and an exact DP). ``OPT`` is the exact knapsack
+optimum and ``lower_bound = sum_u min_j (D + lam * cost) - lam * budget`` the dual value, which
+equals the optimum of the LP relaxation (convex hulls, one fractional segment). Then::
 
-    lower_bound <= OPT <= distortion <= LP <= ... < lower_bound + max_e drop_e
-                                                 <= OPT + max_u (D[u, cheapest] - min_j D[u, j])
+    lower_bound <= OPT <= distortion <= lower_bound + max_e drop_e
+                                     <= OPT + max_u (D[u, cheapest] - min_j D[u, j])
 
-where ``lower_bound = sum_u min_j (D + lam*cost) - lam * budget`` (weak duality; it equals the LP
-optimum) and ``OPT`` is the exact knapsack optimum. The greedy is also monotone: more budget never
-increases the distortion (at the first decision that differs, the larger budget takes a segment
-whose drop exceeds all that the smaller budget can still buy).
+Proof of the middle step: let ``e`` be the first segment the greedy skips and ``r_e < dc_e`` the
+bytes left when it is met (no skip: the unconstrained optimum fits and equals the bound). Every
+segment before ``e`` in the sorted order is taken; the LP takes the same ones and then at most
+``r_e`` bytes at drop per byte ``<= rho_e``, i.e. less than ``rho_e * dc_e = drop_e`` more. The
+last step holds because one hull segment's drop is at most its unit's whole chain.
+
+Monotone: more budget never increases the distortion. At the first segment where two budgets
+decide differently, the larger takes it (drop ``rho * dc``) and the smaller can still buy less
+than ``dc`` bytes, all at drop per byte ``<= rho``.
 """
 
 from __future__ import annotations
@@ -76,9 +80,7 @@ def lagrangian_choice(dist: Tensor, cost: Tensor, lam: float, *, rtol: float = 1
     best = key.amin(1, keepdim=True)
     tie = key <= best + rtol * best.abs().clamp(min=1e-300)
     c = torch.where(tie, cost.double(), torch.inf)
-    return torch.where(tie & (c == c.amin(1, keepdim=True)), dist.double(), torch.inf).argmin(
-        1
-    )
+    return torch.where(tie & (c == c.amin(1, keepdim=True)), dist.double(), torch.inf).argmin(1)
 
 
 def _chains(dist: Tensor, cost: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
