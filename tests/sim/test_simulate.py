@@ -72,12 +72,29 @@ def test_recorder_churn_counts_tier_changes_between_routes():
     rec.route([np.array([[0, 0, 1], [0, 1, 1]])])
     rec.route([np.array([[0, 1, 1, 0], [1, 1, 1, 1]])])  # 2 changes; the 4th unit is new
     rec.route([np.array([[0, 1, 1, 0], [1, 1, 1, 1]])])  # none
-    assert rec._churn() == pytest.approx(2 / 2)
+    assert rec._churn() == pytest.approx((2 / 2, (2 / 6) / 2))
+
+
+def test_recorder_fmm_pads_short_rows_and_sums_mass_over_steps():
+    rec = DiagnosticsRecorder(1, 1, 2, 3)
+    rec.step(0, 0, torch.tensor([[0.5, 0.5]]), torch.tensor([[False, True]]), torch.ones(1, 2) > 0)
+    rec.step(
+        0,
+        1,
+        torch.tensor([[0.2, 0.3, 0.5]]),
+        torch.tensor([[False, True, False]]),
+        torch.tensor([[True, False, True]]),
+    )
+    rec.route([np.zeros((1, 3), np.int64)])
+    d = rec.finish()
+    assert d.fmm[0, 0] == pytest.approx((0.5 + 0.3) / 2.0)
+    assert d.routes == 1 and d.churn == 0
 
 
 def test_full_policy_is_exact(runs):
     r = runs["full"]
     assert r.error.shape == (32, 2, 4)
+    assert r.seq_len[0] == 192 and r.seq_len[-1] == 192 + 32
     assert (r.error == 0).all()
     assert (r.diagnostics.fmm == 0).all()
     assert r.transitions["evict"].sum() == 0

@@ -14,7 +14,6 @@ row whose K and V both equal the recorded ones. Attention is one query row per s
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +45,7 @@ class Diagnostics:
     lir: np.ndarray  # float64 [layers, H_kv]: Global LIR, active = the policy's full tier
     lir_oracle: np.ndarray  # float64 [layers, H_kv]: Global LIR, active = oracle 90% mass set
     churn: float  # tier changes per routing step, summed over layers and heads
+    churn_share: float  # mean share of units whose tier changed at a routing step
     routes: int  # routing steps, the after-prefill one included
 
 
@@ -67,15 +67,21 @@ class DiagnosticsRecorder:
     def route(self, tiers: list[np.ndarray]) -> None:
         self.tiers.append(tiers)
 
-    def _churn(self) -> float:
-        changes = 0
+    def _churn(self) -> tuple[float, float]:
+        """(tier changes per routing step, mean share of units changed); units born since the
+        previous routing step are not changes."""
+        changes, shares = 0, []
         for before, after in zip(self.tiers, self.tiers[1:], strict=False):
-            for a, b in zip(
-                before, after, strict=True
-            ):  # units born since the last route are not changes
+            pairs = []
+            for a, b in zip(before, after, strict=True):
                 u = min(a.shape[-1], b.shape[-1])
-                changes += int((a[:, :u] != b[:, :u]).sum())
-        return changes / max(len(self.tiers) - 1, 1)
+                pairs.append(torch.stack([torch.as_tensor(a[:, :u]), torch.as_tensor(b[:, :u])]))
+            both = torch.cat([x.flatten(1) for x in pairs], dim=1)  # [2, units of all layers]
+            share = float(diag.churn(both)[0])
+            shares.append(share)
+            changes += round(share * both.shape[1])
+        n = max(len(self.tiers) - 1, 1)
+        return changes / n, (sum(shares) / n)
 
     def finish(self) -> Diagnostics:
         n_l, h = self.mass.shape[:2]
@@ -86,7 +92,8 @@ class DiagnosticsRecorder:
                 fmm[li, hi] = float(diag.future_missed_mass(mass, self.evicted[li, hi]))
                 lir[li, hi] = float(diag.global_lir(self.active[li, hi]))
                 lir_o[li, hi] = float(diag.global_lir(diag.oracle_active(mass, mass=0.9)))
-        return Diagnostics(fmm, lir, lir_o, self._churn(), len(self.tiers))
+        churn, churn_share = self._churn()
+        return Diagnostics(fmm, lir, lir_o, churn, churn_share, len(self.tiers))
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,14 +206,13 @@ def simulate(
     v16 = [torch.from_numpy(a) for a in trace.v]
     k32, v32 = [a.float() for a in k16], [a.float() for a in v16]
     qs = [torch.from_numpy(a) for a in trace.q]
-    tiers = [t.name for t in policy.tiers]
     rec = DiagnosticsRecorder(n_l, h, steps, m.total_len)
     n = steps + 1
     cols = {
         name: np.zeros(n, np.int64)
         for name in ("seq_len", "bytes_used", "bytes_peak", "budget_bytes", "full_bytes")
     }
-    occ = {name: np.zeros(n, np.int64) for name in tiers}
+    occ: dict[str, np.ndarray] = {}
     moves = {kind: np.zeros(n, np.int64) for kind in KINDS}
     routed = np.zeros(n, bool)
     error = np.zeros((steps, n_l, m.n_heads_q), np.float32)
@@ -217,9 +223,9 @@ def simulate(
         cols["budget_bytes"][i] = store.budget_bytes()
         cols["full_bytes"][i] = 4 * n_l * h * length * d
         for name, units in store.occupancy().items():
-            occ[name][i] = units
+            occ.setdefault(name, np.zeros(n, np.int64))[i] = units
         routed[i] = transitions is not None
-        for kind, c in Counter(t.kind for t in transitions or ()).items():
+        for kind, c in (transitions.counts() if transitions is not None else {}).items():
             moves[kind][i] = c
         if transitions is not None:
             rec.route([store.tiers(li).cpu().numpy() for li in range(n_l)])
@@ -228,7 +234,7 @@ def simulate(
         store.append(li, k16[li][:, :p], v16[li][:, :p])
         store.observe(li, _prefill_signals(trace, li, p))
     peak = store.bytes_used()
-    record(0, peak, store.route("after_prefill") if policy.schedule.after_prefill else None)
+    record(0, peak, store.after_prefill())
 
     for s in tqdm(range(steps), desc=policy.name, disable=not progress, leave=False):
         t = p + s + 1
