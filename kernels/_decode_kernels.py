@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG = -1.0e30
+NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -111,19 +111,21 @@ def _k_segment(
             mask=cm[:, None],
             other=0.0,
         )
-        return tl.dot(qs.to(DT), raw.to(DT))
-    PER: tl.constexpr = 8 // KB
-    byte = tl.load(
-        arena8 + base + o_code + c[:, None] * (P // PER) + (t // PER)[None, :],
-        mask=cm[:, None],
-        other=0,
-    )
-    code = (byte.to(tl.int32) >> ((t % PER) * KB)[None, :]) & ((1 << KB) - 1)
-    sc = tl.load(arena16 + (base + o_sc) // 2 + c0 + c, mask=cm, other=0.0).to(tl.float32)
-    lo = tl.load(arena16 + (base + o_lo) // 2 + c0 + c, mask=cm, other=0.0).to(tl.float32)
-    # K per channel: k = code * sc + lo, so fold sc into q and lo into a per-head bias
-    s = tl.dot((qs * sc[None, :]).to(DT), code.to(DT))
-    return s + tl.sum(qs * lo[None, :], 1)[:, None]
+        s = tl.dot(qs.to(DT), raw.to(DT))
+    else:
+        PER: tl.constexpr = 8 // KB
+        byte = tl.load(
+            arena8 + base + o_code + c[:, None] * (P // PER) + (t // PER)[None, :],
+            mask=cm[:, None],
+            other=0,
+        )
+        code = (byte.to(tl.int32) >> ((t % PER) * KB)[None, :]) & ((1 << KB) - 1)
+        sc = tl.load(arena16 + (base + o_sc) // 2 + c0 + c, mask=cm, other=0.0).to(tl.float32)
+        lo = tl.load(arena16 + (base + o_lo) // 2 + c0 + c, mask=cm, other=0.0).to(tl.float32)
+        # K per channel: k = code * sc + lo, so fold sc into q and lo into a per-head bias
+        s = tl.dot((qs * sc[None, :]).to(DT), code.to(DT))
+        s += tl.sum(qs * lo[None, :], 1)[:, None]
+    return s
 
 
 @triton.jit
@@ -176,10 +178,18 @@ def _pages(
     t = tl.arange(0, P)
     g = tl.arange(0, G_PAD)
     perm_row = perm_ptr + (li // 4) * D
+    # the next page's id, offset and length are loaded one iteration ahead (short latency chain)
+    nxt = tl.load(page_ids_ptr + ps, mask=ps < pe, other=0)
+    nbase = tl.load(page_off_ptr + nxt, mask=ps < pe, other=0)
+    nntok = tl.load(page_ntok_ptr + nxt, mask=ps < pe, other=0)
     for i in range(ps, pe):
-        pid = tl.load(page_ids_ptr + i)
-        base = tl.multiple_of(tl.load(page_off_ptr + pid), 16)
-        ntok = tl.load(page_ntok_ptr + pid)
+        pid = nxt
+        base = tl.multiple_of(nbase, 16)
+        ntok = nntok
+        more = i + 1 < pe
+        nxt = tl.load(page_ids_ptr + i + 1, mask=more, other=0)
+        nbase = tl.load(page_off_ptr + nxt, mask=more, other=0)
+        nntok = tl.load(page_ntok_ptr + nxt, mask=more, other=0)
         tm = t < ntok
         s = tl.zeros([G_PAD, P], dtype=tl.float32)
         if K2:
@@ -552,7 +562,7 @@ def _decode_split_kernel(
         MASS,
     )
     po = (rh * S + j).to(tl.int64) * G_PAD
-    tl.store(part_acc_ptr + (po + g)[:, None] * D + d[None, :], acc)
+    tl.store(part_acc_ptr + (po + g)[:, None] * D + d[None, :], acc, mask=gm[:, None])
     tl.store(part_ml_ptr + 2 * po + g, m)
     tl.store(part_ml_ptr + 2 * po + G_PAD + g, l_i)
 
@@ -586,7 +596,10 @@ def _decode_merge_kernel(
         o = (rh * S + jj).to(tl.int64) * G_PAD
         w = tl.exp2(tl.load(part_ml_ptr + 2 * o + g) - big_m)
         big_l += w * tl.load(part_ml_ptr + 2 * o + G_PAD + g)
-        acc += w[:, None] * tl.load(part_acc_ptr + (o + g)[:, None] * D + d[None, :])
+        part = tl.load(
+            part_acc_ptr + (o + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0
+        )
+        acc += w[:, None] * part
     safe = tl.where(big_l > 0, big_l, 1.0)
     out = acc / safe[:, None]
     r = rh // H_KV

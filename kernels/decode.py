@@ -50,9 +50,10 @@ class DecodePlan:
 
 
 def _splits(batch: int, hkv: int, max_rows: int, num_sms: int) -> int:
-    want = math.ceil(4 * num_sms / (batch * hkv))
-    cap = max(1, max_rows // 256)  # >= 256 tokens a split, else merging costs more than it saves
-    return int(max(1, min(want, cap, 64)))
+    # the page loop is latency-bound (indirect loads): aim at ~16 programs per SM
+    want = math.ceil(16 * num_sms / (batch * hkv))
+    cap = max(1, max_rows // 128)  # >= 128 tokens a split, else merging costs more than it saves
+    return int(max(1, min(want, cap, 128)))
 
 
 def plan(
