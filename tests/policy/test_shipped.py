@@ -156,3 +156,63 @@ def test_custom_example_combines_qevict_and_rdkv() -> None:
     assert p.allocate.v_weight == Name("heat")
     assert p.score("heat") == Call("cumulative", (Name("attn"),), (("decay", Num(0.99)),))
     assert p.ledger.write_once and p.schedule.every == 16
+
+
+# ---- the reference stays true to the language -------------------------------------------------
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "policy-language.md"
+RANK_BASE = """\
+budget: 10%
+units: window(size=32)
+scores:
+  heat: cumulative(attn, decay=0.99)
+tiers: {full: keep(bf16), int2: quantize(bits=2), evicted: evict}
+allocate: {method: rank, by: heat}
+"""
+RD_BASE = """\
+budget: 10%
+units: {k: channel, v: token}
+scores:
+  heat: cumulative(attn, decay=0.99)
+allocate: {method: rate_distortion, v_weight: colmass, k_weight: qnorm, sigma: sigma}
+"""
+
+
+def test_docs_name_every_key_signal_and_function() -> None:
+    from tiered_radix.policy.compiler import TOP_KEYS
+    from tiered_radix.policy.vocabulary import CONSTANTS, FUNCTIONS, SIGNALS
+
+    text = DOC.read_text(encoding="utf-8")
+    for name in [*TOP_KEYS, *SIGNALS, *CONSTANTS]:
+        assert f"`{name}`" in text, name
+    for fn in FUNCTIONS:
+        assert f"`{fn}(" in text, fn
+
+
+def test_every_yaml_block_in_the_docs_compiles(tmp_path: Path) -> None:
+    """A block with ``budget:`` or ``extends:`` is a whole policy; any other block is a fragment
+    and must compile laid over one of two small bases (rank, rate_distortion) with ``extends``."""
+    import re
+
+    (tmp_path / "rank.yaml").write_text(RANK_BASE, encoding="utf-8")
+    (tmp_path / "rd.yaml").write_text(RD_BASE, encoding="utf-8")
+    blocks = re.findall(r"```yaml\n(.*?)```", DOC.read_text(encoding="utf-8"), re.S)
+    assert len(blocks) >= 8
+    for i, block in enumerate(blocks):
+        whole = re.search(r"^(budget|extends):", block, re.M) is not None
+        candidates = (
+            [block] if whole else [f"extends: {b}\n{block}" for b in ("rank.yaml", "rd.yaml")]
+        )
+        errors = []
+        for j, text in enumerate(candidates):
+            path = tmp_path / f"block{i}_{j}.yaml"
+            path.write_text(text, encoding="utf-8")
+            try:
+                load_policy(path)
+                break
+            except Exception as e:  # noqa: BLE001 - collected and reported below
+                errors.append(str(e))
+        else:
+            raise AssertionError(
+                f"docs yaml block {i} does not compile:\n{block}\n" + "\n".join(errors)
+            )
