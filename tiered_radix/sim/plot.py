@@ -76,21 +76,24 @@ def plot_quality(report: dict, path: Path) -> Path:
     entries = report["policies"]
     names = [f"{e['policy']}\n{e['summary']['bytes_fraction_mean']:.1%} bytes" for e in entries]
     x = np.arange(len(entries))
-    fig, (ax_e, ax_f) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(entries) * 2), 4.8))
+    fig, (ax_e, ax_f) = plt.subplots(2, 1, figsize=(max(7, 1.25 * len(entries)), 8))
     mean = [e["summary"]["error_mean"] for e in entries]
     p95 = [e["summary"]["error_p95"] for e in entries]
-    ax_e.bar(x - 0.2, mean, 0.4, label="mean", color=_color(0))
-    ax_e.bar(x + 0.2, p95, 0.4, label="p95", color=_color(1))
+    bars = [ax_e.bar(x - 0.2, mean, 0.4, label="mean", color=_color(0))]
+    bars.append(ax_e.bar(x + 0.2, p95, 0.4, label="p95", color=_color(1)))
     ax_e.set_ylabel("||o - o_full|| / ||o_full||")
-    ax_e.set_title("Attention-output error")
+    ax_e.set_title("Attention-output error (over steps, layers, query heads)")
     ax_e.legend()
-    ax_f.bar(x, [e["summary"]["fmm"] for e in entries], 0.6, color=_color(3))
-    ax_f.set_ylabel("share of oracle attention on evicted tokens")
+    bars.append(ax_f.bar(x, [e["summary"]["fmm"] for e in entries], 0.6, color=_color(3)))
+    ax_f.set_ylabel("share of oracle attention\non evicted tokens")
     ax_f.set_title("Future missed mass (FMM)")
+    for b in bars:
+        b[0].axes.bar_label(b, fmt="%.3f", fontsize=7, padding=1)
     for ax in (ax_e, ax_f):
         ax.set_xticks(x, names, fontsize=8)
         ax.set_xlabel("policy (mean bytes held, % of full precision)")
         ax.grid(True, axis="y", alpha=0.3)
+        ax.margins(y=0.12)
     fig.suptitle(f"Quality per policy: {report['trace']['model']}")
     return _save(fig, path)
 
