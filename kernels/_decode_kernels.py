@@ -21,6 +21,15 @@ def _split_range(s, e, j, S):
 
 
 @triton.jit
+def _unpack(byte, BITS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
+    """Packed uint8 [R, NB] -> int32 codes [R, NB * 8 // BITS], first code in the lowest bits."""
+    PER: tl.constexpr = 8 // BITS
+    sh = tl.arange(0, PER) * BITS
+    x = (byte.to(tl.int32)[:, :, None] >> sh[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(x, (R, NB * PER))
+
+
+@triton.jit
 def _softmax_step(s, v, m, l_i, acc, DT: tl.constexpr):
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
@@ -114,12 +123,13 @@ def _k_segment(
         s = tl.dot(qs.to(DT), raw.to(DT))
     else:
         PER: tl.constexpr = 8 // KB
+        tb = tl.arange(0, P // PER)
         byte = tl.load(
-            arena8 + base + o_code + c[:, None] * (P // PER) + (t // PER)[None, :],
+            arena8 + base + o_code + c[:, None] * (P // PER) + tb[None, :],
             mask=cm[:, None],
             other=0,
         )
-        code = (byte.to(tl.int32) >> ((t % PER) * KB)[None, :]) & ((1 << KB) - 1)
+        code = _unpack(byte, KB, D, P // PER)
         sc = tl.load(arena16 + (base + o_sc) // 2 + c0 + c, mask=cm, other=0.0).to(tl.float32)
         lo = tl.load(arena16 + (base + o_lo) // 2 + c0 + c, mask=cm, other=0.0).to(tl.float32)
         # K per channel: k = code * sc + lo, so fold sc into q and lo into a per-head bias
@@ -293,18 +303,20 @@ def _pages(
             )
         else:
             PER: tl.constexpr = 8 // VB
+            NG: tl.constexpr = D // VG
+            cb = tl.arange(0, D // PER)
             byte = tl.load(
-                arena8 + vbase + t[:, None] * (D // PER) + (c // PER)[None, :],
+                arena8 + vbase + t[:, None] * (D // PER) + cb[None, :],
                 mask=tm[:, None],
                 other=0,
             )
-            code = (byte.to(tl.int32) >> ((c % PER) * VB)[None, :]) & ((1 << VB) - 1)
+            code = tl.reshape(_unpack(byte, VB, P, D // PER).to(tl.float32), (P, NG, VG))
             CB: tl.constexpr = (P * D // PER + 15) // 16 * 16
             MB: tl.constexpr = (2 * P * D // VG + 15) // 16 * 16
-            mo = (vbase + CB) // 2 + t[:, None] * (D // VG) + (c // VG)[None, :]
+            mo = (vbase + CB) // 2 + t[:, None] * NG + tl.arange(0, NG)[None, :]
             sc = tl.load(arena16 + mo, mask=tm[:, None], other=0.0).to(tl.float32)
             lo = tl.load(arena16 + mo + MB // 2, mask=tm[:, None], other=0.0).to(tl.float32)
-            v = (code.to(tl.float32) * sc + lo).to(DT)
+            v = tl.reshape(code * sc[:, :, None] + lo[:, :, None], (P, D)).to(DT)
         m, l_i, acc = _softmax_step(s, v, m, l_i, acc, DT)
     return m, l_i, acc
 
@@ -613,6 +625,17 @@ def _decode_merge_kernel(
 
 
 @triton.jit
+def _add_units(mass_row, u, p, ok):
+    """mass_row[u] += p; one atomic when the block's valid tokens share one unit (windows)."""
+    umin = tl.min(tl.where(ok, u, 2147483647), 0)
+    umax = tl.max(tl.where(ok, u, -1), 0)
+    if umin == umax:
+        tl.atomic_add(mass_row + umin, tl.sum(tl.where(ok, p, 0.0), 0))
+    else:
+        tl.atomic_add(mass_row + u, p, mask=ok)
+
+
+@triton.jit
 def _mass_rows(
     score_ptr,
     units_ptr,
@@ -639,7 +662,7 @@ def _mass_rows(
         )
         p = tl.sum(tl.exp2(s - lse[:, None]), 0)
         u = tl.load(units_ptr + n, mask=ok, other=0)
-        tl.atomic_add(mass_row + u, p, mask=ok)
+        _add_units(mass_row, u, p, ok)
 
 
 @triton.jit
@@ -688,7 +711,7 @@ def _decode_mass_kernel(
         )
         p = tl.sum(tl.exp2(s - lse[:, None]), 0)
         u = tl.load(page_units_ptr + rows, mask=tm, other=0)
-        tl.atomic_add(mass_row + u, p, mask=tm)
+        _add_units(mass_row, u, p, tm)
     fs, fe = _split_range(tl.load(full_indptr_ptr + rh), tl.load(full_indptr_ptr + rh + 1), j, S)
     _mass_rows(score_ptr, full_units_ptr, mass_row, lse, fs, fe, row_full, 1, 0, G, G_PAD, BLOCK_N)
     cs, ce = _split_range(tl.load(fresh_indptr_ptr + r), tl.load(fresh_indptr_ptr + r + 1), j, S)

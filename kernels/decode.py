@@ -190,6 +190,6 @@ def run(
             p.score, p.lse, mass, mass.stride(0), layout.full_indptr, layout.full_units,
             layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,
             layout.page_ntok, layout.page_units, row_full, row_fresh, hkv, p.group, s,
-            G_PAD=p.g_pad, P=layout.page_size, BLOCK_N=64, num_warps=4,
+            G_PAD=p.g_pad, P=layout.page_size, BLOCK_N=32, num_warps=4,
         )  # fmt: skip
     return out
