@@ -100,9 +100,10 @@ class ChannelK:
         n = int(n_set.max()) if new_set.numel() else 0
         padded = -(-n // self.group) * self.group
         pos = torch.arange(self.n_tokens, device=self.device).expand(self.n_heads, -1)
-        order = torch.sort(torch.where(new_set, pos, self.n_tokens), dim=1).values[:, :padded]
+        order = torch.sort(torch.where(new_set, pos, self.n_tokens), dim=1).values
+        order = torch.nn.functional.pad(order, (0, max(padded - order.shape[1], 0)))[:, :padded]
         slot = torch.arange(padded, device=self.device)
-        last = order.gather(1, (n_set - 1).clamp(min=0)[:, None])
+        last = order.gather(1, (n_set - 1).clamp(min=0)[:, None]) if padded else order
         index = torch.where(slot < n_set[:, None], order, last).clamp(max=self.n_tokens - 1)
         self.codes = {}
         if padded:

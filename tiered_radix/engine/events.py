@@ -37,8 +37,17 @@ class Transitions(Sequence):
     """Columns of transitions: int64 CPU tensors ``layer, head, unit, src, dst`` ``[n]`` (tier
     indices into ``tier_names``) and bool ``ledger_write [n]``."""
 
-    def __init__(self, tier_names: Sequence[str], evict_index: int | None, layer: Tensor,
-                 head: Tensor, unit: Tensor, src: Tensor, dst: Tensor, ledger_write: Tensor):
+    def __init__(
+        self,
+        tier_names: Sequence[str],
+        evict_index: int | None,
+        layer: Tensor,
+        head: Tensor,
+        unit: Tensor,
+        src: Tensor,
+        dst: Tensor,
+        ledger_write: Tensor,
+    ):
         self.tier_names = tuple(tier_names)
         self.evict_index = evict_index
         self.layer, self.head, self.unit = layer, head, unit
@@ -54,8 +63,9 @@ class Transitions(Sequence):
         if not parts:
             return cls.empty(tier_names, evict_index)
         cols = ("layer", "head", "unit", "src", "dst", "ledger_write")
-        return cls(tier_names, evict_index, *(torch.cat([getattr(p, c) for p in parts])
-                                              for c in cols))
+        return cls(
+            tier_names, evict_index, *(torch.cat([getattr(p, c) for p in parts]) for c in cols)
+        )
 
     def kinds(self) -> Tensor:
         """int64 ``[n]``: 0 demote, 1 promote, 2 evict (indices into ``KINDS``)."""
@@ -73,14 +83,22 @@ class Transitions(Sequence):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         kind = KINDS[int(self.kinds()[i])]
-        return Transition(kind, int(self.layer[i]), int(self.head[i]), int(self.unit[i]),
-                          self.tier_names[int(self.src[i])], self.tier_names[int(self.dst[i])],
-                          bool(self.ledger_write[i]))
+        return Transition(
+            kind,
+            int(self.layer[i]),
+            int(self.head[i]),
+            int(self.unit[i]),
+            self.tier_names[int(self.src[i])],
+            self.tier_names[int(self.dst[i])],
+            bool(self.ledger_write[i]),
+        )
 
     def __iter__(self):
         kinds = self.kinds().tolist()
-        cols = [c.tolist() for c in (self.layer, self.head, self.unit, self.src, self.dst,
-                                     self.ledger_write)]
+        cols = [
+            c.tolist()
+            for c in (self.layer, self.head, self.unit, self.src, self.dst, self.ledger_write)
+        ]
         for k, ly, h, u, s, d, w in zip(kinds, *cols, strict=True):
             yield Transition(KINDS[k], ly, h, u, self.tier_names[s], self.tier_names[d], w)
 

@@ -45,8 +45,9 @@ class PartCodec:
 
     def encode(self, x: Tensor) -> codecs.QuantizedTensor:
         """``x[n, W, d]`` -> codes over ``[n, d, W]`` (along tokens) or ``[n, W, d]``."""
-        return codecs.quantize(x.transpose(-1, -2) if self.along_tokens else x, self.bits,
-                               self.group)
+        return codecs.quantize(
+            x.transpose(-1, -2) if self.along_tokens else x, self.bits, self.group
+        )
 
     def decode(self, q: codecs.QuantizedTensor) -> Tensor:
         """-> float32 ``[..., W, d]``."""
@@ -57,9 +58,11 @@ class PartCodec:
         return codecs.quantized_nbytes(window * head_dim, self.bits, self.group)
 
 
-def part_codecs(bits: int, group: int, axis: str, window: int,
-                head_dim: int) -> tuple[PartCodec, PartCodec]:
+def part_codecs(
+    bits: int, group: int, axis: str, window: int, head_dim: int
+) -> tuple[PartCodec, PartCodec]:
     """(K, V) codecs of a ``quantize(bits, group, axis)`` tier for units of ``window`` tokens."""
+
     def make(along: bool) -> PartCodec:
         along = along and window > 1
         return PartCodec(bits, min(group, window if along else head_dim), along)
@@ -71,8 +74,15 @@ def part_codecs(bits: int, group: int, axis: str, window: int,
 class CopyStore:
     """Copies of one layer's units at one quantized tier. ``parts`` maps "k"/"v" to codecs."""
 
-    def __init__(self, parts: dict[str, PartCodec], n_heads: int, window: int, head_dim: int,
-                 device: torch.device, write_once: bool) -> None:
+    def __init__(
+        self,
+        parts: dict[str, PartCodec],
+        n_heads: int,
+        window: int,
+        head_dim: int,
+        device: torch.device,
+        write_once: bool,
+    ) -> None:
         self.parts, self.window, self.head_dim = parts, window, head_dim
         self.n_heads, self.device, self.write_once = n_heads, device, write_once
         self.unit_nbytes = sum(c.nbytes(window, head_dim) for c in parts.values())
@@ -93,8 +103,9 @@ class CopyStore:
             q = c.encode(torch.zeros(h * extra, w, d, device=self.device))
             new = [t.reshape(h, extra, *t.shape[1:]) for t in (q.codes, q.scale, q.lo)]
             old = self.data.get(name)
-            self.data[name] = new if old is None else [torch.cat(p, 1) for p in zip(old, new,
-                                                                                     strict=True)]
+            self.data[name] = (
+                new if old is None else [torch.cat(p, 1) for p in zip(old, new, strict=True)]
+            )
         self.capacity = cap
 
     def write(self, mask: Tensor, blocks: dict[str, Tensor]) -> None:
@@ -122,8 +133,9 @@ class CopyStore:
         out = {}
         for name, c in self.parts.items():
             codes, scale, lo = (t[:, :n_units] for t in self.data[name])
-            q = codecs.QuantizedTensor(codes, scale, lo, c.bits, c.group,
-                                       self.window if c.along_tokens else self.head_dim)
+            q = codecs.QuantizedTensor(
+                codes, scale, lo, c.bits, c.group, self.window if c.along_tokens else self.head_dim
+            )
             out[name] = c.decode(q)
         return out
 

@@ -123,6 +123,7 @@ def _rank_layer(store, li: int, c: Constraints, budgets: list[float]) -> Tensor:
     prev = lay.tier[:, :u] - ts.offset
     routed = torch.arange(u, device=store.device) < lay.routed_units
     prev = torch.where(routed & (prev >= 0), prev, -1)
+    score = torch.where(c.evict, -torch.inf, torch.nan_to_num(score, nan=-torch.inf))
     tier_p = rank_heads(
         score,
         torch.where(forced, 0.0, cost_p),
@@ -130,7 +131,10 @@ def _rank_layer(store, li: int, c: Constraints, budgets: list[float]) -> Tensor:
         shares=a.shares,
         previous=prev,
         hysteresis=a.hysteresis,
+        has_evict=ts.evict is not None,
     )
+    if ts.evict is None:  # left over by the allocator: the cheapest tier (over budget, flagged)
+        tier_p = torch.where(tier_p == cost_p.shape[-1], cost_p.argmin(-1), tier_p)
     return _finish(store, tier_p, cost_p, c)
 
 

@@ -51,8 +51,10 @@ class TierSet:
     def of(cls, policy: Policy) -> TierSet:
         keeps = [i for i, t in enumerate(policy.tiers) if isinstance(t.action, Keep)]
         if keeps and keeps != [0]:
-            raise EngineConfigError("the keep(...) tier must be the first (best) tier, and only "
-                                    "one; list tiers best first: keep, quantize..., evict")
+            raise EngineConfigError(
+                "the keep(...) tier must be the first (best) tier, and only "
+                "one; list tiers best first: keep, quantize..., evict"
+            )
         if keeps:
             return cls(policy.tiers, 0)
         return cls((Tier("full", Keep()), *policy.tiers), 1)
@@ -80,8 +82,7 @@ def full_token_bytes(n_heads: int, head_dim: int) -> int:
     return 2 * 2 * n_heads * head_dim
 
 
-def total_budget(budget: Budget, tokens_per_layer: list[int], n_heads: int,
-                 head_dim: int) -> int:
+def total_budget(budget: Budget, tokens_per_layer: list[int], n_heads: int, head_dim: int) -> int:
     full = sum(tokens_per_layer) * full_token_bytes(n_heads, head_dim)
     if budget.kind == "fraction":
         return int(budget.value * full)
@@ -90,8 +91,9 @@ def total_budget(budget: Budget, tokens_per_layer: list[int], n_heads: int,
     return int(budget.value) * len(tokens_per_layer) * full_token_bytes(n_heads, head_dim)
 
 
-def spread_shares(spread: Spread, n_layers: int, n_heads: int,
-                  totals: Tensor | None = None) -> Tensor:
+def spread_shares(
+    spread: Spread, n_layers: int, n_heads: int, totals: Tensor | None = None
+) -> Tensor:
     """float64 ``[L, H]`` shares summing to 1. ``totals[L, H]`` for ``proportional``."""
     if spread.kind == "proportional":
         assert totals is not None
@@ -140,16 +142,32 @@ class Constraints:
         return torch.where(self.full, 0, tier)
 
 
-def rank_heads(score: Tensor, cost: Tensor, budget: list[float], *, shares, previous: Tensor,
-               hysteresis: float) -> Tensor:
-    """Rank allocation for every head of one layer: ``score[H, U]``, ``cost[H, U, J]`` (policy
-    tiers), ``previous[H, U]`` (policy tier index, -1 for units never routed). Returns int64
-    ``[H, U]`` policy tier indices."""
+def rank_heads(
+    score: Tensor,
+    cost: Tensor,
+    budget: list[float],
+    *,
+    shares,
+    previous: Tensor,
+    hysteresis: float,
+    has_evict: bool,
+) -> Tensor:
+    """Rank allocation for every head of one layer: ``score[H, U]`` (-inf: evict),
+    ``cost[H, U, J]`` (policy tiers), ``previous[H, U]`` (policy tier index, -1 for units never
+    routed). Without an evict tier a zero-cost column is appended for the allocator and the
+    units it leaves there come back as ``J`` (the caller moves them to their cheapest tier).
+    Returns int64 ``[H, U]`` policy tier indices. ``rank_allocate`` is per head: one call each.
+    """
     from .allocate_rank import rank_allocate
 
-    out = []
-    for h in range(score.shape[0]):
-        prev = previous[h]
-        out.append(rank_allocate(score[h], cost[h], budget[h], shares=shares,
-                                 previous=prev, hysteresis=hysteresis).long())
+    if not has_evict:
+        cost = torch.cat([cost, cost.new_zeros(*cost.shape[:2], 1)], -1)
+    last = cost.shape[-1] - 1
+    previous = torch.where(previous < 0, last, previous)
+    out = [
+        rank_allocate(
+            score[h], cost[h], budget[h], shares=shares, previous=previous[h], hysteresis=hysteresis
+        ).long()
+        for h in range(score.shape[0])
+    ]
     return torch.stack(out)

@@ -37,11 +37,27 @@ from .units import UnitLayout
 ADDITIVE = ("attn", "colmass", "obs_attn", "key_norm")
 CHANNEL = ("qnorm", "knorm")
 OBSERVED = ("attn", "colmass", "obs_attn", "qnorm")
-_BIN = {"+": torch.add, "-": torch.sub, "*": torch.mul, "/": torch.div, "^": torch.pow,
-        "<": torch.lt, "<=": torch.le, ">": torch.gt, ">=": torch.ge, "==": torch.eq,
-        "!=": torch.ne, "and": torch.logical_and, "or": torch.logical_or}
-_UNARY = {"log": lambda x: x.clamp(min=1e-30).log(), "exp": torch.exp,
-          "sqrt": lambda x: x.clamp(min=0).sqrt(), "abs": torch.abs}
+_BIN = {
+    "+": torch.add,
+    "-": torch.sub,
+    "*": torch.mul,
+    "/": torch.div,
+    "^": torch.pow,
+    "<": torch.lt,
+    "<=": torch.le,
+    ">": torch.gt,
+    ">=": torch.ge,
+    "==": torch.eq,
+    "!=": torch.ne,
+    "and": torch.logical_and,
+    "or": torch.logical_or,
+}
+_UNARY = {
+    "log": lambda x: x.clamp(min=1e-30).log(),
+    "exp": torch.exp,
+    "sqrt": lambda x: x.clamp(min=0).sqrt(),
+    "abs": torch.abs,
+}
 _HEADS = {"sum_heads": "sum", "mean_heads": "mean", "max_heads": "amax"}
 _WINDOW = {"sum_window": "sum", "mean_window": "mean", "max_window": "max"}
 
@@ -64,16 +80,27 @@ class ScoreEvaluator:
     ``update`` also accept an explicit ``cache=``.
     """
 
-    def __init__(self, policy: Policy, n_layers: int, n_heads: int, *,
-                 cache: Callable[[int], CacheState] | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        n_layers: int,
+        n_heads: int,
+        *,
+        cache: Callable[[int], CacheState] | None = None,
+    ) -> None:
         self.policy, self.n_layers, self.n_heads = policy, n_layers, n_heads
         self._scores = dict(policy.scores)
         self._cache_fn = cache
         self._observed: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
         self._state: list[dict[Call, Tensor]] = [{} for _ in range(n_layers)]
-        self._cumulative = list(dict.fromkeys(
-            n for e in _policy_exprs(policy) for n in self._walk(e)
-            if isinstance(n, Call) and n.fn == "cumulative"))
+        self._cumulative = list(
+            dict.fromkeys(
+                n
+                for e in _policy_exprs(policy)
+                for n in self._walk(e)
+                if isinstance(n, Call) and n.fn == "cumulative"
+            )
+        )
 
     # -- public ------------------------------------------------------------------------------
     def update(self, layer: int, signals: Signals, *, cache: CacheState | None = None) -> None:
@@ -86,8 +113,9 @@ class ScoreEvaluator:
         for node in self._cumulative:
             channel = self._uses(node.args[0], CHANNEL)
             layout = UnitLayout("channel" if channel else "token", 1, cache.head_dim)
-            if any(getattr(signals, n) is None and self._uses(node.args[0], (n,))
-                   for n in OBSERVED):
+            if any(
+                getattr(signals, n) is None and self._uses(node.args[0], (n,)) for n in OBSERVED
+            ):
                 continue  # accumulate only what this step observed
             x = self._eval(node.args[0], _Ctx(layer, cache, layout, not channel))
             decay = _const(node.kwarg("decay", Num(1.0)))
@@ -97,8 +125,9 @@ class ScoreEvaluator:
             x = torch.broadcast_to(x.float(), (self.n_heads, x.shape[-1]))
             self._state[layer][node] = x if old is None else decay * old + x
 
-    def evaluate(self, layer: int, expr: Expr, part: UnitLayout, *,
-                 cache: CacheState | None = None) -> Tensor:
+    def evaluate(
+        self, layer: int, expr: Expr, part: UnitLayout, *, cache: CacheState | None = None
+    ) -> Tensor:
         """float32 (bool for conditions) ``[H, U]`` for the units of ``part``."""
         cache = self._cache(layer, cache)
         out = self._eval(expr, _Ctx(layer, cache, part, False))
@@ -159,8 +188,10 @@ class ScoreEvaluator:
     def _need(self, layer: int, name: str) -> Tensor:
         x = self._observed[layer].get(name)
         if x is None:
-            raise SignalError(f"the policy uses signal '{name}' but layer {layer} never received "
-                              f"it: pass Signals({name}=...) to observe() before routing")
+            raise SignalError(
+                f"the policy uses signal '{name}' but layer {layer} never received "
+                f"it: pass Signals({name}=...) to observe() before routing"
+            )
         return x
 
     def _call(self, e: Call, c: _Ctx) -> Tensor:
@@ -214,8 +245,9 @@ class ScoreEvaluator:
         return any(isinstance(n, Name) and n.id in names for n in self._walk(e))
 
 
-IMPLEMENTED_FUNCTIONS = frozenset({"cumulative", "pool_max", "quantile", "min", "max", "clip",
-                                   *_HEADS, *_WINDOW, *_UNARY})
+IMPLEMENTED_FUNCTIONS = frozenset(
+    {"cumulative", "pool_max", "quantile", "min", "max", "clip", *_HEADS, *_WINDOW, *_UNARY}
+)
 IMPLEMENTED_SIGNALS = frozenset({*ADDITIVE, *CHANNEL, "sigma", "recency", "position"})
 IMPLEMENTED_CONSTANTS = frozenset({"head_dim", "seq_len"})
 

@@ -40,11 +40,13 @@ class Signals:
         for name in ("attn", "colmass", "obs_attn"):
             x = getattr(self, name)
             if x is not None and (x.dim() != 2 or x.shape[0] != n_heads or x.shape[1] > n_tokens):
-                raise SignalError(f"signal '{name}' must be [H={n_heads}, T<={n_tokens}], got "
-                                  f"{list(x.shape)}")
+                raise SignalError(
+                    f"signal '{name}' must be [H={n_heads}, T<={n_tokens}], got {list(x.shape)}"
+                )
         if self.qnorm is not None and tuple(self.qnorm.shape) != (n_heads, head_dim):
-            raise SignalError(f"signal 'qnorm' must be [H={n_heads}, d={head_dim}], got "
-                              f"{list(self.qnorm.shape)}")
+            raise SignalError(
+                f"signal 'qnorm' must be [H={n_heads}, d={head_dim}], got {list(self.qnorm.shape)}"
+            )
 
 
 def pad_tokens(x: Tensor, n_tokens: int, fill: float = 0.0) -> Tensor:
@@ -64,9 +66,17 @@ class CacheState:
     a policy reads a cache-derived signal.
     """
 
-    def __init__(self, k: Tensor | None = None, v: Tensor | None = None,
-                 kept: Tensor | None = None, *, load=None, n_tokens: int | None = None,
-                 head_dim: int | None = None, device=None) -> None:
+    def __init__(
+        self,
+        k: Tensor | None = None,
+        v: Tensor | None = None,
+        kept: Tensor | None = None,
+        *,
+        load=None,
+        n_tokens: int | None = None,
+        head_dim: int | None = None,
+        device=None,
+    ) -> None:
         self._kvm = None if k is None else (k, v, kept)
         self._load = load
         self.n_tokens = k.shape[1] if k is not None else n_tokens
