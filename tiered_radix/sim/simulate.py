@@ -190,7 +190,7 @@ def simulate(
     if "obs_attn" in policy_names(policy) and getattr(trace, "obs_attn", None) is None:
         raise SimError(
             f"policy '{policy.name}' reads obs_attn (prompt observation-window attention), "
-            f"which trace of {m.model} does not record; re-record the trace with obs_attn"
+            f"which this trace ({m.model}) does not record; re-record the trace with obs_attn"
         )
     n_l, h, d, p, steps = len(m.layers), m.n_heads_kv, m.head_dim, m.prompt_len, m.steps
     store = TierStore(
