@@ -1,0 +1,125 @@
+"""Score evaluation semantics: state of cumulative(), aggregation levels, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tiered_radix.engine.scores import ScoreEvaluator
+from tiered_radix.engine.signals import CacheState, SignalError, Signals
+from tiered_radix.engine.units import UnitLayout
+from tiered_radix.policy import compile_text
+from tiered_radix.policy.errors import Span
+from tiered_radix.policy.transformer import parse
+
+H, D = 2, 8
+
+
+def policy(score: str, units: str = "window(size=4)"):
+    return compile_text(
+        f"budget: 10%\nunits: {units}\nscores:\n  s: {score}\n"
+        "tiers: {full: keep(bf16), gone: evict}\nallocate: {method: rank, by: s}\n"
+    )
+
+
+def cache(t: int, seed: int = 0, kept=None) -> CacheState:
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(H, t, D, generator=g), torch.randn(H, t, D, generator=g) + 1
+    return CacheState(k, v, torch.ones(H, t, dtype=torch.bool) if kept is None else kept)
+
+
+def expr(text: str):
+    return parse(text, "expr", Span("<t>", 1, 1))
+
+
+def test_cumulative_decay_over_growing_sequence_matches_float64():
+    pol = policy("cumulative(attn, decay=0.9)")
+    sc = ScoreEvaluator(pol, 2, H)
+    g = torch.Generator().manual_seed(1)
+    ref = np.zeros((H, 0))
+    t = 6
+    for step in range(7):
+        t += 1 if step else 0
+        a = torch.rand(H, t, generator=g, dtype=torch.float64)
+        if step == 3:  # a step without attention accumulates nothing (not even decay)
+            sc.update(0, Signals(), cache=cache(t))
+        else:
+            sc.update(0, Signals(attn=a.float()), cache=cache(t))
+            ref = np.pad(ref, ((0, 0), (0, t - ref.shape[1]))) * 0.9 + a.numpy()
+        ref = np.pad(ref, ((0, 0), (0, t - ref.shape[1])))
+    lay = UnitLayout("window", 4, D)
+    got = sc.evaluate(0, pol.score("s"), lay, cache=cache(t)).double().numpy()
+    want = np.stack([ref[:, i * 4 : (i + 1) * 4].sum(1) for i in range(-(-t // 4))], 1)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    tok = sc.evaluate(0, pol.score("s"), UnitLayout("token", 1, D), cache=cache(t))
+    np.testing.assert_allclose(tok.double().numpy(), ref, rtol=1e-5)
+    other = sc.evaluate(1, pol.score("s"), lay, cache=cache(t))  # layers keep separate state
+    assert float(other.abs().sum()) == 0.0
+
+
+def test_nonlinear_window_functions_work_per_token():
+    pol = policy("attn")
+    sc = ScoreEvaluator(pol, 1, H)
+    a = torch.rand(H, 9, generator=torch.Generator().manual_seed(2)) + 0.1
+    sc.update(0, Signals(attn=a), cache=cache(9))
+    lay = UnitLayout("window", 3, D)
+    got = sc.evaluate(0, expr("sum_window(log(attn))"), lay, cache=cache(9))
+    want = a.log().reshape(H, 3, 3).sum(-1)
+    torch.testing.assert_close(got, want)
+    unit_level = sc.evaluate(0, expr("log(attn)"), lay, cache=cache(9))
+    torch.testing.assert_close(unit_level, a.reshape(H, 3, 3).sum(-1).log())
+
+
+def test_condition_returns_bool_and_quantile_splits_units():
+    pol = policy("attn")
+    sc = ScoreEvaluator(pol, 1, H)
+    a = torch.rand(H, 40, generator=torch.Generator().manual_seed(3)) + 0.01
+    sc.update(0, Signals(attn=a), cache=cache(40))
+    m = sc.evaluate(
+        0,
+        expr("attn < quantile(attn, 0.5) and not position < 4"),
+        UnitLayout("token", 1, D),
+        cache=cache(40),
+    )
+    assert m.dtype == torch.bool
+    below = a < a.quantile(0.5, dim=1, keepdim=True)
+    below[:, :4] = False
+    assert torch.equal(m, below)
+
+
+def test_channel_signals_and_sigma_over_kept_tokens():
+    kept = torch.ones(H, 12, dtype=torch.bool)
+    kept[:, 5:8] = False
+    c = cache(12, seed=4, kept=kept)
+    pol = policy("attn")
+    sc = ScoreEvaluator(pol, 1, H)
+    q = torch.rand(H, D) + 0.5
+    sc.update(0, Signals(qnorm=q), cache=c)
+    chan = UnitLayout("channel", 1, D)
+    got = sc.evaluate(0, expr("qnorm * knorm / sqrt(head_dim)"), chan, cache=c)
+    k = c.k.double().numpy()[:, kept[0].numpy()]
+    want = q.double().numpy() * np.linalg.norm(k, axis=1) / np.sqrt(D)
+    np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-5)
+    sig = sc.evaluate(0, expr("sigma"), chan, cache=c)
+    np.testing.assert_allclose(sig.double().numpy(), k.std(1), rtol=1e-4)
+
+
+def test_heads_reduction_broadcasts():
+    pol = policy("attn")
+    sc = ScoreEvaluator(pol, 1, H)
+    a = torch.rand(H, 8, generator=torch.Generator().manual_seed(5))
+    sc.update(0, Signals(attn=a), cache=cache(8))
+    got = sc.evaluate(0, expr("max_heads(attn) - attn"), UnitLayout("token", 1, D), cache=cache(8))
+    torch.testing.assert_close(got, a.max(0, keepdim=True).values - a)
+
+
+def test_missing_signal_is_a_typed_error_and_wrong_shape_too():
+    pol = policy("colmass")
+    sc = ScoreEvaluator(pol, 1, H)
+    with pytest.raises(SignalError, match="colmass"):
+        sc.evaluate(0, pol.score("s"), UnitLayout("token", 1, D), cache=cache(5))
+    with pytest.raises(SignalError, match="attn"):
+        sc.update(0, Signals(attn=torch.rand(H, 9)), cache=cache(5))
+    with pytest.raises(SignalError, match="per K channel"):
+        sc.evaluate(0, expr("knorm"), UnitLayout("token", 1, D), cache=cache(5))
