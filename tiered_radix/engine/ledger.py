@@ -100,8 +100,8 @@ class CopyStore:
         self.present = torch.cat([self.present, self.present.new_zeros(h, extra)], 1)
         self.write_count = torch.cat([self.write_count, self.write_count.new_zeros(h, extra)], 1)
         for name, c in self.parts.items():
-            q = c.encode(torch.zeros(h * extra, w, d, device=self.device))
-            new = [t.reshape(h, extra, *t.shape[1:]) for t in (q.codes, q.scale, q.lo)]
+            q = c.encode(torch.zeros(1, w, d, device=self.device))  # shapes of one unit
+            new = [t.new_zeros(h, extra, *t.shape[1:]) for t in (q.codes, q.scale, q.lo)]
             old = self.data.get(name)
             self.data[name] = (
                 new if old is None else [torch.cat(p, 1) for p in zip(old, new, strict=True)]

@@ -101,7 +101,7 @@ def plan_route(store) -> Plan:
 
 def _costs(store, li: int) -> Tensor:
     lay = store.layers[li].v
-    cost = coupled_costs(store.tier_set, lay.unit_bytes(), lay.held())
+    cost = coupled_costs(store.tier_set, lay.unit_bytes(), lay.held(), store.device)
     return cost.expand(store.n_heads, lay.n_units, -1) if cost.dim() == 1 else cost
 
 

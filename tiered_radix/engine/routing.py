@@ -108,13 +108,15 @@ def spread_shares(
     return w / n_heads
 
 
-def coupled_costs(tiers: TierSet, unit_bytes: list[int], held: Tensor | None) -> Tensor:
+def coupled_costs(
+    tiers: TierSet, unit_bytes: list[int], held: Tensor | None, device: torch.device | None = None
+) -> Tensor:
     """float64 ``[H, U, n_tiers]``. ``unit_bytes[j]``: bytes of one unit at tier ``j``;
-    ``held[j, H, U]`` (bool, write-once ledger only): the unit keeps a copy at tier ``j``."""
-    base = torch.tensor(unit_bytes, dtype=torch.float64)
+    ``held[j, H, U]`` (bool, write-once ledger only): the unit keeps a copy at tier ``j``;
+    without it the result is ``[n_tiers]`` (same for every unit)."""
+    base = torch.tensor(unit_bytes, dtype=torch.float64, device=device)
     if held is None:
         return base
-    base = base.to(held.device)
     has = torch.zeros(len(unit_bytes), *held.shape[1:], dtype=torch.float64, device=held.device)
     has[tiers.quantized] = held.double()
     kept = (has * base[:, None, None]).sum(0)  # bytes of the copies a unit keeps
