@@ -24,15 +24,16 @@ class Span:
 class PolicyError(Exception):
     """A policy file is invalid. ``str(err)`` reads::
 
-        policies/bad.yaml:7:22: unknown signal 'atn'
-            score: cumulative(atn, decay=0.99)
-                              ^
-          expected: a signal or score name (attn, colmass, ...)
-          did you mean 'attn'?
+    policies/bad.yaml:7:22: unknown signal 'atn'
+        score: cumulative(atn, decay=0.99)
+                          ^
+      expected: a signal or score name (attn, colmass, ...)
+      did you mean 'attn'?
     """
 
-    def __init__(self, message: str, span: Span | None = None, *, expected: str = "",
-                 suggestion: str = "") -> None:
+    def __init__(
+        self, message: str, span: Span | None = None, *, expected: str = "", suggestion: str = ""
+    ) -> None:
         self.message, self.span = message, span
         self.expected, self.suggestion = expected, suggestion
         super().__init__(self._render())
@@ -47,6 +48,7 @@ class PolicyError(Exception):
             source = self.span.text.splitlines()
             if 0 < self.span.line <= len(source):
                 src = source[self.span.line - 1].rstrip()
+                src = "".join(c if c.isprintable() or c == "\t" else "?" for c in src)
                 lines += [f"    {src}", "    " + " " * (self.span.col - 1) + "^"]
         if self.expected:
             lines.append(f"  expected: {self.expected}")

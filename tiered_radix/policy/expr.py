@@ -95,5 +95,5 @@ def to_text(e: Expr) -> str:
     if isinstance(e, BinOp):
         return f"({to_text(e.left)} {e.op} {to_text(e.right)})"
     if isinstance(e, UnaryOp):
-        return f"{e.op}{' ' if e.op == 'not' else ''}{to_text(e.operand)}"
+        return f"({e.op}{' ' if e.op == 'not' else ''}{to_text(e.operand)})"
     raise TypeError(f"not an expression: {e!r}")

@@ -14,21 +14,33 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from ..resources import grammar_path
 from .errors import PolicyError, Span, did_you_mean
 from .expr import BinOp, Call, Name, Num, UnaryOp
-from .model import (Budget, Demote, Evict, Granularity, Keep, Promote, Quantize, Schedule,
-                    Spread)
+from .model import Budget, Demote, Evict, Granularity, Keep, Promote, Quantize, Schedule, Spread
 
+_MAX_DIGITS = 30
 STARTS = ("expr", "budget", "granularity", "action", "schedule", "spread", "bitset")
 _BYTE_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-_TERMINAL_WORDS = {"NAME": "a name", "INT": "an integer", "DECIMAL": "a number",
-                   "COMPARE": "a comparison", "BYTE_UNIT": "a byte unit (B, KiB, MiB, GiB, ...)",
-                   "DTYPE": "bf16 or fp16", "AXIS": "kivi, token or channel",
-                   "BOOL": "true or false", "$END": "the end of the value"}
+_TERMINAL_WORDS = {
+    "NAME": "a name",
+    "INT": "an integer",
+    "DECIMAL": "a number",
+    "COMPARE": "a comparison",
+    "BYTE_UNIT": "a byte unit (B, KiB, MiB, GiB, ...)",
+    "DTYPE": "bf16 or fp16",
+    "AXIS": "kivi, token or channel",
+    "BOOL": "true or false",
+    "$END": "the end of the value",
+}
 
 
 @cache
 def _parser() -> Lark:
-    return Lark.open(str(grammar_path()), parser="lalr", start=list(STARTS),
-                     propagate_positions=True, maybe_placeholders=True)
+    return Lark.open(
+        str(grammar_path()),
+        parser="lalr",
+        start=list(STARTS),
+        propagate_positions=True,
+        maybe_placeholders=True,
+    )
 
 
 def parse(text: str, start: str, span: Span):
@@ -71,13 +83,23 @@ def _syntax_error(e: UnexpectedInput, text: str, base: Span) -> PolicyError:
         where, found = _at(base, 1, len(text) + 1), "the value ends too early"
     else:
         where = _at(base, e.line, e.column)
-        found = f"unexpected '{text[e.pos_in_stream]}'" if isinstance(
-            e, UnexpectedCharacters) else f"unexpected '{e.token}'"
-    word = text[e.pos_in_stream:].split("(")[0].split(",")[0].strip() if e.pos_in_stream is not \
-        None else ""
+        found = (
+            f"unexpected '{text[e.pos_in_stream]}'"
+            if isinstance(e, UnexpectedCharacters)
+            else f"unexpected '{e.token}'"
+        )
+    word = (
+        text[e.pos_in_stream :].split("(")[0].split(",")[0].strip()
+        if e.pos_in_stream is not None
+        else ""
+    )
     keywords = [w.strip("'") for w in words if w.startswith("'") and w[1:-1].isidentifier()]
-    return PolicyError(f"syntax error in '{text}': {found}", where,
-                       expected=" or ".join(words[:12]), suggestion=did_you_mean(word, keywords))
+    return PolicyError(
+        f"syntax error in '{text}': {found}",
+        where,
+        expected=" or ".join(words[:12]),
+        suggestion=did_you_mean(word, keywords),
+    )
 
 
 class PolicyTransformer(Transformer):
@@ -94,6 +116,17 @@ class PolicyTransformer(Transformer):
         return PolicyError(message, self._span(meta), expected=expected)
 
     # -- literals ------------------------------------------------------------------------
+    def INT(self, token: Token) -> Token:  # lark calls a terminal's method by its name
+        if len(token) > _MAX_DIGITS:  # int() refuses more than 4300 digits; nothing needs 31
+            raise PolicyError(
+                f"number {token[:12]}... is too long",
+                _at(self.base, token.line, token.column),
+                expected=f"at most {_MAX_DIGITS} digits",
+            )
+        return token
+
+    DECIMAL = INT
+
     def number(self, c):
         return float(c[0]) if c[0].type == "DECIMAL" else int(c[0])
 
@@ -135,13 +168,19 @@ class PolicyTransformer(Transformer):
         if "bits" not in args:
             raise self._error(meta, "quantize() needs bits", "quantize(bits=2|4|8, group=N)")
         if args["bits"] not in (2, 4, 8):
-            raise self._error(meta, f"quantize(bits={args['bits']}) is not supported",
-                              "bits=2, 4 or 8 (use keep for 16 bits, evict for 0)")
+            raise self._error(
+                meta,
+                f"quantize(bits={args['bits']}) is not supported",
+                "bits=2, 4 or 8 (use keep for 16 bits, evict for 0)",
+            )
         if args.get("group", 32) < 1:
             raise self._error(meta, "quantize(group=...) must be at least 1")
         if args.get("symmetric"):
-            raise self._error(meta, "symmetric codes are not implemented by the tier engine",
-                              "symmetric=false (asymmetric codes: a scale and a zero point)")
+            raise self._error(
+                meta,
+                "symmetric codes are not implemented by the tier engine",
+                "symmetric=false (asymmetric codes: a scale and a zero point)",
+            )
         return Quantize(**args)
 
     def q_bits(self, c):
@@ -171,8 +210,11 @@ class PolicyTransformer(Transformer):
         fields = dict(c)
         if len(fields) != len(c):
             raise self._error(meta, "a schedule trigger is listed twice")
-        return Schedule(after_prefill=fields.get("after_prefill", False),
-                        every=fields.get("every"), on_pressure=fields.get("on_pressure"))
+        return Schedule(
+            after_prefill=fields.get("after_prefill", False),
+            every=fields.get("every"),
+            on_pressure=fields.get("on_pressure"),
+        )
 
     def after_prefill(self, _):
         return ("after_prefill", True)
@@ -201,7 +243,7 @@ class PolicyTransformer(Transformer):
         return Spread("pyramid", ratio=float(c[0]))
 
     def proportional(self, c):
-        return Spread("proportional", by=c[0])
+        return Spread("proportional", by=Num(c[0]) if isinstance(c[0], int | float) else c[0])
 
     def bitset(self, c):
         return tuple(int(t) for t in c)
@@ -237,6 +279,7 @@ class PolicyTransformer(Transformer):
         def method(self, meta, c):
             left, right = (Num(x) if isinstance(x, int | float) else x for x in (c[0], c[-1]))
             return BinOp(op if op else str(c[1]), left, right, span=self._span(meta))
+
         return method
 
     add, sub, mul, div, pow_ = _bin("+"), _bin("-"), _bin("*"), _bin("/"), _bin("^")
@@ -244,12 +287,15 @@ class PolicyTransformer(Transformer):
 
     @v_args(meta=True)
     def neg(self, meta, c):
-        return UnaryOp("-", Num(c[0]) if isinstance(c[0], int | float) else c[0],
-                       span=self._span(meta))
+        return UnaryOp(
+            "-", Num(c[0]) if isinstance(c[0], int | float) else c[0], span=self._span(meta)
+        )
 
     @v_args(meta=True)
     def not_(self, meta, c):
-        return UnaryOp("not", c[0], span=self._span(meta))
+        return UnaryOp(
+            "not", Num(c[0]) if isinstance(c[0], int | float) else c[0], span=self._span(meta)
+        )
 
     def __default_token__(self, token: Token):
         return token

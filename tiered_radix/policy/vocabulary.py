@@ -13,7 +13,8 @@ from dataclasses import dataclass
 SIGNALS: dict[str, str] = {
     "attn": "attention probability mass a token receives from the newest decode query, summed over "
     "the query heads of its KV group",
-    "colmass": "RDKV's total-variation weight: sum over prompt queries tau of a[tau, t], after prefill",
+    "colmass": "RDKV's total-variation weight: sum over prompt queries tau of a[tau, t], "
+    "after prefill",
     "obs_attn": "attention mass a token receives from the last 32 prompt queries (SnapKV's "
     "observation window), after prefill",
     "qnorm": "per K channel c: ||Q[:, c]|| over prompt queries of the KV group",
@@ -41,16 +42,22 @@ class Function:
 
 
 FUNCTIONS: dict[str, Function] = {
-    "cumulative": Function("running sum over decode steps, older mass multiplied by `decay` "
-                           "each step (QEvict's cumulative scoring; decay=1 is H2O)", 1, 1, ("decay",)),
+    "cumulative": Function(
+        "running sum over decode steps, older mass multiplied by `decay` "
+        "each step (QEvict's cumulative scoring; decay=1 is H2O)",
+        1,
+        1,
+        ("decay",),
+    ),
     "sum_heads": Function("sum over the KV heads of a layer (one decision for all heads)", 1, 1),
     "mean_heads": Function("mean over the KV heads of a layer", 1, 1),
     "max_heads": Function("max over the KV heads of a layer", 1, 1),
     "sum_window": Function("sum of a per-token value over the tokens of each unit", 1, 1),
     "mean_window": Function("mean of a per-token value over the tokens of each unit", 1, 1),
     "max_window": Function("max of a per-token value over the tokens of each unit", 1, 1),
-    "pool_max": Function("max-pool a per-token value along the sequence (SnapKV's clustering)",
-                         1, 1, ("size",)),
+    "pool_max": Function(
+        "max-pool a per-token value along the sequence (SnapKV's clustering)", 1, 1, ("size",)
+    ),
     "quantile": Function("the q-quantile of a value over the units of one (layer, KV head)", 2, 2),
     "min": Function("elementwise minimum", 2, 2),
     "max": Function("elementwise maximum", 2, 2),
