@@ -50,8 +50,7 @@ def test_error_points_into_a_file(case: Path) -> None:
     with pytest.raises(PolicyError) as info:
         load_policy(case)
     span = info.value.span
-    if span is None:
-        pytest.xfail("known gap: an `extends` cycle error has no file:line:col")
+    assert span is not None
     lines = Path(span.file).read_text(encoding="utf-8").splitlines()
     assert Path(span.file).resolve().parent in (ERRORS, policies_dir().resolve())
     assert 1 <= span.line <= max(len(lines), 1)
@@ -64,26 +63,47 @@ def test_goldens_have_cases() -> None:
     assert {g.stem for g in ERRORS.glob("*.txt")} <= {c.stem for c in CASES}
 
 
-# ---- known gaps in the checks: strict xfail, so a fix turns them into failures to remove ----
+# ---- regressions: gaps in the checks found while writing the goldens, since fixed ----------
 
 _RANK = "budget: 10%\nunits: token\nallocate: {method: rank, by: position}\n"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: channel signals are not checked through a score name")
 def test_channel_signal_through_a_score_is_refused() -> None:
     text = _RANK.replace("by: position", "by: s") + "scores: {s: qnorm}\n"
     text += "tiers: {full: keep(bf16), evicted: evict}\n"
-    with pytest.raises(PolicyError, match="does not apply to token/window units"):
+    with pytest.raises(PolicyError, match="does not apply to token/window units") as info:
+        compile_text(text, "gap.yaml")
+    assert "(used by score 's')" in info.value.message
+    assert (info.value.span.line, info.value.span.col) == (3, 30)  # the `s` after `by:`
+
+
+def test_channel_signal_through_a_chain_of_scores_is_refused() -> None:
+    text = _RANK.replace("by: position", "by: t") + "scores: {s: knorm * 2, t: s + attn}\n"
+    text += "tiers: {full: keep(bf16), evicted: evict}\n"
+    with pytest.raises(PolicyError, match="signal 'knorm' \\(used by score 't'\\)"):
         compile_text(text, "gap.yaml")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: empty `tiers: {}` says every tier evicts")
+def test_token_signal_through_a_score_is_refused_on_channel_units() -> None:
+    text = (
+        "budget: 10%\nunits: {k: channel, v: token}\nscores: {s: attn}\n"
+        "allocate: {method: rate_distortion, v_weight: attn, sigma: 1, k_weight: s}\n"
+    )
+    with pytest.raises(PolicyError, match="signal 'attn' \\(used by score 's'\\) does not apply"):
+        compile_text(text, "gap.yaml")
+
+
+def test_a_score_of_the_right_kind_is_accepted() -> None:
+    text = _RANK.replace("by: position", "by: s") + "scores: {s: attn * 2}\n"
+    text += "tiers: {full: keep(bf16), evicted: evict}\n"
+    assert compile_text(text, "ok.yaml").allocate.by.id == "s"
+
+
 def test_empty_tiers_say_so() -> None:
-    with pytest.raises(PolicyError, match="no tiers"):
+    with pytest.raises(PolicyError, match="`tiers:` lists no tiers"):
         compile_text(_RANK + "tiers: {}\n", "gap.yaml")
 
 
-@pytest.mark.xfail(strict=True, reason="poor wording: `this key` instead of the key's name")
 def test_description_error_names_the_key() -> None:
     text = _RANK + "tiers: {full: keep(bf16)}\ndescription: {a: 1}\n"
     with pytest.raises(PolicyError, match="`description` must be a single value"):

@@ -70,8 +70,23 @@ def test_tiers_merge_in_the_parents_order(tmp_path: Path, base: Path) -> None:
 def test_a_new_tier_is_appended_after_the_parents(tmp_path: Path, base: Path) -> None:
     # New keys go last, here after the evicting tier, which the compiler refuses: to reorder
     # tiers a child must not extend a file that has them, or restate every tier in order.
-    with pytest.raises(PolicyError, match="only the last tier may evict"):
+    with pytest.raises(PolicyError, match="tier 'evicted' evicts but is not the last tier"):
         load_policy(child(tmp_path, "tiers: {int4: quantize(bits=4)}\n"))
+
+
+def test_the_name_is_not_inherited(tmp_path: Path, base: Path) -> None:
+    # `policy:` is the one key a child never inherits: without its own it is named after its
+    # file, not after its parent (whose name is `base` here, and whose stem is also `base`).
+    assert load_policy(base).name == "base"
+    assert load_policy(child(tmp_path, "budget: 5%\n", name="fast.yaml")).name == "fast"
+    assert load_policy(child(tmp_path, "policy: quick\n", name="fast.yaml")).name == "quick"
+    write(tmp_path, "mid.yaml", "extends: base.yaml\npolicy: middle\n")
+    leaf = load_policy(write(tmp_path, "leaf.yaml", "extends: mid.yaml\n"))
+    assert leaf.name == "leaf"  # nor through a chain
+    assert leaf.budget.value == pytest.approx(0.10)  # while every other key still is
+    write(tmp_path, "named.yaml", BASE.replace("policy: base", "policy: parent"))
+    assert load_policy(write(tmp_path, "kid.yaml", "extends: named.yaml\n")).name == "kid"
+    assert load_policy(write(tmp_path, "kid.yaml", "extends: qevict\n")).name == "kid"
 
 
 def test_lists_are_replaced(tmp_path: Path, base: Path) -> None:
@@ -160,9 +175,10 @@ def test_a_local_file_comes_before_a_shipped_one(tmp_path: Path) -> None:
     # file falls back to policies/. `qevict` (no suffix) names no local file here.
     write(tmp_path, "qevict.yaml", BASE.replace("10%", "3%"))
     local = load_policy(write(tmp_path, "mine.yaml", "extends: qevict.yaml\n"))
-    assert local.name == "base" and local.budget.value == pytest.approx(0.03)
+    assert local.budget.value == pytest.approx(0.03)
     shipped = load_policy(write(tmp_path, "mine.yaml", "extends: qevict\n"))
-    assert shipped.name == "qevict" and shipped.budget.value == pytest.approx(0.10)
+    assert shipped.budget.value == pytest.approx(0.10)
+    assert shipped.tiers == load_policy("qevict").tiers
 
 
 def test_compile_text_resolves_from_the_working_directory(tmp_path: Path, monkeypatch) -> None:
@@ -170,6 +186,7 @@ def test_compile_text_resolves_from_the_working_directory(tmp_path: Path, monkey
     monkeypatch.chdir(tmp_path)
     p = compile_text("extends: base.yaml\nbudget: 1%\n", "inline.yaml")
     assert p.budget.value == pytest.approx(0.01) and p.source == "inline.yaml"
+    assert p.name == "inline"  # named after its own name, not the parent's `policy: base`
 
 
 def test_errors_point_into_the_file_that_has_them(tmp_path: Path) -> None:

@@ -4,9 +4,9 @@ Inputs are random text and mutations of the shipped policy files (characters del
 or replaced, lines swapped, numbers changed, keys renamed or added). Every PolicyError that names
 a position must name a line of the text (or the line just past its end).
 
-Known bugs found by fuzzing are pinned by the strict-xfail regression tests at the bottom; the
-random-text strategy leaves out the characters of the one bug class it would hit at once
-(``PRINTABLE``), so each test here reports a new problem rather than that known one.
+The bugs fuzzing found (and that are now fixed) are kept as regression inputs at the bottom.
+The random text includes control characters, which YAML refuses to read (``PRINTABLE`` is a
+historical name: it covers every character but lone surrogates, with controls drawn often).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import string
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from yaml.reader import Reader
 
 from tiered_radix import PolicyError, compile_text
 from tiered_radix.policy.compiler import TOP_KEYS
@@ -25,10 +24,10 @@ from tiered_radix.resources import policies_dir
 
 SHIPPED = sorted(policies_dir().glob("*.yaml"))
 TEXTS = [p.read_text(encoding="utf-8") for p in SHIPPED]
-# Characters YAML refuses to read (controls, DEL, C1, ...) raise a ReaderError (known bug 1).
-PRINTABLE = st.characters(blacklist_categories=("Cs",)).filter(
-    lambda c: not Reader.NON_PRINTABLE.match(c)
-)
+# Any character but lone surrogates (which no UTF-8 file can hold); controls, DEL, C1 and BOMs
+# drawn often on purpose: YAML refuses most of them, and that must be a PolicyError too.
+CONTROLS = "\x00\x07\x08\x0b\x0c\x1b\x7f\x85\x9f\u2028\ufeff\ufffe"
+PRINTABLE = st.characters(blacklist_categories=("Cs",)) | st.sampled_from(CONTROLS)
 VOCAB = [
     "attn",
     "colmass",
@@ -201,34 +200,42 @@ def test_mutations_reach_the_compiler() -> None:
     assert late >= 20
 
 
-# ---- known bugs found by fuzzing: strict xfail, so the fix turns them into failures to remove --
+# ---- bugs fuzzing found, since fixed: each input once raised something other than PolicyError --
 
 BASE = (
     "budget: 10%\nunits: token\ntiers:\n  full: keep(bf16)\n  evicted: evict\n"
     "allocate:\n  method: rank\n  by: position\n"
 )
 KNOWN_BUGS = {
-    # 1. yaml.reader.ReaderError is a YAMLError but not a MarkedYAMLError: it escapes.
-    "control_character": BASE + "description: a\x07b\n",
-    # 2. Compiler.integer: str.isdigit accepts '²' and lstrip drops every '-'; int() then fails.
-    "superscript_integer": BASE + "protect:\n  sinks: ²\n",
-    "double_minus_integer": BASE + "protect:\n  sinks: --5\n",
-    # 3. The transformer's not_ and proportional leave a bare int in the tree: .walk() fails.
-    "not_number": BASE + "rules:\n  - when: not 1\n    then: promote\n",
-    "proportional_number": BASE + "spread: proportional(2)\n",
-    # 4. int() refuses more than 4300 digits: ValueError inside the transformer (VisitError).
-    "huge_integer": BASE.replace("10%", "9" * 5000 + " B"),
-    # 5. A too-long `extends` name: Path.is_file raises OSError(ENAMETOOLONG).
-    "long_extends_name": "extends: " + "a" * 300 + "\n" + BASE,
+    # 1. yaml.reader.ReaderError is a YAMLError but not a MarkedYAMLError: it escaped.
+    "control_character": (BASE + "description: a\x07b\n", "character U+0007 is not allowed"),
+    # 2. Compiler.integer: str.isdigit accepts '²' and lstrip drops every '-'; int() then failed.
+    "superscript_integer": (BASE + "protect:\n  sinks: ²\n", "must be an integer >= 0"),
+    "double_minus_integer": (BASE + "protect:\n  sinks: --5\n", "must be an integer >= 0"),
+    # 3. The transformer's not_ and proportional left a bare int in the tree: .walk() failed.
+    "not_number": (BASE + "rules:\n  - when: not 1\n    then: promote\n", None),
+    "proportional_number": (BASE + "spread: proportional(2)\n", None),
+    # 4. int() refuses more than 4300 digits: ValueError inside the transformer (VisitError),
+    #    wherever the grammar has a number or an INT.
+    "huge_integer": (BASE.replace("10%", "9" * 5000 + " B"), "is too long"),
+    "huge_window": (BASE.replace("token", "window(size=" + "9" * 5000 + ")"), "is too long"),
+    "huge_every": (BASE + "schedule: every(" + "9" * 5000 + ")\n", "is too long"),
+    # 5. A too-long `extends` name: Path.is_file raised OSError(ENAMETOOLONG).
+    "long_extends_name": ("extends: " + "a" * 300 + "\n" + BASE, "no policy file"),
     # 6. Deeply nested YAML: the recursive composer/_convert hit RecursionError.
-    "deep_yaml": BASE + "description: " + "[" * 600 + "]" * 600 + "\n",
+    "deep_yaml": (BASE + "description: " + "[" * 600 + "]" * 600 + "\n", "nests too deeply"),
 }
 
 
-@pytest.mark.xfail(strict=True, reason="known bug, see the comment on its input in KNOWN_BUGS")
 @pytest.mark.parametrize("name", list(KNOWN_BUGS))
 def test_known_bug(name: str) -> None:
+    text, message = KNOWN_BUGS[name]
     try:
-        check(KNOWN_BUGS[name])
+        check(text)
+        compile_text(text, "fuzz.yaml")
+    except PolicyError as e:
+        assert message is not None and message in e.message, e.message
     except Exception as e:  # a short report: formatting a RecursionError's traceback takes seconds
         pytest.fail(f"{type(e).__name__}: {str(e)[:200]}", pytrace=False)
+    else:
+        assert message is None, f"compiled, but should raise '{message}'"
