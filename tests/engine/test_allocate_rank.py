@@ -49,7 +49,7 @@ def tier_by_tier(score, cost, budget, shares, protected, previous=None, hysteres
 
         def eff(u, k=k):
             s = float(score[u])
-            boost = previous is not None and int(previous[u]) <= k
+            boost = previous is not None and int(previous[u]) <= k and s > -float("inf")
             return s + hysteresis * abs(s) if boost else s
 
         for u in sorted(range(n), key=lambda u: (-eff(u), u)):
@@ -206,3 +206,61 @@ def test_gpu_matches_cpu():
         score.cuda(), cost.cuda(), budget, shares=shares, protected=protected.cuda()
     )
     assert torch.equal(gpu.cpu(), cpu)
+
+
+def random_batch(seed, batch=(3, 4), n=30, n_tiers=4, n_values=3):
+    """Integer byte costs with ``n_values`` distinct positive values per tier column."""
+    g = torch.Generator().manual_seed(seed)
+    score = torch.randn(*batch, n, generator=g)
+    score[torch.rand(*batch, n, generator=g) < 0.05] = -float("inf")
+    values = torch.randint(1, 20, (n_tiers - 1, n_values), generator=g).double()
+    pick = torch.randint(0, n_values, (*batch, n, n_tiers - 1), generator=g)
+    cost = torch.cat([values[torch.arange(n_tiers - 1), pick], torch.zeros(*batch, n, 1)], -1)
+    cost[torch.rand(*batch, n, generator=g) < 0.1] = 0.0  # forced units cost 0
+    protected = torch.rand(*batch, n, generator=g) < 0.1
+    previous = torch.randint(0, n_tiers, (*batch, n), generator=g)
+    paid = torch.where(protected, cost[..., 0], 0.0).sum(-1)
+    budget = paid + torch.rand(batch, generator=g, dtype=torch.float64) * cost[..., 0].sum(-1)
+    return score, cost, budget, protected, previous
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_fixed_rounds_match_sequential_loop_per_row(seed):
+    n_values = 1 + seed % 4
+    score, cost, budget, protected, previous = random_batch(seed, n_values=n_values)
+    shares, h = (0.4, 0.3, 0.2), 0.3 * (seed % 2)
+    kw = dict(shares=shares, protected=protected, previous=previous, hysteresis=h)
+    fixed = rank_allocate(score, cost, budget, rounds=n_values + 1, validate=False, **kw)
+    until_done = rank_allocate(score, cost, budget, **kw)
+    assert fixed.shape == score.shape and fixed.dtype == torch.int8
+    assert torch.equal(fixed, until_done)
+    for i in range(score.shape[0]):
+        for j in range(score.shape[1]):
+            ref = tier_by_tier(
+                score[i, j], cost[i, j], float(budget[i, j]), shares,
+                protected[i, j].tolist(), previous[i, j], h,
+            )  # fmt: skip
+            assert fixed[i, j].tolist() == ref, (i, j)
+            row = rank_allocate(
+                score[i, j], cost[i, j], float(budget[i, j]), shares=shares,
+                protected=protected[i, j], previous=previous[i, j], hysteresis=h,
+            )  # fmt: skip
+            assert torch.equal(row, fixed[i, j])
+
+
+def test_too_few_rounds_stay_within_budget():
+    # one round cannot skip an overflowing unit and continue; it still never overspends
+    score, cost, budget, protected, _ = random_batch(7, n_values=4)
+    out = rank_allocate(score, cost, budget, shares=(0.4, 0.3, 0.2), rounds=1, protected=protected)
+    spent = cost.double().gather(-1, out.long()[..., None])[..., 0].sum(-1)
+    assert bool((spent <= budget).all())
+    exact = rank_allocate(score, cost, budget, shares=(0.4, 0.3, 0.2), protected=protected)
+    assert not torch.equal(out, exact)  # the case really needs more rounds
+
+
+def test_batched_budget_error_names_the_row():
+    cost = torch.tensor([[10.0, 2, 0]] * 4).expand(2, 4, 3)
+    prot = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]]).bool()
+    with pytest.raises(BudgetError, match="need 30 bytes but the budget is 25"):
+        rank_allocate(torch.ones(2, 4), cost, torch.tensor([25.0, 25.0]), shares=(0.5, 0.5),
+                      protected=prot)  # fmt: skip

@@ -16,11 +16,14 @@ Semantics (what :func:`rank_allocate` computes, exactly):
 3. Units left after the last quantized tier are evicted; so are units with score ``-inf`` or NaN
    (callers use ``-inf`` for units whose data is gone).
 
-The visit in step 2 is vectorised: one sort and a cumulative sum per tier take the longest
-prefix that fits; units costing more than the room left are then dropped and the prefix is
-repeated, so each round retires at least one distinct cost value (one or two rounds when
-per-tier costs are equal across units). The result equals the sequential loop above. When there
-is no hysteresis and each tier's cost is equal across units it also equals the unit-by-unit
+The visit in step 2 is vectorised over a batch of rows: one sort and a cumulative sum per tier
+take the longest prefix that fits; units costing more than the room left are then dropped and the
+prefix is repeated. A round that stops early retires every cost value >= the unit it stopped at,
+so a tier needs at most ``V + 1`` rounds when its cost column holds ``V`` distinct positive values
+(one round when a tier's cost is equal across units). ``rounds=None`` repeats until done (one
+host sync per round); ``rounds=R`` runs exactly ``R`` rounds per tier with no host sync (extra
+rounds are no-ops), equal to the sequential loop whenever ``R`` is that large. When there is no
+hysteresis and each tier's cost is equal across units the result also equals the unit-by-unit
 greedy "each unit in rank order takes the best tier with room"; with unequal costs the two can
 differ (tier-by-tier fills a better tier first even if a higher-ranked unit then misses a worse
 tier).
@@ -53,22 +56,22 @@ def _check(
     protected: Tensor | None,
     hysteresis: float,
 ) -> None:
-    n, t = score.shape[0], cost.shape[-1]
-    if score.dim() != 1 or cost.shape != (n, t) or t < 2 or len(shares) != t - 1:
+    b, t = score.shape, cost.shape[-1]
+    if score.dim() < 1 or cost.shape != (*b, t) or t < 2 or len(shares) != t - 1:
         raise ValueError(
-            f"expected score [n], cost [n, n_tiers >= 2], len(shares) == n_tiers - 1; got "
-            f"{list(score.shape)}, {list(cost.shape)}, {len(shares)} shares"
+            f"expected score [..., n], cost [..., n, n_tiers >= 2], len(shares) == n_tiers - 1; "
+            f"got {list(score.shape)}, {list(cost.shape)}, {len(shares)} shares"
         )
     if min(shares) < 0 or sum(shares) > 1 + 1e-9:
         raise ValueError(f"shares must be >= 0 and sum to <= 1, got {list(shares)}")
-    if not bool(((cost >= 0) & cost.isfinite()).all()) or bool((cost[:, -1] != 0).any()):
+    if not bool(((cost >= 0) & cost.isfinite()).all()) or bool((cost[..., -1] != 0).any()):
         raise ValueError("cost must be finite and >= 0, and the evicted (last) tier must cost 0")
     if previous is not None and (
-        previous.shape != (n,) or bool(((previous < 0) | (previous >= t)).any())
+        previous.shape != b or bool(((previous < 0) | (previous >= t)).any())
     ):
-        raise ValueError(f"previous must be [n] tier indices in [0, {t})")
-    if protected is not None and (protected.shape != (n,) or protected.dtype != torch.bool):
-        raise ValueError("protected must be a bool [n] mask")
+        raise ValueError(f"previous must be {list(b)} tier indices in [0, {t})")
+    if protected is not None and (protected.shape != b or protected.dtype != torch.bool):
+        raise ValueError(f"protected must be a bool {list(b)} mask")
     if hysteresis < 0:
         raise ValueError(f"hysteresis must be >= 0, got {hysteresis}")
 
@@ -76,35 +79,43 @@ def _check(
 def rank_allocate(
     score: Tensor,
     cost: Tensor,
-    budget: float,
+    budget: float | Tensor,
     *,
     shares: Sequence[float],
     protected: Tensor | None = None,
     previous: Tensor | None = None,
     hysteresis: float = 0.0,
+    rounds: int | None = None,
+    validate: bool = True,
 ) -> Tensor:
-    """Route ``n`` units into tiers (see the module docstring for the exact rule).
+    """Route ``n`` units into tiers, independently per batch row (see the module docstring).
 
-    score: float ``[n]``; cost: float ``[n, n_tiers]`` bytes per unit per tier (the caller adds
-    ledger copies; last column 0); budget: bytes; shares: ``n_tiers - 1`` fractions of
-    ``budget``; protected: bool ``[n]``; previous: integer ``[n]`` tiers of the last routing.
-    Returns int8 ``[n]`` tier per unit, on ``score.device``. Total bytes <= ``budget``.
+    score: float ``[..., n]``; cost: float ``[..., n, n_tiers]`` bytes per unit per tier (the
+    caller adds ledger copies; last column 0); budget: bytes, a float or a float ``[...]`` tensor
+    (one per row); shares: ``n_tiers - 1`` fractions of ``budget``; protected: bool ``[..., n]``;
+    previous: integer ``[..., n]`` tiers of the last routing. rounds: None (exact for any costs,
+    syncs once per round) or a fixed count (no host sync; exact when each tier's cost column
+    holds at most ``rounds - 1`` distinct positive values per row). validate=False skips the
+    argument checks and the :class:`BudgetError` check, which read tensors on the host.
+    Returns int8 ``[..., n]`` tier per unit, on ``score.device``. Row bytes <= its budget.
 
     Raises:
-        BudgetError: the protected units alone exceed ``budget``.
+        BudgetError: the protected units of a row alone exceed its budget.
         ValueError: inconsistent shapes, shares, costs or hysteresis.
     """
-    _check(score, cost, shares, previous, protected, hysteresis)
-    n, n_tiers, dev = score.shape[0], cost.shape[1], score.device
+    if validate:
+        _check(score, cost, shares, previous, protected, hysteresis)
+    n_tiers, dev = cost.shape[-1], score.device
     cost = cost.double()
-    protected = torch.zeros(n, dtype=torch.bool, device=dev) if protected is None else protected
-    paid = float(cost[protected, 0].sum())
-    if paid > budget:
-        raise BudgetError(paid, budget)
-    cum = torch.tensor(shares, dtype=torch.float64).cumsum(0).tolist()
-    caps = [min(max(budget * c, paid), budget) for c in cum]
-    tier = torch.full((n,), n_tiers - 1, dtype=torch.int8, device=dev)
-    tier[protected] = 0
+    budget = torch.as_tensor(budget, dtype=torch.float64, device=dev).expand(score.shape[:-1])
+    protected = torch.zeros_like(score, dtype=torch.bool) if protected is None else protected
+    paid = torch.where(protected, cost[..., 0], 0.0).sum(-1)
+    if validate and bool((paid > budget).any()):
+        r = int((paid - budget).flatten().argmax())
+        raise BudgetError(float(paid.flatten()[r]), float(budget.flatten()[r]))
+    cum = torch.tensor(shares, dtype=torch.float64, device=dev).cumsum(0)
+    caps = torch.minimum(torch.maximum(budget[..., None] * cum, paid[..., None]), budget[..., None])
+    tier = torch.where(protected, 0, n_tiers - 1).to(torch.int8)
     score = score.double()
     free = ~protected & (score > -torch.inf)  # NaN compares False: never placed
     used = paid
@@ -112,27 +123,32 @@ def rank_allocate(
         eff = score
         if previous is not None and hysteresis:
             eff = score + hysteresis * score.abs() * (previous <= k)
-        order = torch.sort(torch.where(free, eff, -torch.inf), descending=True, stable=True).indices
-        take, used = _fill(cost[order, k], free[order], caps[k] - used, used)
-        tier[order[take]] = k
-        free[order[take]] = False
+        order = torch.sort(torch.where(free, eff, -torch.inf), dim=-1, descending=True, stable=True)
+        order = order.indices
+        take, used = _fill(
+            cost[..., k].gather(-1, order), free.gather(-1, order), caps[..., k], used, rounds
+        )
+        take = torch.zeros_like(take).scatter_(-1, order, take)  # back to unit order
+        tier = torch.where(take, k, tier)
+        free = free & ~take
     return tier
 
 
-def _fill(c: Tensor, free: Tensor, room: float, used: float) -> tuple[Tensor, float]:
-    """Sequential 'take if it fits' over ``c`` (sorted), vectorised in rounds. Returns the taken
-    mask and the updated byte count."""
-    take = torch.zeros_like(free)
-    idx = torch.arange(c.numel(), device=c.device)
-    while True:
-        live = free & ~take & (c <= room)  # a unit costing more than the room never fits again
-        if not bool(live.any()):
-            return take, used
-        csum = torch.cumsum(torch.where(live, c, 0.0), 0)
-        over = live & (csum > room)
-        stop = int(over.int().argmax()) if bool(over.any()) else c.numel()
-        now = live & (idx < stop)
-        spent = float(torch.where(now, c, 0.0).sum())
+def _fill(
+    c: Tensor, free: Tensor, cap: Tensor, used: Tensor, rounds: int | None
+) -> tuple[Tensor, Tensor]:
+    """Sequential 'take if it fits' along the last dim of ``c`` (sorted), vectorised in rounds.
+    Returns the taken mask and the updated bytes per row."""
+    take, room = torch.zeros_like(free), cap - used
+    r = 0
+    while rounds is None or r < rounds:
+        live = free & ~take & (c <= room[..., None])  # costing more than the room: never fits
+        if rounds is None and not bool(live.any()):
+            break
+        csum = torch.cumsum(torch.where(live, c, 0.0), -1)
+        over = live & (csum > room[..., None])
+        now = live & (over.cumsum(-1) == 0)  # the prefix before the first unit that overflows
+        spent = torch.where(now, c, 0.0).sum(-1)
         take, room, used = take | now, room - spent, used + spent
-        if stop == c.numel():
-            return take, used
+        r += 1
+    return take, used
