@@ -12,7 +12,7 @@ from tiered_radix.sim.trace import synthetic_trace
 
 @pytest.fixture(scope="module")
 def trace_path(tmp_path_factory):
-    return synthetic_trace(3, steps=16).save(tmp_path_factory.mktemp("trace") / "syn.npz")
+    return synthetic_trace(3, steps=24).save(tmp_path_factory.mktemp("trace") / "syn.npz")
 
 
 def _run(capsys, *argv):
