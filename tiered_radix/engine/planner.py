@@ -25,12 +25,17 @@ from .units import UnitLayout
 @dataclass
 class Plan:
     """New tiers: ``v[l]`` int64 ``[H, U]`` per layer (all units); decoupled policies also
-    ``k[l]`` int64 ``[H, d]`` channel tiers and ``k_set[l]`` bool ``[H, T]``."""
+    ``k[l]`` int64 ``[H, d]`` channel tiers and ``k_set[l]`` bool ``[H, T]``. ``over`` is a
+    0-d bool device tensor (forced bytes exceed the budget); reading ``over_budget`` syncs."""
 
     v: list[Tensor]
     k: list[Tensor]
     k_set: list[Tensor]
-    over_budget: bool
+    over: Tensor
+
+    @property
+    def over_budget(self) -> bool:
+        return bool(self.over)
 
 
 def _constraints(store, li: int) -> Constraints:
@@ -68,7 +73,7 @@ def _forced_bytes(store, li: int, c: Constraints) -> Tensor:
 
 
 def plan_route(store) -> Plan:
-    pol = store.policy
+    pol, dev = store.policy, store.device
     cons = [_constraints(store, li) for li in range(store.n_layers)]
     forced = torch.stack([_forced_bytes(store, li, c) for li, c in enumerate(cons)])  # [L, H]
     totals = None
@@ -82,14 +87,16 @@ def plan_route(store) -> Plan:
     budget = total_budget(
         store.budget, [lay.v.n_tokens for lay in store.layers], store.n_heads, store.head_dim
     )
-    rest = budget - float(forced.sum())
-    shares = spread_shares(pol.spread, store.n_layers, store.n_heads, totals)
-    head_budget = torch.floor(shares * max(rest, 0.0)).tolist()
-    out = Plan([], [], [], over_budget=rest < 0)
+    rest = budget - forced.sum()  # float64 0-d, on device
+    shares = spread_shares(pol.spread, store.n_layers, store.n_heads, totals, dev)
+    head_budget = torch.floor(shares * rest.clamp(min=0.0))  # float64 [L, H]
+    out = Plan([], [], [], over=rest < 0)
+    if isinstance(pol.allocate, RankAllocation):
+        out.v.extend(_rank_all(store, cons, head_budget))
+        return out
+    head_budget = head_budget.tolist()
     for li, c in enumerate(cons):
-        if isinstance(pol.allocate, RankAllocation):
-            out.v.append(_rank_layer(store, li, c, head_budget[li]))
-        elif store.coupled:
+        if store.coupled:
             out.v.append(_rd_coupled(store, li, c, head_budget[li]))
         else:
             v, k, kset = _rd_decoupled(store, li, c, head_budget[li])
@@ -113,29 +120,54 @@ def _finish(store, tier_p: Tensor, cost_p: Tensor, c: Constraints) -> Tensor:
     return c.apply(tier_p + ts.offset, ts, cheapest)
 
 
-def _rank_layer(store, li: int, c: Constraints, budgets: list[float]) -> Tensor:
+def _rank_inputs(store, li: int, c: Constraints) -> tuple[Tensor, Tensor, Tensor]:
+    """Allocator inputs of one layer: score ``[H, U]``, cost ``[H, U, J]`` (forced units cost
+    0), previous policy tier ``[H, U]`` (-1: never routed)."""
     a: RankAllocation = store.policy.allocate
     ts, lay = store.tier_set, store.layers[li].v
     cost_p = _costs(store, li)[..., ts.offset :]
-    forced = (c.full | c.evict)[..., None]
     score = store.scores.evaluate(li, a.by, store.layout).float()
     u = lay.n_units
     prev = lay.tier[:, :u] - ts.offset
     routed = torch.arange(u, device=store.device) < lay.routed_units
     prev = torch.where(routed & (prev >= 0), prev, -1)
     score = torch.where(c.evict, -torch.inf, torch.nan_to_num(score, nan=-torch.inf))
-    tier_p = rank_heads(
-        score,
-        torch.where(forced, 0.0, cost_p),
-        budgets,
-        shares=a.shares,
-        previous=prev,
-        hysteresis=a.hysteresis,
-        has_evict=ts.evict is not None,
-    )
-    if ts.evict is None:  # left over by the allocator: the cheapest tier (over budget, flagged)
-        tier_p = torch.where(tier_p == cost_p.shape[-1], cost_p.argmin(-1), tier_p)
-    return _finish(store, tier_p, cost_p, c)
+    return score, torch.where((c.full | c.evict)[..., None], 0.0, cost_p), prev
+
+
+def _rank_all(store, cons: list[Constraints], budgets: Tensor) -> list[Tensor]:
+    """Rank allocation of every layer, stacked into one allocator call when the layers hold
+    the same number of units (else one call per layer); ``budgets`` float64 ``[L, H]``."""
+    a: RankAllocation = store.policy.allocate
+    ts = store.tier_set
+    # the allocator is exact with rounds > distinct positive costs per tier column: a unit's
+    # cost is its tier's bytes plus the copies it keeps, one of 2**Q values with Q quantized
+    # tiers under a write-once ledger, a single value otherwise (forced units cost 0)
+    rounds = (2 ** len(ts.quantized) if store.policy.ledger.write_once else 1) + 1
+    inputs = [_rank_inputs(store, li, c) for li, c in enumerate(cons)]
+    groups = [list(range(store.n_layers))]
+    if len({x[0].shape[-1] for x in inputs}) > 1:
+        groups = [[li] for li in range(store.n_layers)]
+    out = []
+    for g in groups:
+        score, cost, prev = (torch.stack([inputs[li][i] for li in g]) for i in range(3))
+        tier_p = rank_heads(
+            score,
+            cost,
+            budgets[g],
+            shares=a.shares,
+            previous=prev,
+            hysteresis=a.hysteresis,
+            has_evict=ts.evict is not None,
+            rounds=rounds,
+        )
+        for i, li in enumerate(g):
+            cost_p = _costs(store, li)[..., ts.offset :]
+            t = tier_p[i]
+            if ts.evict is None:  # left by the allocator: the cheapest tier (over budget, flagged)
+                t = torch.where(t == cost_p.shape[-1], cost_p.argmin(-1), t)
+            out.append(_finish(store, t, cost_p, cons[li]))
+    return out
 
 
 def _weights(store, li: int, expr, layout: UnitLayout) -> Tensor:

@@ -92,20 +92,25 @@ def total_budget(budget: Budget, tokens_per_layer: list[int], n_heads: int, head
 
 
 def spread_shares(
-    spread: Spread, n_layers: int, n_heads: int, totals: Tensor | None = None
+    spread: Spread,
+    n_layers: int,
+    n_heads: int,
+    totals: Tensor | None = None,
+    device: torch.device | None = None,
 ) -> Tensor:
-    """float64 ``[L, H]`` shares summing to 1. ``totals[L, H]`` for ``proportional``."""
-    if spread.kind == "proportional":
-        assert totals is not None
-        t = torch.nan_to_num(totals.double().cpu(), nan=0.0, posinf=0.0).clamp(min=0)
-        if float(t.sum()) > 0:
-            return t / t.sum()
-    w = torch.ones(n_layers, dtype=torch.float64)
+    """float64 ``[L, H]`` shares summing to 1 on ``device`` (no host sync). ``totals[L, H]``
+    for ``proportional``."""
+    w = torch.ones(n_layers, dtype=torch.float64, device=device)
     if spread.kind == "pyramid" and n_layers > 1:
-        w = spread.ratio + (1 - spread.ratio) * torch.arange(n_layers) / (n_layers - 1)
-        w = w.double()
-    w = (w / w.sum())[:, None].expand(n_layers, n_heads)
-    return w / n_heads
+        pos = torch.arange(n_layers, device=device)
+        w = (spread.ratio + (1 - spread.ratio) * pos / (n_layers - 1)).double()
+    even = (w / w.sum())[:, None].expand(n_layers, n_heads) / n_heads
+    if spread.kind != "proportional":
+        return even
+    assert totals is not None
+    t = torch.nan_to_num(totals.double().to(device), nan=0.0, posinf=0.0).clamp(min=0)
+    total = t.sum()
+    return torch.where(total > 0, t / torch.where(total > 0, total, 1.0), even)
 
 
 def coupled_costs(
@@ -147,29 +152,35 @@ class Constraints:
 def rank_heads(
     score: Tensor,
     cost: Tensor,
-    budget: list[float],
+    budget: Tensor,
     *,
     shares,
     previous: Tensor,
     hysteresis: float,
     has_evict: bool,
+    rounds: int,
 ) -> Tensor:
-    """Rank allocation for every head of one layer: ``score[H, U]`` (-inf: evict),
-    ``cost[H, U, J]`` (policy tiers), ``previous[H, U]`` (policy tier index, -1 for units never
-    routed). Without an evict tier a zero-cost column is appended for the allocator and the
-    units it leaves there come back as ``J`` (the caller moves them to their cheapest tier).
-    Returns int64 ``[H, U]`` policy tier indices. ``rank_allocate`` is per head: one call each.
+    """Rank allocation for every row at once: ``score[..., U]`` (-inf: evict), ``cost[..., U,
+    J]`` (policy tiers), ``budget[...]`` float64 bytes, ``previous[..., U]`` (policy tier index,
+    -1 for units never routed); ``...`` is ``[H]`` or ``[L, H]``. Without an evict tier a
+    zero-cost column is appended for the allocator and the units it leaves there come back as
+    ``J`` (the caller moves them to their cheapest tier). ``rounds``: see ``rank_allocate``.
+    Returns int64 ``[..., U]`` policy tier indices; one allocator call, no host sync.
     """
     from .allocate_rank import rank_allocate
 
     if not has_evict:
-        cost = torch.cat([cost, cost.new_zeros(*cost.shape[:2], 1)], -1)
+        cost = torch.cat([cost, cost.new_zeros(*cost.shape[:-1], 1)], -1)
     last = cost.shape[-1] - 1
     previous = torch.where(previous < 0, last, previous)
-    out = [
-        rank_allocate(
-            score[h], cost[h], budget[h], shares=shares, previous=previous[h], hysteresis=hysteresis
-        ).long()
-        for h in range(score.shape[0])
-    ]
-    return torch.stack(out)
+    tier = rank_allocate(
+        score,
+        cost,
+        budget,
+        shares=shares,
+        previous=previous,
+        hysteresis=hysteresis,
+        rounds=rounds,
+        validate=False,
+    )
+    return tier.long()
