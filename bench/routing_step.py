@@ -1,8 +1,8 @@
 """Time one routing step of the tier engine (issue target: 32 layers x 8 KV heads x 128K tokens,
 32-token windows, < 5 ms on an H200).
 
-Measured separately, each the median over ``--repeats`` steps (fresh random attention each
-step, so scores and tiers change):
+Measured separately after ``--warmup`` untimed plans, each the median over ``--repeats`` steps
+(default 20; fresh random attention each step, so scores and tiers change):
 
 - ``plan_ms``: scores -> tiers for every layer (``TierStore.plan``) plus the transition masks
   (which units change, and how): the allocation/bookkeeping part of ``route()``.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -93,6 +94,18 @@ def transition_masks(store: TierStore, plan) -> int:
     return int(torch.stack(n).sum())  # the one host sync at the end
 
 
+def versions() -> dict:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    out["cuda"] = torch.version.cuda
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
@@ -102,17 +115,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, default=128 * 1024)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--budget", type=float, default=0.1)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed plans before timing")
     ap.add_argument("--tiny", action="store_true", help="2 layers x 2 heads x 2048 tokens, CPU")
     ap.add_argument("--out", default=None, help="folder for routing_step.json")
     args = ap.parse_args(argv)
     if args.tiny:
         args.layers, args.heads, args.tokens, args.head_dim, args.repeats = 2, 2, 2048, 64, 3
+        args.warmup = 1
     device = torch.device(args.device)
     store = build(args, device)
     observe(store, args, device, 1)
     with Timer(device) as first:
         store.route("after_prefill")  # quantizes most of the cache once
+    for _ in range(args.warmup):  # plan() does not change the store
+        transition_masks(store, store.plan())
     plan_ms, moved, apply_ms = [], [], []
     for r in range(args.repeats):
         observe(store, args, device, 2 + r)
@@ -126,6 +143,9 @@ def main(argv=None) -> dict:
     units = sum(store.tiers(li).numel() for li in range(args.layers))
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": versions(),
+        "timer": "cuda events" if device.type == "cuda" else "wall clock",
+        "warmup": args.warmup,
         "policy": args.policy,
         "layers": args.layers,
         "kv_heads": args.heads,
