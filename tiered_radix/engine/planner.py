@@ -120,9 +120,9 @@ def _finish(store, tier_p: Tensor, cost_p: Tensor, c: Constraints) -> Tensor:
     return c.apply(tier_p + ts.offset, ts, cheapest)
 
 
-def _rank_inputs(store, li: int, c: Constraints) -> tuple[Tensor, Tensor, Tensor]:
+def _rank_inputs(store, li: int, c: Constraints) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Allocator inputs of one layer: score ``[H, U]``, cost ``[H, U, J]`` (forced units cost
-    0), previous policy tier ``[H, U]`` (-1: never routed)."""
+    0), previous policy tier ``[H, U]`` (-1: never routed); and the unmasked cost."""
     a: RankAllocation = store.policy.allocate
     ts, lay = store.tier_set, store.layers[li].v
     cost_p = _costs(store, li)[..., ts.offset :]
@@ -132,7 +132,7 @@ def _rank_inputs(store, li: int, c: Constraints) -> tuple[Tensor, Tensor, Tensor
     routed = torch.arange(u, device=store.device) < lay.routed_units
     prev = torch.where(routed & (prev >= 0), prev, -1)
     score = torch.where(c.evict, -torch.inf, torch.nan_to_num(score, nan=-torch.inf))
-    return score, torch.where((c.full | c.evict)[..., None], 0.0, cost_p), prev
+    return score, torch.where((c.full | c.evict)[..., None], 0.0, cost_p), prev, cost_p
 
 
 def _rank_all(store, cons: list[Constraints], budgets: Tensor) -> list[Tensor]:
@@ -162,8 +162,7 @@ def _rank_all(store, cons: list[Constraints], budgets: Tensor) -> list[Tensor]:
             rounds=rounds,
         )
         for i, li in enumerate(g):
-            cost_p = _costs(store, li)[..., ts.offset :]
-            t = tier_p[i]
+            cost_p, t = inputs[li][3], tier_p[i]
             if ts.evict is None:  # left by the allocator: the cheapest tier (over budget, flagged)
                 t = torch.where(t == cost_p.shape[-1], cost_p.argmin(-1), t)
             out.append(_finish(store, t, cost_p, cons[li]))
