@@ -149,7 +149,7 @@ class Trace:
                 raise TraceError(
                     f"{name}: {len(arrays)} arrays for {len(m.layers)} layers {list(m.layers)}"
                 )
-            for layer, a in zip(m.layers, arrays):
+            for layer, a in zip(m.layers, arrays, strict=True):
                 key = f"{name}_{layer}"
                 if not isinstance(a, np.ndarray) or a.dtype != dtype:
                     got = getattr(a, "dtype", type(a).__name__)
@@ -158,7 +158,7 @@ class Trace:
                     raise TraceError(f"{key}: expected shape {shape} {doc}, got {a.shape}")
                 if not np.isfinite(a).all():
                     raise TraceError(f"{key}: contains NaN or infinity")
-        for layer, cm in zip(m.layers, self.colmass):
+        for layer, cm in zip(m.layers, self.colmass, strict=True):
             # Every causal prompt row is a distribution: each KV head collects G * prompt_len.
             want = m.group * p
             if (cm < 0).any() or not np.allclose(cm.sum(axis=1, dtype=np.float64), want, rtol=1e-3):
@@ -172,13 +172,14 @@ class Trace:
         try:
             return self.meta.layers.index(layer)
         except ValueError:
-            raise TraceError(f"layer {layer} was not recorded; have {list(self.meta.layers)}")
+            have = list(self.meta.layers)
+            raise TraceError(f"layer {layer} was not recorded; have {have}") from None
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         arrays = {"meta": np.array(self.meta.to_json())}
         for name in ARRAYS:
-            for layer, a in zip(self.meta.layers, getattr(self, name)):
+            for layer, a in zip(self.meta.layers, getattr(self, name), strict=True):
                 arrays[f"{name}_{layer}"] = a
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:  # a file object stops numpy from appending ".npz"
@@ -248,22 +249,27 @@ def synthetic_trace(
     logit falls with distance), and one direction per heavy window of ``window`` prompt tokens.
     A window's direction is on in prefill queries right after it and in two separate decode
     intervals, so its attention mass rises, falls and reactivates. ``meta.extra`` records
-    ``windows`` (``[start, end)`` token spans) and ``active`` (per window, ``[s0, s1)`` steps).
+    ``windows`` (``[start, end)`` token spans) and ``active`` (per window, two ``[s0, s1)`` decode
+    step intervals).
     """
     rng = np.random.default_rng(seed)
     d, p, t = head_dim, prompt_len, prompt_len + steps
-    assert d >= 3 + n_windows and p >= 2 * window * (n_windows + 1) and steps >= 8
+    assert d >= 3 + n_windows and p >= 2 * window * (n_windows + 1) and steps >= 6 * n_windows
     amp = np.sqrt(5.0 * np.sqrt(d))  # a matching key/query component adds ~5 to the logit
     omega = np.pi / (2 * t)  # cos(omega * distance) decreases over the whole trace
     slots = rng.choice(np.arange(1, p // (2 * window)), n_windows, replace=False)
     starts = np.sort(slots) * 2 * window  # windows never touch each other
     windows = [[int(s), int(s) + window] for s in starts]
-    quarter, on = steps // 4, steps // 8
-    active = []
-    for _ in windows:  # two on-intervals of `on` steps, separated by at least a quarter
-        a = int(rng.integers(0, quarter))
-        b = int(rng.integers(a + 2 * quarter, steps - on + 1))
-        active.append([[a, a + on], [b, b + on]])
+    # Decode steps form 2 * n_windows slots; each window is on in one slot of the first half and
+    # one of the second half (a shuffled order), never two windows at once.
+    slot = steps // (2 * n_windows)
+    second = n_windows + rng.permutation(n_windows)
+    while n_windows > 1 and second[-1] == n_windows:  # keep an off slot before every return
+        second = n_windows + rng.permutation(n_windows)
+    active = [
+        [[w * slot, w * slot + slot - 1], [int(j) * slot, int(j) * slot + slot - 1]]
+        for w, j in enumerate(second)
+    ]
     pos = np.arange(t)
     kk, vv, qq, cms, qns = [], [], [], [], []
     for _ in layers:
@@ -271,7 +277,7 @@ def synthetic_trace(
         sink, rot_c, rot_s, win_dirs = basis[0], basis[1], basis[2], basis[3 : 3 + n_windows]
         rot = np.cos(omega * pos)[:, None] * rot_c + np.sin(omega * pos)[:, None] * rot_s
         k = rng.standard_normal((n_heads_kv, t, d)) + amp * rot
-        k[:, 0] += 1.2 * amp * sink
+        k[:, 0] += 1.6 * amp * sink
         q = rng.standard_normal((t, n_heads_q, d)) + (amp * rot + amp * sink)[:, None]
         for w, (s0, s1) in enumerate(windows):
             k[:, s0:s1] += amp * win_dirs[w]
