@@ -146,7 +146,10 @@ def flashinfer_peer(q, kf, vf, fp8, dev):
 
 
 def sglang_peer(q, kf, vf, splits, dev):
-    from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
+    try:  # SGLang 0.5.17 moved its Triton ops out of layers/
+        from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+    except ImportError:
+        from sglang.srt.layers.attention.triton_ops.decode_attention import decode_attention_fwd
 
     batch, hq, d = q.shape
     ctx, hkv = kf.shape[1], kf.shape[2]
@@ -159,7 +162,7 @@ def sglang_peer(q, kf, vf, splits, dev):
         attn_logits=torch.empty(batch, hq, splits, d, device=dev),
         attn_lse=torch.empty(batch, hq, splits, device=dev),
         num_kv_splits=torch.full((batch,), splits, device=dev, dtype=torch.int32),
-        max_kv_splits=splits, sm_scale=d**-0.5,
+        max_kv_splits=splits, sm_scale=d**-0.5, k_scale=1.0, v_scale=1.0,
     )  # fmt: skip
     names = inspect.signature(decode_attention_fwd).parameters
     kw = {k: a for k, a in args.items() if k in names}
