@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,3 +161,16 @@ def test_index(trace):
     assert trace.index(1) == 1
     with pytest.raises(TraceError, match=r"layer 5 was not recorded; have \[0, 1\]"):
         trace.index(5)
+
+
+def test_shipped_needle_trace():
+    path = Path(__file__).resolve().parents[2] / "examples" / "traces" / "smollm2-needle.npz"
+    tr = Trace.load(path)
+    m = tr.meta
+    assert m.model == "smollm2-135m" and 64 <= m.steps <= 96 and path.stat().st_size < 8 << 20
+    assert m.extra["answer"] in m.generated_text
+    a, b = m.extra["needle_tokens"]
+    li = tr.index(17)
+    mass = np.array([_decode_probs(tr, li, s)[:, a:b].sum(axis=1).max() for s in range(m.steps)])
+    # the needle is read, dropped, and read again when the digits are written
+    assert mass[1:4].min() > 0.3 and mass[6:10].max() < 0.05 and mass[12:18].min() > 0.5
