@@ -147,3 +147,9 @@ def test_layer_subset_and_eos(model, prompt, trace):
 def test_bad_layers(model, prompt):
     with pytest.raises(TraceError, match=r"layers: expected indices in \[0, 2\)"):
         record_from_model(model, prompt, steps=2, layers=[2], progress=False)
+
+
+def test_one_token_prompt(model):
+    tr = record_from_model(model, [5], steps=3, layers=[0], progress=False)
+    assert tr.meta.prompt_len == 1 and tr.meta.steps == 3 and tr.q[0].shape == (3, 4, 16)
+    np.testing.assert_allclose(tr.colmass[0], [[2.0], [2.0]], rtol=1e-6)  # G * P, all on token 0

@@ -44,7 +44,7 @@ class _Recorder:
         layer = module.layer_idx
         if layer in self.layers:
             self.scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-            if tq > 1:
+            if layer not in self.prefill_q:  # the first call is the prefill (any prompt length)
                 self.prefill_q[layer] = query[0].transpose(0, 1).detach().clone()
             else:
                 self.decode_q[layer].append(query[0, :, 0].detach().clone())
@@ -68,9 +68,10 @@ def record_from_model(
     """Prefill ``prompt_ids`` then greedy-decode up to ``steps`` tokens, recording ``layers``.
 
     ``model`` is a transformers causal LM whose attention goes through ``AttentionInterface``
-    (Llama, Qwen2, ...). Decoding stops early before feeding a token in ``eos_ids``, so
-    ``trace.meta.steps`` may be smaller than ``steps``. ``decode(ids) -> str`` renders the
-    generated text. Returns a validated ``Trace`` (queries/keys/values cast to float16).
+    (Llama, Qwen2, ...). The attention function is registered globally under ``ATTN_NAME``, so
+    run one recording at a time per process. Decoding stops early before feeding a token in
+    ``eos_ids``, so ``trace.meta.steps`` may be smaller than ``steps``. ``decode(ids) -> str``
+    renders the generated text. Returns a validated ``Trace`` (q/k/v cast to float16).
 
     Raises:
         TraceError: bad ``layers`` / ``steps`` / empty prompt.
