@@ -26,25 +26,41 @@ def _color(i: int):
 
 
 def plot_bytes(report: dict, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for i, e in enumerate(report["policies"]):
+    fig, (ax, zoom) = plt.subplots(1, 2, figsize=(13, 5.5))
+    entries = report["policies"]
+    shared = all(
+        e["series"]["budget_bytes"] == entries[0]["series"]["budget_bytes"] for e in entries
+    )
+    top = 0.0
+    for i, e in enumerate(entries):
         s = e["series"]
         x, full = np.array(s["seq_len"]), np.array(s["full_bytes"], float)
-        ax.plot(x, 100 * np.array(s["bytes_used"]) / full, color=_color(i), label=e["policy"])
-        ax.plot(
-            x, 100 * np.array(s["budget_bytes"]) / full, color=_color(i), ls="--", lw=1, alpha=0.7
-        )
-    ax.plot([], [], color="gray", ls="--", lw=1, label="budget (same colour)")
+        held, budget = (100 * np.array(s[k]) / full for k in ("bytes_used", "budget_bytes"))
+        for a in (ax, zoom):
+            a.plot(x, held, color=_color(i), label=e["policy"])
+            if not shared:
+                a.plot(x, budget, color=_color(i), ls="--", lw=1, alpha=0.7)
+        top = max(top, budget.max())
+    for a in (ax, zoom):
+        if shared:
+            a.plot(x, budget, color="black", ls="--", lw=1.2, label="budget")
+        else:
+            a.plot([], [], color="gray", ls="--", lw=1, label="budget (same colour)")
+        a.set_xlabel("tokens in cache (prompt + decoded)")
+        a.grid(True, which="both", alpha=0.3)
     ax.set_yscale("log")
     pct = FuncFormatter(lambda y, _: f"{y:g}%")
     ax.yaxis.set_major_formatter(pct)
     ax.yaxis.set_minor_formatter(pct)
     ax.tick_params(axis="y", which="minor", labelsize=7)
-    ax.set_xlabel("tokens in cache (prompt + decoded)")
     ax.set_ylabel("KV bytes, % of full precision (log scale)")
-    ax.set_title(f"Bytes held vs budget: {report['trace']['model']}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
+    ax.set_title("All policies")
+    zoom.set_ylim(0, min(100.0, 3 * top))
+    zoom.yaxis.set_major_formatter(pct)
+    zoom.set_ylabel("KV bytes, % of full precision")
+    zoom.set_title(f"Near the budget (0 to {min(100.0, 3 * top):g}%)")
+    zoom.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9)
+    fig.suptitle(f"Bytes held vs budget: {report['trace']['model']}")
     return _save(fig, path)
 
 

@@ -189,7 +189,10 @@ def markdown_report(report: dict) -> str:
         markdown_table(report),
         "",
         "bytes / full: mean store bytes over the full-precision bytes of the same tokens. "
-        "max bytes / budget: worst step after routing (> 1.00 means over budget). err: relative "
+        "max bytes / budget: the worst step, bytes after that step (and its routing, if any) "
+        "over its budget; > 1.00 is over budget: new tokens stay at full precision between "
+        "routing steps, and a policy without an evict tier cannot go below its cheapest tier. "
+        "err: relative "
         "attention-output error ||o - o_full|| / ||o_full|| over steps, layers and query heads. "
         "FMM: share of the oracle's attention on evicted tokens. LIR: Global LIR with active = "
         "the policy's full tier; LIR oracle: active = the oracle's 90% mass set. churn/route: "

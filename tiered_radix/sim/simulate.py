@@ -7,9 +7,9 @@ decode step ``s`` appends token ``prompt_len + s``, attends with ``q_s`` over wh
 mass back as the policy's ``attn`` signal, and routes when ``schedule_due(s)``.
 
 The store holds the trace's float16 values, so a full-tier row equals the oracle's row bit for
-bit: the ``full`` policy has zero error, and "active" (full tier) is detected per token as a kept
-row whose K and V both equal the recorded ones. Attention is one query row per step, never a
-``[T, T]`` matrix.
+bit and the ``full`` policy has zero error. A token is "active" (for the policy's Global LIR) when
+its unit is in the full tier (engine tier 0; for RDKV its V row is at 16 bits, K channels aside),
+a promoted unit included. Attention is one query row per step, never a ``[T, T]`` matrix.
 """
 
 from __future__ import annotations
@@ -207,6 +207,7 @@ def simulate(
     k32, v32 = [a.float() for a in k16], [a.float() for a in v16]
     qs = [torch.from_numpy(a) for a in trace.q]
     rec = DiagnosticsRecorder(n_l, h, steps, m.total_len)
+    size = policy.v.size if policy.v.kind == "window" else 1  # tokens per tiers() unit
     n = steps + 1
     cols = {
         name: np.zeros(n, np.int64)
@@ -247,7 +248,7 @@ def simulate(
             o, mass = attend(qs[li][s], kh, vh, kept, m.sm_scale)
             o_ref, mass_ref = attend(qs[li][s], k32[li][:, :t], v32[li][:, :t], None, m.sm_scale)
             error[s, li] = _relative_error(o, o_ref).numpy()
-            full = kept & (kh == k16[li][:, :t]).all(-1) & (vh == v16[li][:, :t]).all(-1)
+            full = kept & (store.tiers(li).repeat_interleave(size, dim=1)[:, :t] == 0)
             rec.step(li, s, mass_ref, ~kept, full)
             store.observe(li, Signals(attn=mass, colmass=None, obs_attn=None, qnorm=None))
         record(s + 1, peak, store.route(f"decode step {s}") if store.schedule_due(s) else None)
