@@ -3,18 +3,12 @@ cache (rebuilt here from the dense K/V and the plan, independently of the byte l
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_guard import CUDA, require_triton  # noqa: E402
 
-CUDA = torch.cuda.is_available()
+require_triton()
 DEV = "cuda" if CUDA else "cpu"
-if not CUDA:  # must precede the import of any @triton.jit module
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="Triton is not installed")
-if not CUDA and os.environ["TRITON_INTERPRET"] != "1":
-    pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 from tiered_radix.kernels import decode  # noqa: E402
 from tiered_radix.kernels.layout import TierPlan, build_trizone  # noqa: E402

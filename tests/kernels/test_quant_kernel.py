@@ -7,17 +7,11 @@ On CPU the kernels run under ``TRITON_INTERPRET=1`` at small sizes; on CUDA at l
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_guard import CUDA, require_triton  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-if not CUDA:  # must precede the import of any @triton.jit module
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton", reason="Triton is not installed")
-if not CUDA and os.environ["TRITON_INTERPRET"] != "1":
-    pytest.skip("no CUDA and TRITON_INTERPRET is not 1", allow_module_level=True)
+require_triton()
 
 from tiered_radix.kernels.quant import dequantize_unpack, quantize_pack  # noqa: E402
 
