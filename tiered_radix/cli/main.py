@@ -39,9 +39,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _model_fetch(args: argparse.Namespace) -> int:
-    from ..models.fetch import fetch
+    from ..models import ModelError, fetch
 
-    print(fetch(args.name))
+    try:
+        print(fetch(args.name))
+    except ModelError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
