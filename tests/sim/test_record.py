@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tiered_radix.sim.record import record_from_model  # noqa: E402
-from tiered_radix.sim.trace import Trace, TraceError  # noqa: E402
+from tiered_radix.sim.trace import OBS_WINDOW, Trace, TraceError  # noqa: E402
 
 P, STEPS = 40, 10
 
@@ -89,6 +89,17 @@ def test_colmass_matches_dense_eager_attention(trace, reference):
         assert want.max() > 3 * want.mean()  # attention is far from uniform
 
 
+def test_obs_attn_matches_last_prompt_rows_of_eager_attention(trace, reference):
+    out, _ = reference
+    m = trace.meta
+    assert P > OBS_WINDOW  # the window is a strict suffix of the prompt rows
+    for li, layer in enumerate(m.layers):
+        att = out.attentions[layer][0, :, P - OBS_WINDOW : P, :P].double()  # [H_q, 32, P]
+        want = att.reshape(m.n_heads_kv, m.group, OBS_WINDOW, P).sum(dim=(1, 2)).numpy()
+        np.testing.assert_allclose(trace.obs_attn[li], want, rtol=1e-4, atol=1e-5)
+        assert np.abs(trace.obs_attn[li] - trace.colmass[li]).max() > 1.0  # not all the rows
+
+
 def test_qnorm_matches_model_queries(model, trace, prompt):
     m = trace.meta
     captured = {}
@@ -153,3 +164,4 @@ def test_one_token_prompt(model):
     tr = record_from_model(model, [5], steps=3, layers=[0], progress=False)
     assert tr.meta.prompt_len == 1 and tr.meta.steps == 3 and tr.q[0].shape == (3, 4, 16)
     np.testing.assert_allclose(tr.colmass[0], [[2.0], [2.0]], rtol=1e-6)  # G * P, all on token 0
+    np.testing.assert_allclose(tr.obs_attn[0], [[2.0], [2.0]], rtol=1e-6)  # the window is P = 1

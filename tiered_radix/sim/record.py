@@ -3,8 +3,9 @@
 The recorder registers an attention function with transformers' ``AttentionInterface`` that
 computes exactly what ``sdpa`` computes (batch 1, causal prefill, full-context decode) and keeps
 the post-RoPE queries, keys and values of the chosen layers. It runs one prefill over the prompt
-and then ``steps`` greedy decode steps, one token each. Column mass and query channel norms are
-computed afterwards from the prefill queries in row chunks (``trace.prefill_stats``).
+and then ``steps`` greedy decode steps, one token each. Column mass, query channel norms and the
+observation-window mass (``obs_attn``) are computed afterwards from the float32 prefill queries
+in row chunks (``trace.prefill_stats``).
 """
 
 from __future__ import annotations
@@ -108,20 +109,18 @@ def record_from_model(
 
 def _to_trace(rec, prompt_ids, generated, decode, model_name, prompt, extra, model) -> Trace:
     p, layers = len(prompt_ids), tuple(sorted(rec.layers))
-    k, v, q, cm, qn = [], [], [], [], []
+    k, v, q, stats = [], [], [], []
     for layer in layers:
         key, value = rec.kv[layer]
         qd = rec.decode_q[layer]
-        colmass, qnorm = prefill_stats(
+        stats.append(prefill_stats(
             rec.prefill_q[layer].float().numpy(), key[:, :p].transpose(0, 1).float().numpy(),
             rec.scale,
-        )  # fmt: skip
+        ))  # fmt: skip
         k.append(key.to(torch.float16).numpy())
         v.append(value.to(torch.float16).numpy())
         hq_d = rec.prefill_q[layer].shape[1:]
         q.append((torch.stack(qd) if qd else torch.zeros(0, *hq_d)).to(torch.float16).numpy())
-        cm.append(colmass)
-        qn.append(qnorm)
     hkv, _, d = k[0].shape
     meta = TraceMeta(
         model=model_name, layers=layers, n_heads_q=rec.prefill_q[layers[0]].shape[1],
@@ -131,7 +130,8 @@ def _to_trace(rec, prompt_ids, generated, decode, model_name, prompt, extra, mod
         extra={"source": "recorded", "dtype": str(model.dtype).removeprefix("torch."),
                **(extra or {})},
     )  # fmt: skip
-    return Trace(meta, tuple(k), tuple(v), tuple(q), tuple(cm), tuple(qn))
+    cm, qn, obs = (tuple(x) for x in zip(*stats, strict=True))
+    return Trace(meta, tuple(k), tuple(v), tuple(q), cm, qn, obs)
 
 
 def record_trace(

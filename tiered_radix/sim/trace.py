@@ -1,4 +1,4 @@
-"""Attention-trace files (format version 1; field by field in ``docs/trace-format.md``).
+"""Attention-trace files (format version 2; field by field in ``docs/trace-format.md``).
 
 A trace is one ``.npz`` (loaded with ``allow_pickle=False``) holding a JSON metadata string
 ``meta`` and, for every recorded layer ``l`` (``meta.layers``), with ``T = prompt_len + steps``:
@@ -11,21 +11,30 @@ A trace is one ``.npz`` (loaded with ``allow_pickle=False``) holding a JSON meta
   summed over the causal prompt query rows and the GQA group (RDKV's V-token weight)
 - ``qnorm_{l}``   ``[H_kv, d]``               float32  prefill query channel L2 norms over the
   prompt rows and the GQA group (RDKV's ``||Q[:, c]||``)
+- ``obs_attn_{l}`` ``[H_kv, prompt_len]``     float32  (version 2) like ``colmass`` but summed over
+  the last ``min(OBS_WINDOW, prompt_len)`` prompt query rows only (SnapKV's observation window)
 
-Decode attention probabilities are not stored: readers recompute them from ``q`` and ``k``.
-Query head ``hq`` reads KV head ``hq // (H_q // H_kv)``.
+Version 1 files (no ``obs_attn``) still load, with ``Trace.obs_attn = None``. Decode attention
+probabilities are not stored: readers recompute them from ``q`` and ``k``. Query head ``hq``
+reads KV head ``hq // (H_q // H_kv)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
-FORMAT_VERSION = 1
-ARRAYS = ("k", "v", "q", "colmass", "qnorm")
+FORMAT_VERSION = 2
+OBS_WINDOW = 32  # SnapKV's observation window: the last 32 prompt queries (policy `obs_attn`)
+ARRAYS = {
+    1: ("k", "v", "q", "colmass", "qnorm"),
+    2: ("k", "v", "q", "colmass", "qnorm", "obs_attn"),
+}
 
 
 class TraceError(ValueError):
@@ -93,8 +102,8 @@ def _check_meta(m: TraceMeta) -> None:
         val = getattr(m, name)
         if not isinstance(val, int) or isinstance(val, bool) or val < 0:
             raise TraceError(f"meta.{name}: expected a non-negative int, got {val!r}")
-    if m.version != FORMAT_VERSION:
-        raise TraceError(f"meta.version: expected {FORMAT_VERSION}, got {m.version}")
+    if m.version not in ARRAYS:
+        raise TraceError(f"meta.version: expected one of {sorted(ARRAYS)}, got {m.version}")
     for name in ("n_heads_q", "n_heads_kv", "head_dim", "prompt_len"):
         if getattr(m, name) == 0:
             raise TraceError(f"meta.{name}: must be at least 1")
@@ -122,6 +131,7 @@ def _check_meta(m: TraceMeta) -> None:
 class Trace:
     """One recorded (or synthetic) trace; arrays are tuples aligned with ``meta.layers``.
 
+    ``obs_attn`` is present exactly when ``meta.version >= 2`` (``None`` for a version 1 trace).
     Validated on construction. Raises ``TraceError`` naming the bad field.
     """
 
@@ -131,10 +141,16 @@ class Trace:
     q: tuple[np.ndarray, ...]
     colmass: tuple[np.ndarray, ...]
     qnorm: tuple[np.ndarray, ...]
+    obs_attn: tuple[np.ndarray, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_meta(self.meta)
         m = self.meta
+        if (self.obs_attn is None) != (m.version == 1):
+            raise TraceError(
+                f"obs_attn: a version {m.version} trace must "
+                + ("not carry obs_attn" if m.version == 1 else "carry obs_attn (one per layer)")
+            )
         hkv, hq, d, p, t = m.n_heads_kv, m.n_heads_q, m.head_dim, m.prompt_len, m.total_len
         spec = {
             "k": ((hkv, t, d), np.float16, "[H_kv, T, d]"),
@@ -142,8 +158,10 @@ class Trace:
             "q": ((m.steps, hq, d), np.float16, "[steps, H_q, d]"),
             "colmass": ((hkv, p), np.float32, "[H_kv, prompt_len]"),
             "qnorm": ((hkv, d), np.float32, "[H_kv, d]"),
+            "obs_attn": ((hkv, p), np.float32, "[H_kv, prompt_len]"),
         }
-        for name, (shape, dtype, doc) in spec.items():
+        for name in ARRAYS[m.version]:
+            shape, dtype, doc = spec[name]
             arrays = getattr(self, name)
             if len(arrays) != len(m.layers):
                 raise TraceError(
@@ -158,14 +176,21 @@ class Trace:
                     raise TraceError(f"{key}: expected shape {shape} {doc}, got {a.shape}")
                 if not np.isfinite(a).all():
                     raise TraceError(f"{key}: contains NaN or infinity")
-        for layer, cm in zip(m.layers, self.colmass, strict=True):
-            # Every causal prompt row is a distribution: each KV head collects G * prompt_len.
-            want = m.group * p
-            if (cm < 0).any() or not np.allclose(cm.sum(axis=1, dtype=np.float64), want, rtol=1e-3):
-                raise TraceError(
-                    f"colmass_{layer}: each row must be >= 0 and sum to G * prompt_len = {want}, "
-                    f"got sums {cm.sum(axis=1).round(3).tolist()}"
-                )
+        # Every causal prompt row is a distribution: each KV head collects G * (rows summed).
+        masses = [("colmass", self.colmass, "G * prompt_len", m.group * p)]
+        if self.obs_attn is not None:
+            w = min(OBS_WINDOW, p)
+            masses.append(
+                ("obs_attn", self.obs_attn, f"G * min({OBS_WINDOW}, prompt_len)", m.group * w)
+            )
+        for name, arrays, what, want in masses:
+            for layer, a in zip(m.layers, arrays, strict=True):
+                sums = a.sum(axis=1, dtype=np.float64)
+                if (a < 0).any() or not np.allclose(sums, want, rtol=1e-3):
+                    raise TraceError(
+                        f"{name}_{layer}: each row must be >= 0 and sum to {what} = {want}, "
+                        f"got sums {sums.round(3).tolist()}"
+                    )
 
     def index(self, layer: int) -> int:
         """Position of model layer ``layer`` in the per-layer tuples."""
@@ -178,7 +203,7 @@ class Trace:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         arrays = {"meta": np.array(self.meta.to_json())}
-        for name in ARRAYS:
+        for name in ARRAYS[self.meta.version]:
             for layer, a in zip(self.meta.layers, getattr(self, name), strict=True):
                 arrays[f"{name}_{layer}"] = a
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,20 +227,34 @@ class Trace:
             raise TraceError(f"{path}: missing 'meta' (a JSON string array)")
         meta = TraceMeta.from_json(str(data.pop("meta")))
         _check_meta(meta)
-        want = {f"{n}_{layer}" for n in ARRAYS for layer in meta.layers}
+        names = ARRAYS[meta.version]
+        want = {f"{n}_{layer}" for n in names for layer in meta.layers}
         if missing := sorted(want - set(data)):
             raise TraceError(f"{path}: missing arrays {missing} for layers {list(meta.layers)}")
         if extra := sorted(set(data) - want):
             raise TraceError(f"{path}: unexpected arrays {extra}")
-        per = {n: tuple(data[f"{n}_{layer}"] for layer in meta.layers) for n in ARRAYS}
+        per = {n: tuple(data[f"{n}_{layer}"] for layer in meta.layers) for n in names}
         return cls(meta=meta, **per)
 
 
-def prefill_stats(q: np.ndarray, k: np.ndarray, sm_scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """``colmass [H_kv, P]`` and ``qnorm [H_kv, d]`` (float32) of a causal prefill.
+class PrefillStats(NamedTuple):
+    """Per-layer prefill signals, float32: ``colmass [H_kv, P]``, ``qnorm [H_kv, d]``,
+    ``obs_attn [H_kv, P]``."""
+
+    colmass: np.ndarray
+    qnorm: np.ndarray
+    obs_attn: np.ndarray
+
+
+def prefill_stats(
+    q: np.ndarray, k: np.ndarray, sm_scale: float, *, obs_window: int = OBS_WINDOW
+) -> PrefillStats:
+    """Column mass, query channel norms and observation-window mass of a causal prefill.
 
     ``q [P, H_q, d]`` and ``k [P, H_kv, d]`` (any float dtype, computed in float32) are the
-    prompt's post-RoPE queries and keys. Memory stays linear in ``P`` (chunked over query rows).
+    prompt's post-RoPE queries and keys. ``obs_attn`` sums the softmax rows of the last
+    ``min(obs_window, P)`` queries only (query row ``tau`` sees keys ``<= tau``). Memory stays
+    linear in ``P``: both masses walk the query rows in chunks, never a ``[P, P]`` matrix.
     """
     import torch
 
@@ -226,8 +265,10 @@ def prefill_stats(q: np.ndarray, k: np.ndarray, sm_scale: float) -> tuple[np.nda
         torch.from_numpy(np.asarray(k, np.float32)),
     )
     colmass = column_mass_ref(qt, kt, scale=sm_scale, causal=True, q_offset=0)
+    first = max(0, qt.shape[0] - obs_window)
+    obs = column_mass_ref(qt[first:], kt, scale=sm_scale, causal=True, q_offset=first)
     qnorm, _ = channel_norms(qt, kt)
-    return colmass.numpy(), qnorm.numpy()
+    return PrefillStats(colmass.numpy(), qnorm.numpy(), obs.numpy())
 
 
 def synthetic_trace(
@@ -241,6 +282,7 @@ def synthetic_trace(
     steps: int = 48,
     n_windows: int = 3,
     window: int = 16,
+    version: int = FORMAT_VERSION,
 ) -> Trace:
     """A random but structured trace for tests (no model needed).
 
@@ -250,7 +292,7 @@ def synthetic_trace(
     A window's direction is on in prefill queries right after it and in two separate decode
     intervals, so its attention mass rises, falls and reactivates. ``meta.extra`` records
     ``windows`` (``[start, end)`` token spans) and ``active`` (per window, two ``[s0, s1)`` decode
-    step intervals).
+    step intervals). ``version=1`` builds an old-format trace (no ``obs_attn``).
     """
     rng = np.random.default_rng(seed)
     d, p, t = head_dim, prompt_len, prompt_len + steps
@@ -271,7 +313,7 @@ def synthetic_trace(
         for w, j in enumerate(second)
     ]
     pos = np.arange(t)
-    kk, vv, qq, cms, qns = [], [], [], [], []
+    kk, vv, qq, stats = [], [], [], []
     for _ in layers:
         basis = np.linalg.qr(rng.standard_normal((d, d)))[0].T  # rows are orthonormal directions
         sink, rot_c, rot_s, win_dirs = basis[0], basis[1], basis[2], basis[3 : 3 + n_windows]
@@ -285,12 +327,10 @@ def synthetic_trace(
             for a, b in active[w]:
                 q[p + a : p + b] += 1.2 * amp * win_dirs[w]
         sm = 1.0 / np.sqrt(d)
-        colmass, qnorm = prefill_stats(q[:p], k[:, :p].transpose(1, 0, 2), sm)
+        stats.append(prefill_stats(q[:p], k[:, :p].transpose(1, 0, 2), sm))
         kk.append(k.astype(np.float16))
         vv.append(rng.standard_normal((n_heads_kv, t, d)).astype(np.float16))
         qq.append(q[p:].astype(np.float16))
-        cms.append(colmass)
-        qns.append(qnorm)
     meta = TraceMeta(
         model="synthetic", layers=tuple(layers), n_heads_q=n_heads_q, n_heads_kv=n_heads_kv,
         head_dim=d, prompt_len=p, steps=steps, sm_scale=float(1.0 / np.sqrt(d)),
@@ -298,4 +338,7 @@ def synthetic_trace(
         generated_ids=tuple(int(x) for x in rng.integers(0, 1000, steps)),
         extra={"source": "synthetic", "seed": seed, "windows": windows, "active": active},
     )  # fmt: skip
-    return Trace(meta, tuple(kk), tuple(vv), tuple(qq), tuple(cms), tuple(qns))
+    cm, qn, obs = (tuple(x) for x in zip(*stats, strict=True))
+    if version == 1:
+        return Trace(dataclasses.replace(meta, version=1), tuple(kk), tuple(vv), tuple(qq), cm, qn)
+    return Trace(meta, tuple(kk), tuple(vv), tuple(qq), cm, qn, obs)
