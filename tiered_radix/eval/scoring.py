@@ -57,7 +57,9 @@ def wilson(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float,
     p, z2 = successes / n, z * z
     centre = (p + z2 / (2 * n)) / (1 + z2 / n)
     half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At 0 or n successes the bound is exactly 0 or 1; the formula only rounds near it.
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    return lo, 1.0 if successes == n else min(1.0, centre + half)
 
 
 def bootstrap(

@@ -1,0 +1,165 @@
+"""Grid runner, resume cache, report and plots, driven by a fake engine (no model needed).
+
+``OracleEngine`` reads the answer straight out of the prompt, so the harness's bookkeeping can
+be checked against known scores: full KV and budgets >= 15% answer right, smaller budgets
+answer wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from tiered_radix.cli.main import main
+from tiered_radix.eval.engines import Reply, flatten_stats
+from tiered_radix.eval.plot import write_plots
+from tiered_radix.eval.report import build_report, markdown_report
+from tiered_radix.eval.runner import RESULTS, Grid, run_grid
+from tiered_radix.policy import load_policy
+
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+class OracleEngine:
+    name, model = "fake", "oracle"
+
+    def __init__(self, failing: tuple[str, ...] = ()) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+        self.failing = failing
+
+    def count_tokens(self, text: str) -> int:
+        return len(_WORD.findall(text))
+
+    def _answer(self, text: str, policy) -> Reply:
+        if policy.name in self.failing:
+            raise RuntimeError("kernel exploded")
+        frac = policy.budget.value
+        question = text.rsplit("\n", 1)[-1]
+        found = re.findall(r"numbers for ([\w-]+) is: (\d+)\.", text)
+        right = " ".join(v for k, v in found if k in question)
+        wrong = policy.name != "full" and frac < 0.15
+        stats = {"bytes_used": int(1000 * frac), "full_bytes": 1000, "diag": {"fmm": frac / 2}}
+        return Reply("I do not know" if wrong else f"The number is {right}.", flatten_stats(stats))
+
+    def generate(self, prompt, policy, max_new_tokens):
+        self.calls.append((policy.name, "generate", 1))
+        return self._answer(prompt, policy)
+
+    def chat(self, turns, policy, max_new_tokens):
+        self.calls.append((policy.name, "chat", len(turns)))
+        return [self._answer("\n".join(turns[: i + 1]), policy) for i in range(len(turns))]
+
+
+def _grid(**kw) -> Grid:
+    base = dict(
+        policies=(load_policy("full"), load_policy("streaming"), load_policy("qevict")),
+        budgets=("10%", "20%"), tasks=("niah_single", "multiturn", "needle"), lengths=(400,),
+        samples=2,
+    )  # fmt: skip
+    return Grid(**{**base, **kw})
+
+
+def test_grid_scores_and_report(tmp_path):
+    engine = OracleEngine()
+    records = run_grid(engine, _grid(), tmp_path, progress=False)
+    configs = 1 + 2 * 2  # full once (not per budget) + 2 policies x 2 budgets
+    assert len(records) == (2 + 2 + 2 * 5) * configs
+    assert sum(c[1] == "chat" and c[2] == 3 for c in engine.calls) == 2 * configs
+    rows = {(r["task"], r["policy"], r["budget"]): r for r in build_report(records, {})["rows"]}
+    for task in ("niah_single", "multiturn", "needle"):
+        assert rows[(task, "full", "100%")]["score"] == 100.0
+        assert rows[(task, "full", "100%")]["reference"]
+        for policy in ("streaming", "qevict"):
+            low, high = rows[(task, policy, "10%")], rows[(task, policy, "20%")]
+            assert low["score"] == 0.0 and low["retention"] == 0.0
+            assert high["score"] == 100.0 and high["retention"] == 100.0
+            assert low["bytes_fraction"] == pytest.approx(0.1)
+            assert high["fmm"] == pytest.approx(0.1)
+    assert rows[("needle", "full", "100%")]["n"] == 10
+    assert rows[("niah_single", "qevict", "10%")]["ci_high"] == pytest.approx(100 * 0.6576, 1e-3)
+
+
+def test_resume_skips_done_cells_and_survives_a_torn_line(tmp_path):
+    grid = _grid(tasks=("niah_single",), samples=3)
+    first = run_grid(OracleEngine(), grid, tmp_path, progress=False)
+    again = OracleEngine()
+    assert run_grid(again, grid, tmp_path, progress=False) == first and again.calls == []
+    path = tmp_path / RESULTS
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-2]) + "\n" + lines[-2][:40])  # interrupted mid-write
+    resumed = OracleEngine()
+    records = run_grid(resumed, grid, tmp_path, progress=False)
+    assert len(resumed.calls) == 2
+    assert [r["key"] for r in records] == [r["key"] for r in first]
+
+
+def test_changed_policy_is_rerun(tmp_path):
+    grid = _grid(tasks=("niah_single",), samples=1, policies=(load_policy("streaming"),))
+    run_grid(OracleEngine(), grid, tmp_path, progress=False)
+    p = load_policy("streaming")
+    edited = dataclasses.replace(p, protect=dataclasses.replace(p.protect, sinks=8))
+    again = OracleEngine()
+    run_grid(again, dataclasses.replace(grid, policies=(edited,)), tmp_path, progress=False)
+    assert [c[0] for c in again.calls] == ["streaming", "streaming"]  # full KV was cached
+
+
+def test_failing_policy_is_recorded_and_retried(tmp_path):
+    grid = _grid(tasks=("niah_single",), samples=2)
+    records = run_grid(OracleEngine(failing=("qevict",)), grid, tmp_path, progress=False)
+    report = build_report(records, {"model": "oracle"})
+    assert len(report["errors"]) == 2 * 2
+    assert "kernel exploded" in markdown_report(report)
+    row = next(r for r in report["rows"] if r["policy"] == "qevict")
+    assert row["n"] == 0 and row["errors"] == 2 and row["score"] is None
+    retry = OracleEngine()
+    run_grid(retry, grid, tmp_path, progress=False)
+    assert {c[0] for c in retry.calls} == {"qevict"} and len(retry.calls) == 4
+
+
+def test_report_files_and_plots(tmp_path):
+    records = run_grid(OracleEngine(), _grid(), tmp_path, progress=False)
+    report = build_report(records, {"model": "oracle", "engine": "fake"})
+    heat = [c for c in report["depths"] if c["policy"] == "full"]
+    assert sorted(c["depth"] for c in heat) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert all(c["n"] == 2 and c["score"] == 100.0 for c in heat)
+    paths = write_plots(report, tmp_path)
+    assert {p.name for p in paths} == {
+        "score_vs_budget.png", "needle_heatmap.png", "diagnostics.png"
+    }  # fmt: skip
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    md = markdown_report(report)
+    assert "| niah_single | 400 | streaming | 10% | 0.0 | [0, 66] | 2 | 0% | 10.0% |" in md
+    json.dumps(report)  # JSON-ready
+
+
+def test_flatten_stats():
+    @dataclasses.dataclass(frozen=True)
+    class Turn:
+        text: str
+        occupancy: dict
+        layers: list
+        nan: float
+
+    flat = flatten_stats(Turn("hi", {"full": 3, "int2": 5}, [0.25, 0.75], float("nan")))
+    assert flat == {"text": "hi", "occupancy.full": 3, "occupancy.int2": 5, "layers": 0.5,
+                    "nan": None}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--engine", "sglang"], "not available yet"),
+        (["--tasks", "niah_singel"], "Did you mean 'niah_single'"),
+        (["--lengths", "1m"], "bad length"),
+        (["--budgets", "10 parsecs"], "budget"),
+        (["--policies", "qevikt"], "qevict"),
+        (["--samples", "0"], "at least 1"),
+    ],
+)
+def test_cli_input_errors_exit_2(argv, message, tmp_path, capsys):
+    assert main(["eval", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / RESULTS).exists()
