@@ -1,0 +1,190 @@
+"""The SGLang plugin: ``[project.entry-points."sglang.srt.plugins"] tiered_radix = ...:register``.
+
+SGLang's ``load_plugins()`` runs :func:`register` in the launcher, in ``Engine.__init__`` and in
+every scheduler process. It registers, through ``sglang.srt.plugins.hook_registry``:
+
+- ``ServerArgs.add_cli_args`` (AFTER): the flags ``--kv-policy`` and ``--kv-budget``;
+- ``ServerArgs.from_cli_args`` (AROUND): validates the policy (a :class:`PolicyError` prints
+  ``file:line:col`` and exits with status 2, no traceback), selects ``--radix-cache-backend
+  tiered``, ``--page-size W`` and ``--attention-backend tiered_triton``, and exports the values to
+  the processes SGLang spawns (:mod:`.config`);
+- ``ServerArgs.__init__`` (AROUND): the same for ``sglang.Engine(..., kv_policy=...)``, where a
+  bad policy raises :class:`PolicyError`;
+- ``DefaultPoolConfigurator._compute_cell_size`` (AFTER) and
+  ``KVCacheConfigurator._build_mha_kv_pool`` (AROUND): the allocator gets
+  :func:`~.pool.logical_tokens` slots and the pool is a :class:`~.pool.TieredKVPool`;
+- radix cache backend ``tiered`` and attention backend ``tiered_triton``.
+
+Without ``--kv-policy`` every hook passes its call through unchanged.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tiered_radix.policy import PolicyError
+
+from . import config
+
+ATTENTION_BACKEND = "tiered_triton"
+_SA = "sglang.srt.server_args.ServerArgs"
+_registered = False
+_in_cli = False  # set while from_cli_args builds ServerArgs (it passes no kv_policy kwarg)
+
+
+class TieredBackendError(RuntimeError):
+    """The tiered attention backend cannot run here."""
+
+
+def add_cli_args(_result, parser) -> None:
+    g = parser.add_argument_group("tiered-radix KV cache")
+    g.add_argument(
+        "--kv-policy",
+        default=None,
+        metavar="POLICY",
+        help="tiered KV policy: a shipped name (qevict, rdkv, ...) or a YAML file",
+    )
+    g.add_argument(
+        "--kv-budget",
+        default=None,
+        metavar="BUDGET",
+        help="override the policy's budget: 10%%, 2 GiB or 4096 tokens",
+    )
+
+
+def selections(cfg: config.KVConfig, given: dict) -> dict:
+    """ServerArgs fields a tiered launch sets; ``given`` holds the user's values (None: unset).
+
+    Raises:
+        SystemExit-free ValueError: a user value that contradicts the policy.
+    """
+    from .reps import Layout
+
+    want = {
+        "radix_cache_backend": config.BACKEND,
+        "page_size": Layout.of(cfg.policy).window,
+        "attention_backend": ATTENTION_BACKEND,
+    }
+    for key, value in want.items():
+        if given.get(key) not in (None, value):
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"--kv-policy {cfg.policy_arg} needs {flag} {value}, got {given[key]}")
+    return want
+
+
+def from_cli_args(original, cls, args):
+    global _in_cli
+    policy = getattr(args, "kv_policy", None)
+    if policy is None:
+        if getattr(args, "kv_budget", None) is not None:
+            sys.exit("error: --kv-budget needs --kv-policy")
+        config.export(None)
+    else:
+        try:
+            cfg = config.resolve(policy, getattr(args, "kv_budget", None))
+            for key, value in selections(cfg, vars(args)).items():
+                setattr(args, key, value)
+        except PolicyError as err:
+            print(config.describe_error(err), file=sys.stderr)
+            raise SystemExit(2) from None
+        except ValueError as err:  # PoolConfigError and contradicting flags
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        config.export(cfg)
+    _in_cli = True
+    try:
+        return original(cls, args)
+    finally:
+        _in_cli = False
+
+
+def server_args_init(original, self, *args, **kwargs):
+    policy, budget = kwargs.pop("kv_policy", None), kwargs.pop("kv_budget", None)
+    if policy is not None:
+        cfg = config.resolve(policy, budget)  # PolicyError reaches the Engine's caller
+        kwargs.update(selections(cfg, kwargs))
+        config.export(cfg)
+    elif budget is not None:
+        raise ValueError("kv_budget needs kv_policy")
+    elif not _in_cli:
+        config.export(None)
+    return original(self, *args, **kwargs)
+
+
+def cell_size(result, *_args, **_kwargs):
+    cfg = config.current()
+    if cfg is None or cfg.budget.kind != "fraction":
+        return None  # AFTER hook: None keeps SGLang's value
+    return max(1, int(result * cfg.budget.value))
+
+
+def build_mha_kv_pool(original, self, *, max_total_num_tokens: int, mha_pool_class, **kw):
+    cfg = config.current()
+    if cfg is None:
+        return original(
+            self, max_total_num_tokens=max_total_num_tokens, mha_pool_class=mha_pool_class, **kw
+        )
+    from functools import partial
+
+    from .pool import TieredKVPool
+
+    tiered = partial(TieredKVPool, policy=cfg.policy, budget=cfg.budget)
+    return original(self, max_total_num_tokens=max_total_num_tokens, mha_pool_class=tiered, **kw)
+
+
+def tree_cache_factory(ctx):
+    from .radix import TieredRadixCache
+
+    cfg = config.current()
+    if cfg is None:
+        raise ValueError("--radix-cache-backend tiered needs --kv-policy")
+    return TieredRadixCache(ctx.params, policy=cfg.policy)
+
+
+def attention_backend_factory(runner):
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TieredBackendError(
+            "the tiered attention backend (tiered_triton) needs a CUDA GPU; this machine has "
+            "none. Launch without --kv-policy to serve with SGLang's own cache."
+        )
+    raise TieredBackendError(
+        "the tiered attention backend (tiered_triton) is not implemented in this version "
+        "(docs/sglang.md, 'What remains'); the pool, radix cache and plugin are"
+    )
+
+
+def register() -> None:
+    """Entry point: register hooks and backends (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from sglang.srt.mem_cache.registry import (
+        register_radix_cache_backend,
+        registered_radix_cache_backends,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(f"{_SA}.add_cli_args", add_cli_args, HookType.AFTER)
+    HookRegistry.register(f"{_SA}.from_cli_args", from_cli_args, HookType.AROUND)
+    HookRegistry.register(f"{_SA}.__init__", server_args_init, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+        cell_size,
+        HookType.AFTER,
+    )
+    HookRegistry.register(
+        "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool",
+        build_mha_kv_pool,
+        HookType.AROUND,
+    )
+    if config.BACKEND not in registered_radix_cache_backends():
+        register_radix_cache_backend(config.BACKEND, tree_cache_factory)
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+
+    ATTENTION_BACKENDS[ATTENTION_BACKEND] = attention_backend_factory
+    if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([ATTENTION_BACKEND])

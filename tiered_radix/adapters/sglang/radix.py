@@ -1,0 +1,180 @@
+"""``TieredRadixCache``: SGLang's radix cache over a :class:`~.pool.TieredKVPool`, with per-request
+views of refcounted window representations (design 2 of shared/notes/prefix-sharing.md).
+
+Who holds what (see :mod:`.reps` for representations and states):
+
+- The *owner* of a window is whoever owns its slots in SGLang's allocator: the request that
+  allocated them, and after ``insert`` the tree (the request keeps driving the owner state until
+  it finishes, so a chunked prompt inserted mid-flight still shrinks when it is routed). The
+  owner's state lives in ``pool.owner``; the tree caches exactly the state its last driver left.
+- A request that matched a prefix *borrows* those windows: :meth:`open_view` takes one reference
+  per representation at the tree's state, and the request's own routing then moves only its own
+  references. Nobody else's routing touches them, so what a request reads depends only on its
+  prompt, the precision at which the matched prefix was cached, its policy and its scores.
+- When slots go back to the allocator (radix eviction, duplicates at insert, aborts, retraction:
+  every path ends in the allocator's page release), the pool drops the owner's references
+  (:meth:`_attach`); representations are freed when nobody holds them.
+
+Engine units map to windows in sequence order: unit ``u`` of a request is window
+``req_to_token[req, u * W] // W``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from sglang.srt.mem_cache.radix_cache import RadixCache
+from torch import Tensor
+
+from tiered_radix.engine.events import Transitions
+from tiered_radix.policy.model import Policy
+
+from .pool import TieredKVPool
+from .reps import Layout, PoolConfigError
+
+
+@dataclass
+class RequestView:
+    """One request's windows: ``windows`` int64 ``[n]`` in sequence order, ``borrowed`` bool
+    ``[n]`` (read through the request's own references), ``state[l]`` int8 ``[H, n]`` (the
+    request's state of borrowed windows; owned windows read ``pool.owner``)."""
+
+    windows: Tensor
+    borrowed: Tensor
+    state: list[Tensor]
+
+
+class TieredRadixCache(RadixCache):
+    """Raises:
+    PoolConfigError: the allocator's pool is not a :class:`TieredKVPool` for this policy."""
+
+    def __init__(self, params, *, policy: Policy) -> None:
+        super().__init__(params)
+        pool = self.token_to_kv_pool_allocator.get_kvcache()
+        if not isinstance(pool, TieredKVPool):
+            raise PoolConfigError(f"the tiered radix cache needs a TieredKVPool, got {type(pool)}")
+        self.pool, self.layout, self.policy = pool, Layout.of(policy), policy
+        self.views: dict[str, RequestView] = {}
+        self._attach(self.token_to_kv_pool_allocator)
+
+    def _attach(self, alloc) -> None:
+        """Every page the allocator takes back first releases its owner's representations."""
+        if hasattr(alloc, "_release_page_ids"):  # paged allocator: all frees end here
+            release = alloc._release_page_ids
+
+            def release_pages(*page_ids: Tensor) -> None:
+                self.pool.release_pages(torch.cat([p.flatten() for p in page_ids]))
+                release(*page_ids)
+
+            alloc._release_page_ids = release_pages
+        else:  # page size 1: slot == page
+            free = alloc.free
+
+            def free_slots(index: Tensor) -> None:
+                if alloc.is_not_in_free_group and index.numel():
+                    self.pool.release_pages(index)
+                free(index)
+
+            alloc.free = free_slots
+
+    # -- views -----------------------------------------------------------------------------
+    def _windows(self, req, start: int, end: int) -> Tensor:
+        W = self.layout.window
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        return (row[start:end:W].long() // W).to(self.pool.device)
+
+    def open_view(self, req, prefix_len: int) -> RequestView:
+        """Borrow the matched prefix (``req_to_token[req, :prefix_len]``, page aligned)."""
+        assert prefix_len % self.layout.window == 0
+        w = self._windows(req, 0, prefix_len)
+        states = []
+        for li in range(self.pool.layer_num):
+            st = self.pool.owner[li][:, w]
+            assert bool((st >= 0).all()), "borrowing a window nobody owns"
+            h, ww = self._pairs(w)
+            self.pool.acquire(li, h.flatten(), ww.flatten(), st.flatten().long())
+            states.append(st.clone())
+        view = RequestView(w, torch.ones_like(w, dtype=torch.bool), states)
+        self.views[req.rid] = view
+        return view
+
+    def sync_view(self, req, n_tokens: int) -> RequestView:
+        """Append the request's own windows up to ``n_tokens`` (after its KV was written)."""
+        view = self.views[req.rid]
+        W, n = self.layout.window, view.windows.numel()
+        new = self._windows(req, n * W, n_tokens)
+        H = self.pool.head_num
+        view.windows = torch.cat([view.windows, new])
+        view.borrowed = torch.cat([view.borrowed, torch.zeros_like(new, dtype=torch.bool)])
+        view.state = [torch.cat([s, s.new_full((H, new.numel()), -1)], 1) for s in view.state]
+        return view
+
+    def _pairs(self, w: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.arange(self.pool.head_num, device=self.pool.device)[:, None]
+        return h.expand(-1, w.numel()), w[None].expand(self.pool.head_num, -1)
+
+    def states(self, rid: str, layer_id: int) -> Tensor:
+        """int8 ``[H, n]``: how request ``rid`` reads each of its windows in ``layer_id``."""
+        view = self.views[rid]
+        li = layer_id - self.pool.start_layer
+        return torch.where(view.borrowed, view.state[li], self.pool.owner[li][:, view.windows])
+
+    def read(self, rid: str, layer_id: int) -> tuple[Tensor, Tensor, Tensor]:
+        """What request ``rid`` attends to: float32 ``k, v [H, n*W, d]``, ``kept [H, n*W]``."""
+        return self.pool.read(layer_id, self.views[rid].windows, self.states(rid, layer_id))
+
+    def route(self, rid: str, transitions: Transitions) -> None:
+        """Apply the tier engine's transitions (unit ``u`` = the request's ``u``-th window)."""
+        view = self.views[rid]
+        for li in torch.unique(transitions.layer).tolist():
+            m = transitions.layer == li
+            h = transitions.head[m].to(self.pool.device)
+            u = transitions.unit[m].to(self.pool.device)
+            dst = transitions.dst[m].tolist()
+            old = self.states(rid, li)[h, u]
+            new = torch.tensor(
+                [self.layout.next_state(int(o), d) for o, d in zip(old.tolist(), dst, strict=True)],
+                dtype=old.dtype,
+                device=old.device,
+            )
+            self.pool.move(li, h, view.windows[u], old.long(), new.long())
+            b = view.borrowed[u]
+            view.state[li][h[b], u[b]] = new[b]
+            self.pool.owner[li][h[~b], view.windows[u[~b]]] = new[~b]
+
+    def close_view(self, rid: str) -> None:
+        """Release the request's borrowed references (owned windows stay with their owner)."""
+        view = self.views.pop(rid, None)
+        if view is None:
+            return
+        w = view.windows[view.borrowed]
+        for li, st in enumerate(view.state):
+            h, ww = self._pairs(w)
+            self.pool.release(li, h.flatten(), ww.flatten(), st[:, view.borrowed].flatten().long())
+
+    # -- SGLang entry points ---------------------------------------------------------------
+    def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
+        self.close_view(req.rid)
+        return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+
+    def cache_unfinished_req(self, req, chunked=False):
+        view = self.views.get(req.rid)
+        super().cache_unfinished_req(req, chunked)
+        if view is None:
+            return
+        # Duplicates of a tree prefix were freed and replaced by the tree's slots: borrow those.
+        now = self._windows(req, 0, view.windows.numel() * self.layout.window)
+        moved = (now != view.windows) & ~view.borrowed
+        if bool(moved.any()):
+            for li in range(self.pool.layer_num):
+                st = self.pool.owner[li][:, now[moved]]
+                h, ww = self._pairs(now[moved])
+                self.pool.acquire(li, h.flatten(), ww.flatten(), st.flatten().long())
+                view.state[li][:, moved] = st
+            view.windows, view.borrowed = now, view.borrowed | moved
+
+    def reset(self) -> None:
+        for rid in list(getattr(self, "views", {})):
+            self.close_view(rid)
+        super().reset()

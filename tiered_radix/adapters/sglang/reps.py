@@ -1,0 +1,82 @@
+"""Physical representations of one (layer, KV head, window) and the states a holder reads them in.
+
+A window of the SGLang pool can exist physically as:
+
+- ``FULL``: the original rows, as the model wrote them;
+- ``Q``: the ledger copy at the policy's quantized tier (packed codes, fp16 scale and lo);
+- ``R``: rows restored from ``Q`` (``dequantize(Q)``): what a promotion gives back. It is not
+  ``FULL``: a request that demoted and promoted a window reads ``dequantize(Q)`` even if another
+  reader still holds the original rows, so its output does not depend on other requests.
+
+A *holder* (the window's owner, i.e. the request that allocated its slots or the radix tree after
+insertion, or a request that borrowed it from the tree) reads each window in one *state*; a state
+holds a set of representations, each of which carries one reference per holder. This module is
+the pure state algebra; :mod:`.pool` stores the blocks and counts the references.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiered_radix.engine.routing import TierSet
+from tiered_radix.policy.model import Policy, Quantize
+
+
+class PoolConfigError(ValueError):
+    """The policy asks for a layout the tiered SGLang pool cannot store yet."""
+
+
+# Representation kinds (indices into the pool's per-kind tables).
+FULL, Q, R = 0, 1, 2
+# Holder states.
+S_FULL, S_Q, S_R, S_EVICT = 0, 1, 2, 3
+STATE_REPS: dict[int, tuple[int, ...]] = {S_FULL: (FULL,), S_Q: (Q,), S_R: (R,), S_EVICT: ()}
+STATE_NAMES = ("full", "quantized", "restored", "evicted")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the pool needs from a policy: window size, the quantized tier, the ledger mode."""
+
+    window: int
+    quant: Quantize | None  # the one quantized tier, if any
+    write_once: bool
+    engine_tiers: tuple[str, ...]  # engine tier names (index 0 is full precision)
+    quant_index: int | None  # engine index of the quantized tier
+    evict_index: int | None
+
+    @classmethod
+    def of(cls, policy: Policy) -> Layout:
+        if not policy.coupled:
+            raise PoolConfigError(
+                f"policy '{policy.name}' uses separate K and V units ({policy.k}, {policy.v}); "
+                "the tiered SGLang pool stores coupled window/token units only for now "
+                "(use a policy with one `units:` granularity)"
+            )
+        if policy.v.kind == "channel":
+            raise PoolConfigError("channel units need separate K and V units; not supported")
+        tiers = TierSet.of(policy)
+        if len(tiers.quantized) > 1:
+            raise PoolConfigError(
+                f"policy '{policy.name}' has {len(tiers.quantized)} quantized tiers; the tiered "
+                "SGLang pool keeps one ledger copy per window (use one quantize(...) tier)"
+            )
+        qi = tiers.first_quantized
+        quant = tiers.tiers[qi].action if qi is not None else None
+        window = policy.v.size if policy.v.kind == "window" else 1
+        return cls(window, quant, policy.ledger.write_once, tiers.names, qi, tiers.evict)
+
+    def reps(self, state: int) -> tuple[int, ...]:
+        """Representations a holder in ``state`` keeps (write-once: ``R`` keeps its ``Q``)."""
+        if state == S_R and self.write_once:
+            return (R, Q)
+        return STATE_REPS[state]
+
+    def next_state(self, state: int, engine_tier: int) -> int:
+        """The holder's state after the engine moves its unit to ``engine_tier``."""
+        if state == S_EVICT or engine_tier == self.evict_index:
+            return S_EVICT  # evicted data is gone: it stays evicted
+        if engine_tier == self.quant_index:
+            return S_Q
+        assert engine_tier == 0, f"unknown engine tier {engine_tier}"
+        return S_FULL if state == S_FULL else S_R
