@@ -4,11 +4,18 @@
 captured in a CUDA graph: split (one program per (request, KV head, split) reading its pages and
 rows once), merge (log-sum-exp over splits), and, when the side output is on, mass (turns the
 split kernel's stored logits into probabilities with the merged lse and accumulates them per unit).
+
+Two code paths, chosen per plan (``version=``, default from ``$TRIZONE_DECODE_VERSION``, else 2):
+1 is the first GPU-measured kernel; 2 reads uniform pages (``layout.k_uniform``) with a
+compile-time page geometry, several pages an iteration and the next block's bytes in flight,
+stores one log2-sum-exp2 per (single-unit tile, head) for the side output instead of every
+token's logit, and merges with one program per query head.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +24,7 @@ from tiered_radix.kernels.layout import TriZoneLayout
 
 LOG2E = 1.4426950408889634
 NUM_SMS_DEFAULT = 132
+VERSION_ENV = "TRIZONE_DECODE_VERSION"
 
 
 class DecodeInputError(ValueError):
@@ -40,6 +48,9 @@ class DecodePlan:
     v_bits: tuple[int, ...]
     k_bits: tuple[int, ...]
     side_output: bool
+    version: int
+    uniform: bool
+    pages_per_iter: int
     block_n: int
     num_warps: int
     num_stages: int
@@ -49,11 +60,18 @@ class DecodePlan:
     score: torch.Tensor
 
 
-def _splits(batch: int, hkv: int, max_rows: int, num_sms: int) -> int:
-    # the page loop is latency-bound (indirect loads): aim at ~16 programs per SM
-    want = math.ceil(16 * num_sms / (batch * hkv))
+def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16) -> int:
+    # the page loop is latency-bound (indirect loads): aim at ~per_sm programs per SM
+    want = math.ceil(per_sm * num_sms / (batch * hkv))
     cap = max(1, max_rows // 128)  # >= 128 tokens a split, else merging costs more than it saves
     return int(max(1, min(want, cap, 128)))
+
+
+def _version(version: int | None) -> int:
+    v = version if version is not None else int(os.environ.get(VERSION_ENV, "2"))
+    if v not in (1, 2):
+        raise DecodeInputError(f"decode kernel version {v} unknown: use 1 or 2 (${VERSION_ENV})")
+    return v
 
 
 def plan(
@@ -66,12 +84,17 @@ def plan(
     k_bits: tuple[int, ...] | None = None,
     max_rows: int | None = None,
     num_sms: int | None = None,
+    version: int | None = None,
+    pages_per_iter: int | None = None,
+    num_warps: int | None = None,
 ) -> DecodePlan:
     """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
 
     v_bits / k_bits: bit widths the kernel is compiled for (default: those present in
     ``layout``); pass (2, 4, 8, 16) to serve every layer of a model with one plan.
     max_rows: longest per-head token count (default: from ``layout``, a CPU read).
+    version: kernel code path, 1 or 2 (see the module docstring).  pages_per_iter (v2, uniform
+    pages; default 64 // page_size) and num_warps override the built-in choices.
     """
     hkv, d = layout.num_kv_heads, layout.head_dim
     if num_q_heads % hkv:
@@ -93,7 +116,17 @@ def plan(
             if dev.type == "cuda"
             else NUM_SMS_DEFAULT
         )
-    s = num_splits or _splits(layout.batch, hkv, max_rows, num_sms)
+    ver = _version(version)
+    uniform = ver == 2 and layout.k_uniform
+    # v2: ~32 programs per SM (SGLang's Triton decode: 96% of copy bandwidth at 64 splits for
+    # 128K x 8, 73% at 16; v1 used 16 per SM -> 33 splits, 86%)
+    s = num_splits or _splits(layout.batch, hkv, max_rows, num_sms, 16 if ver == 1 else 32)
+    ppi = pages_per_iter or max(1, 64 // layout.page_size)
+    if ppi & (ppi - 1):
+        raise DecodeInputError(f"pages_per_iter={ppi} must be a power of two")
+    has_pages = bool(layout.page_ids.numel())
+    if num_warps is None:  # v1: measured 2 warps best for its page loop (255 registers)
+        num_warps = (2 if has_pages else 4) if ver == 1 else 4
     g_pad = max(16, 1 << (group - 1).bit_length())
     rows = (
         layout.page_ntok.numel() * layout.page_size
@@ -111,10 +144,11 @@ def plan(
         v_bits=tuple(v_bits or layout.v_bits_present),
         k_bits=tuple(k_bits or layout.k_bits_present),
         side_output=side_output,
+        version=ver,
+        uniform=uniform,
+        pages_per_iter=ppi,
         block_n=64 if d == 64 else 32,
-        # measured on H200: the page loop is latency-bound and runs ~1.5x faster with 2 warps
-        # (more programs resident); full rows alone reach 86% of copy bandwidth with 4
-        num_warps=2 if layout.page_ids.numel() else 4,
+        num_warps=num_warps,
         num_stages=2,
         part_acc=torch.empty(bh, s, g_pad, d, **f32),
         part_ml=torch.empty(bh, s, 2, g_pad, **f32),
@@ -170,6 +204,16 @@ def run(
     row_full = layout.page_ntok.numel() * layout.page_size
     row_fresh = row_full + layout.full_slots.numel()
     vb, kb = set(p.v_bits), set(p.k_bits)
+    if p.uniform and not layout.k_uniform:
+        raise DecodeInputError("plan made for a k_uniform layout; this layout has per-channel K")
+    v2 = p.version == 2
+    extra = {}
+    if v2:
+        extra = dict(
+            page_unit_ptr=layout.page_unit, full_units_ptr=layout.full_units,
+            fresh_units_ptr=layout.fresh_units, VER2=True, UNIFORM=p.uniform,
+            PPI=p.pages_per_iter,
+        )  # fmt: skip
     K._decode_split_kernel[(bh, s)](
         q, q.stride(0), q.stride(1), layout.perm,
         layout.k_pool, layout.v_pool, layout.k_pool.stride(0), layout.k_pool.stride(1),
@@ -181,13 +225,28 @@ def run(
         BLOCK_N=p.block_n, MASS=p.side_output,
         V2=2 in vb, V4=4 in vb, V8=8 in vb, V16=16 in vb,
         K2=2 in kb, K4=4 in kb, K8=8 in kb, K16=16 in kb,
-        num_warps=p.num_warps, num_stages=p.num_stages,
+        num_warps=p.num_warps, num_stages=p.num_stages, **extra,
     )  # fmt: skip
-    K._decode_merge_kernel[(bh,)](
-        p.part_acc, p.part_ml, out, out.stride(0), out.stride(1), p.lse, hkv, p.group, s,
-        D=p.head_dim, G_PAD=p.g_pad, S_PAD=max(2, 1 << (s - 1).bit_length()), num_warps=4,
-    )  # fmt: skip
-    if p.side_output:
+    s_pad = max(2, 1 << (s - 1).bit_length())
+    if v2:
+        K._decode_merge_kernel_v2[(bh * p.group,)](
+            p.part_acc, p.part_ml, out, out.stride(0), out.stride(1), p.lse, hkv, p.group, s,
+            D=p.head_dim, G_PAD=p.g_pad, S_PAD=s_pad, BLOCK_S=min(s_pad, 16), num_warps=4,
+        )  # fmt: skip
+    else:
+        K._decode_merge_kernel[(bh,)](
+            p.part_acc, p.part_ml, out, out.stride(0), out.stride(1), p.lse, hkv, p.group, s,
+            D=p.head_dim, G_PAD=p.g_pad, S_PAD=s_pad, num_warps=4,
+        )  # fmt: skip
+    if p.side_output and v2:
+        K._decode_mass_kernel_v2[(bh, s)](
+            p.score, p.lse, mass, mass.stride(0), layout.full_indptr, layout.full_units,
+            layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,
+            layout.page_ntok, layout.page_units, layout.page_unit, row_full, row_fresh, hkv,
+            p.group, s, G_PAD=p.g_pad, G_P2=max(2, 1 << (p.group - 1).bit_length()),
+            P=layout.page_size, BLOCK_N=p.block_n, NT=16, NBLK=8, num_warps=4,
+        )  # fmt: skip
+    elif p.side_output:
         K._decode_mass_kernel[(bh, s)](
             p.score, p.lse, mass, mass.stride(0), layout.full_indptr, layout.full_units,
             layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,

@@ -25,7 +25,10 @@ come last and are never read).  Pages are listed per (r, h) and V bit width:
 ``k_table [B*H_kv*4, 12]`` int32 gives, per list, the K channel counts (n2, n4, n8, n16) and the
 byte offsets of the K sections inside a page (o2, o4, o8, o16, o_scale, o_lo) and the K part's
 size (where V starts).  Evicted units are absent from every list.  Units (``*_units``, int32) index
-the per-request side-output buffer ``mass [B, max_units]``: token position // unit_tokens.
+the per-request side-output buffer ``mass [B, max_units]``: token position // unit_tokens;
+``page_unit [n_pages]`` is the unit shared by all valid tokens of a page, -1 when they differ.
+``k_uniform``: every page's K channels have the page's V bit width (no ``k_bits`` in the plan),
+so a page's geometry is a compile-time function of (bits, P, d, v_group).
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ class TriZoneLayout:
     page_off: torch.Tensor  # [n_pages] int64 byte offset
     page_ntok: torch.Tensor  # [n_pages] int32 valid tokens (<= P)
     page_units: torch.Tensor  # [n_pages, P] int32 (-1 for padding tokens)
+    page_unit: torch.Tensor  # [n_pages] int32: the page's one unit, -1 if its tokens span several
     page_indptr: torch.Tensor  # [B*H_kv*4 + 1] int32
     page_ids: torch.Tensor  # [n_listed] int32
     k_table: torch.Tensor  # [B*H_kv*4, 12] int32
@@ -111,6 +115,7 @@ class TriZoneLayout:
     max_units: int
     v_bits_present: tuple[int, ...]
     k_bits_present: tuple[int, ...]
+    k_uniform: bool
     bytes_kv: int  # bytes of K/V data + indices the kernel reads, without the side output
     bytes_side: int  # extra bytes read for the side output (units)
 
@@ -273,6 +278,10 @@ def build_trizone(
         )
 
     arena = torch.cat(pages) if pages else torch.zeros(16, dtype=torch.uint8, device=dev)
+    pu = i32(page_units, (0, page_size))
+    valid = pu >= 0
+    umin = torch.where(valid, pu, torch.iinfo(torch.int32).max).amin(1) if len(pu) else pu[:, 0]
+    umax = torch.where(valid, pu, -1).amax(1) if len(pu) else pu[:, 0]
     return TriZoneLayout(
         k_pool=torch.cat(k_rows).contiguous(),
         v_pool=torch.cat(v_rows).contiguous(),
@@ -285,7 +294,8 @@ def build_trizone(
         arena=arena,
         page_off=torch.tensor(page_off, dtype=torch.int64, device=dev),
         page_ntok=i32(page_ntok),
-        page_units=i32(page_units, (0, page_size)),
+        page_units=pu,
+        page_unit=torch.where(umin == umax, umin, -1).to(torch.int32),
         page_indptr=i32([page_ind]),
         page_ids=i32(page_ids),
         k_table=i32([k_table], (0, 12)),
@@ -298,6 +308,7 @@ def build_trizone(
         max_units=max_units,
         v_bits_present=tuple(sorted(vbp)),
         k_bits_present=tuple(sorted(kbp)),
+        k_uniform=plan.k_bits is None,
         bytes_kv=bytes_kv,
         bytes_side=bytes_side,
     )

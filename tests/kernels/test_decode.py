@@ -91,12 +91,28 @@ CASES = [  # lens, hkv, grp, d, dtype, v bits, k bits, fresh, unit_tokens, page,
 ]
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_decode_matches_twin_and_dense(case):
+def poison(p):
+    """NaN in every scratch buffer: a kernel reading an entry nobody wrote shows up as NaN."""
+    for buf in (p.part_acc, p.part_ml, p.lse, p.score):
+        buf.fill_(float("nan"))
+
+
+VERSIONED = [  # v1 (the fallback path) in full only under -m slow: the CPU suite stays < 60 s
+    pytest.param(c, v, marks=[pytest.mark.slow] if (v, c) in ((1, 2), (1, 3)) else [])
+    for v in (2, 1)
+    for c in range(len(CASES))
+]
+
+
+@pytest.mark.parametrize("case,version", VERSIONED)
+def test_decode_matches_twin_and_dense(case, version):
     lens, hkv, grp, d, dt, bits, kbits, fresh, unit, page, splits = CASES[case]
     q, k, v, tp = make_case(case, lens, hkv, grp, d, dt, bits, kbits, fresh, unit)
     lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=unit)
-    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits)
+    p = decode.plan(
+        lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits, version=version
+    )
+    poison(p)
     out = torch.full_like(q, float("nan"))
     mass = torch.zeros(len(lens), lay.max_units, device=DEV)
     decode.run(q, lay, p, out=out, mass=mass)
@@ -111,6 +127,69 @@ def test_decode_matches_twin_and_dense(case):
     sums = mass.sum(1).cpu()
     torch.testing.assert_close(sums, torch.full_like(sums, hkv * grp), atol=1e-3, rtol=1e-4)
     assert ro.abs().max() > 0.05  # random data, never all zeros
+
+
+def windowed_case(seed, lens, hkv, grp, d, dtype, bits, win, fresh):
+    """Tier per window of win tokens (QEvict-like): pages and row blocks of one unit."""
+    g = torch.Generator().manual_seed(seed)
+    k = [torch.randn(t, hkv, d, generator=g).to(dtype).to(DEV) for t in lens]
+    v = [torch.randn(t, hkv, d, generator=g).to(dtype).to(DEV) for t in lens]
+    choice = torch.tensor(bits)
+    vb = [
+        choice[torch.randint(0, len(bits), (hkv, -(-t // win)), generator=g)].repeat_interleave(
+            win, 1
+        )[:, :t]
+        for t in lens
+    ]
+    q = torch.randn(len(lens), hkv * grp, d, generator=g).to(dtype).to(DEV)
+    return q, k, v, TierPlan(vb, None, fresh)
+
+
+WINDOWED = [  # lens, hkv, grp, d, dtype, bits, window = unit, page, splits, pages_per_iter
+    ([120, 75], 2, 4, 64, torch.bfloat16, [0, 2, 16], 32, 32, 2, 2),
+    ([170], 1, 7, 128, torch.float16, [2, 4, 8, 16, 0], 16, 16, 3, 4),
+    ([90, 50], 2, 2, 64, torch.float16, [4, 8, 16], 32, 16, 1, 1),
+    ([140], 2, 4, 64, torch.bfloat16, [2, 8, 16], 8, 32, 2, 2),  # 4 units a page: per token
+]
+
+
+@pytest.mark.parametrize("case", range(len(WINDOWED)))
+def test_v2_windowed_pages_and_unit_side_output(case):
+    lens, hkv, grp, d, dt, bits, win, page, splits, ppi = WINDOWED[case]
+    q, k, v, tp = windowed_case(case, lens, hkv, grp, d, dt, bits, win, [5] * len(lens))
+    lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=win)
+    assert lay.k_uniform and lay.page_ids.numel() > 0
+    single = lay.page_unit >= 0
+    assert bool(single.any()) if win >= page else bool((~single).any())
+    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
+                    version=2, pages_per_iter=ppi)  # fmt: skip
+    assert p.uniform and p.pages_per_iter == ppi
+    poison(p)
+    out = torch.full_like(q, float("nan"))
+    mass = torch.zeros(len(lens), lay.max_units, device=DEV)
+    decode.run(q, lay, p, out=out, mass=mass)
+    ro, rm = decode_attention_ref(q, lay)
+    do, dm = dense_reference(q, k, v, tp, page, 32, win, lay.max_units)
+    tol = 2e-2 if dt == torch.bfloat16 else 4e-3
+    assert out.isfinite().all() and mass.isfinite().all()
+    torch.testing.assert_close(out.float(), ro, atol=tol, rtol=tol)
+    torch.testing.assert_close(ro.double().cpu(), do, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mass.double().cpu(), dm, atol=5e-3, rtol=1e-2)
+    assert ro.abs().max() > 0.05 and (dm > 1e-3).sum() > 2
+    p1 = decode.plan(lay, num_q_heads=hkv * grp, num_splits=splits, version=1)
+    torch.testing.assert_close(decode.run(q, lay, p1), out, atol=tol, rtol=tol)
+
+
+def test_version_env_and_errors(monkeypatch):
+    q, k, v, tp = make_case(5, [20], 1, 2, 64, torch.float16, [2, 16], None, None, 1)
+    lay = build_trizone(k, v, tp, page_size=16)
+    monkeypatch.setenv(decode.VERSION_ENV, "1")
+    assert decode.plan(lay, num_q_heads=2).version == 1
+    monkeypatch.setenv(decode.VERSION_ENV, "3")
+    with pytest.raises(decode.DecodeInputError, match="version 3"):
+        decode.plan(lay, num_q_heads=2)
+    with pytest.raises(decode.DecodeInputError, match="power of two"):
+        decode.plan(lay, num_q_heads=2, version=2, pages_per_iter=3)
 
 
 def test_side_output_off_and_accumulates():
