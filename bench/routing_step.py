@@ -1,18 +1,22 @@
 """Time one routing step of the tier engine (issue target: 32 layers x 8 KV heads x 128K tokens,
 32-token windows, < 5 ms on an H200).
 
-Measured separately after ``--warmup`` untimed plans, each the median over ``--repeats`` steps
-(default 20; fresh random attention each step, so scores and tiers change):
+After ``--warmup`` untimed routing steps, ``--repeats`` steps (default 20) are timed, each after
+``--decode`` new tokens per layer (default 16: a route every 16 decode steps, so the cache grows
+and a partial window appears) and one fresh random attention (so scores and tiers change). Per
+step, with three CUDA events (wall clock with synchronisation on CPU):
 
-- ``plan_ms``: scores -> tiers for every layer (``TierStore.plan``) plus the transition masks
-  (which units change, and how): the allocation/bookkeeping part of ``route()``.
-- ``apply_ms``: moving data (quantizing demoted units into the ledger, restoring promoted rows,
-  poisoning freed rows) and recording the step.
+- ``plan_ms``: scores -> tiers for every layer (``TierStore.plan``);
+- ``apply_ms``: transition masks, quantizing newly demoted units into the ledger, restoring
+  promoted rows, poisoning freed rows, the step's record (``TierStore.apply``);
+- ``route_ms``: both, i.e. one ``route()``.
 
-CUDA events on ``--device cuda``, wall clock with synchronisation otherwise. ``--tiny`` runs a
-small configuration on CPU in seconds (a smoke run for this script).
+Medians are reported. ``--count`` adds, from one extra step under ``torch.profiler``: top-level
+aten ops per plan/apply (a proxy for kernel launches; on CPU the count does not depend on the
+token count) and, on CUDA, kernels launched and synchronising calls
+(``torch.cuda.set_sync_debug_mode``). ``--tiny`` runs a small configuration on CPU in seconds.
 
-    python bench/routing_step.py --device cuda --out bench/results
+    python bench/routing_step.py --device cuda --count --out bench/results
     python bench/routing_step.py --tiny
 """
 
@@ -34,27 +38,26 @@ from tiered_radix.policy.model import Budget
 
 
 class Timer:
+    """Marks on the device's timeline; ``ms()`` gives the gaps between consecutive marks."""
+
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.marks: list = []
 
-    def __enter__(self):
+    def mark(self) -> None:
         if self.cuda:
-            self.a, self.b = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
-            self.a.record()
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
         else:
-            self.t = time.perf_counter()
-        return self
+            self.marks.append(time.perf_counter())
 
-    def __exit__(self, *exc):
+    def ms(self) -> list[float]:
         if self.cuda:
-            self.b.record()
             torch.cuda.synchronize()
-            self.ms = self.a.elapsed_time(self.b)
-        else:
-            self.ms = (time.perf_counter() - self.t) * 1e3
+            pairs = zip(self.marks, self.marks[1:], strict=False)
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
 def build(args, device: torch.device) -> TierStore:
@@ -66,7 +69,7 @@ def build(args, device: torch.device) -> TierStore:
         head_dim=args.head_dim,
         dtype=torch.bfloat16,
         device=device,
-        max_tokens=args.tokens,
+        max_tokens=args.tokens + args.decode * (args.warmup + args.repeats + 2),
         budget_override=Budget("fraction", args.budget),
     )
     g = torch.Generator(device=device).manual_seed(0)
@@ -81,17 +84,63 @@ def build(args, device: torch.device) -> TierStore:
 def observe(store: TierStore, args, device: torch.device, seed: int) -> None:
     g = torch.Generator(device=device).manual_seed(seed)
     for li in range(args.layers):
-        a = torch.rand(args.heads, args.tokens, generator=g, device=device) ** 8
+        a = torch.rand(args.heads, store.n_tokens(li), generator=g, device=device) ** 8
         store.observe(li, Signals(attn=a / a.sum(1, keepdim=True)))
 
 
-def transition_masks(store: TierStore, plan) -> int:
-    """What ``route()`` derives from the plan before moving data: the changed units."""
-    n = []
-    for li, new in enumerate(plan.v):
-        old = store.layers[li].v.tier[:, : new.shape[1]]
-        n.append((new != old).sum())
-    return int(torch.stack(n).sum())  # the one host sync at the end
+def decode(store: TierStore, args, device: torch.device, seed: int) -> None:
+    """Append ``--decode`` tokens to every layer, then observe the newest query's attention."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (args.heads, args.decode, args.head_dim)
+    if args.decode:
+        for li in range(args.layers):
+            k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+            store.append(li, k, torch.randn_like(k))
+    observe(store, args, device, seed)
+
+
+def step(store: TierStore, device: torch.device, r: int) -> tuple[float, float, float, int]:
+    """One timed route(): plan, apply and total ms, and the number of units moved."""
+    t = Timer(device)
+    t.mark()
+    plan = store.plan()
+    t.mark()
+    moved = store.apply(plan, f"bench {r}")
+    t.mark()
+    plan_ms, apply_ms = t.ms()
+    return plan_ms, apply_ms, plan_ms + apply_ms, len(moved)
+
+
+def count(store: TierStore, device: torch.device) -> dict:
+    """Ops (and on CUDA kernels and synchronising calls) of one plan and one apply."""
+    import warnings
+
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    out = {}
+    plan = None
+    for name in ("plan", "apply"):
+        with warnings.catch_warnings(record=True) as w, profile(activities=acts) as p:
+            warnings.simplefilter("always")
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            plan = store.plan() if name == "plan" else store.apply(plan, "count")
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+        ev = p.events()
+        top = [
+            e
+            for e in ev
+            if e.name.startswith("aten::")
+            and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+        ]
+        out[f"{name}_ops"] = len(top)
+        if device.type == "cuda":
+            out[f"{name}_kernels"] = sum(e.device_type == DeviceType.CUDA for e in ev)
+            out[f"{name}_syncs"] = sum("synchroniz" in str(x.message) for x in w)
+    return out
 
 
 def versions() -> dict:
@@ -116,7 +165,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3, help="untimed plans before timing")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed routing steps first")
+    ap.add_argument("--decode", type=int, default=16, help="tokens appended per routing step")
+    ap.add_argument("--count", action="store_true", help="count ops/kernels/syncs per step")
     ap.add_argument("--tiny", action="store_true", help="2 layers x 2 heads x 2048 tokens, CPU")
     ap.add_argument("--out", default=None, help="folder for routing_step.json")
     args = ap.parse_args(argv)
@@ -126,26 +177,33 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     store = build(args, device)
     observe(store, args, device, 1)
-    with Timer(device) as first:
-        store.route("after_prefill")  # quantizes most of the cache once
-    for _ in range(args.warmup):  # plan() does not change the store
-        transition_masks(store, store.plan())
-    plan_ms, moved, apply_ms = [], [], []
+    t = Timer(device)
+    t.mark()
+    store.route("after_prefill")  # quantizes most of the cache once
+    t.mark()
+    (first_ms,) = t.ms()
+    for r in range(args.warmup):
+        decode(store, args, device, 1000 + r)
+        store.route(f"warmup {r}")
+    plan_ms, apply_ms, route_ms, moved = [], [], [], []
     for r in range(args.repeats):
-        observe(store, args, device, 2 + r)
-        with Timer(device) as t:
-            plan = store.plan()
-            moved.append(transition_masks(store, plan))
-        plan_ms.append(t.ms)
-        with Timer(device) as t:
-            store.apply(plan, f"bench {r}")
-        apply_ms.append(t.ms)
+        decode(store, args, device, 2 + r)
+        for col, x in zip(
+            (plan_ms, apply_ms, route_ms, moved), step(store, device, r), strict=True
+        ):
+            col.append(x)
+    counts = {}
+    if args.count:
+        decode(store, args, device, 999)
+        counts = count(store, device)
     units = sum(store.tiers(li).numel() for li in range(args.layers))
+    med = statistics.median
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "versions": versions(),
         "timer": "cuda events" if device.type == "cuda" else "wall clock",
         "warmup": args.warmup,
+        "decode_tokens_per_step": args.decode,
         "policy": args.policy,
         "layers": args.layers,
         "kv_heads": args.heads,
@@ -154,17 +212,20 @@ def main(argv=None) -> dict:
         "budget": args.budget,
         "units": units,
         "repeats": args.repeats,
-        "plan_ms_median": statistics.median(plan_ms),
+        "plan_ms_median": med(plan_ms),
+        "apply_ms_median": med(apply_ms),
+        "route_ms_median": med(route_ms),
         "plan_ms": plan_ms,
-        "apply_ms_median": statistics.median(apply_ms),
         "apply_ms": apply_ms,
-        "first_route_ms": first.ms,
+        "route_ms": route_ms,
+        "first_route_ms": first_ms,
         "units_moved": moved,
+        **counts,
         "occupancy": store.occupancy(),
         "bytes_used": store.bytes_used(),
         "budget_bytes": store.budget_bytes(),
         "target_ms": 5.0,
-        "meets_target": statistics.median(plan_ms) < 5.0,
+        "meets_target": med(route_ms) < 5.0,
     }
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=1))
     if args.out:

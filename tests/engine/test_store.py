@@ -274,3 +274,66 @@ def test_every_policy_file_runs(path):
     )
     assert store.events.steps, "the policy never routed"
     assert sum(store.occupancy().values()) == sum(store.tiers(li).numel() for li in range(2))
+
+
+@pytest.mark.parametrize("name", ["qevict", "kivi", "h2o", "rdkv"])
+def test_layers_routed_with_different_token_counts(name):
+    """Layers mid-step hold different token counts: they are planned in separate groups and
+    every layer's tiers still obey the invariants and cover exactly its own units."""
+    pol = load_policy(name)
+    g = torch.Generator().manual_seed(3)
+    h, d, prompts = 2, 32, [100, 164, 100]
+    store = TierStore(
+        pol, n_layers=3, n_heads=h, head_dim=d, budget_override=Budget("fraction", 0.3)
+    )
+    for li, t in enumerate(prompts):
+        store.append(li, torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g))
+        store.observe(li, signals(g, torch.ones(h, t, dtype=torch.bool), d, True))
+    store.route("uneven")
+    check_invariants(store)
+    for li, t in enumerate(prompts):
+        w = pol.v.size if pol.v.kind == "window" else 1
+        assert store.tiers(li).shape == (h, math.ceil(t / w))
+    assert store.bytes_used() <= store.budget_bytes() or store.events.steps[-1].over_budget
+
+
+def test_transitions_are_exactly_the_tier_changes_and_count_ledger_writes():
+    """The step's transitions equal the element-wise difference of the tier maps before and
+    after route(), and ``ledger_write`` marks exactly the new ledger entries."""
+    pol = load_policy("qevict")
+    g = torch.Generator().manual_seed(4)
+    h, d, t, layers = 2, 32, 640, 3
+    store = TierStore(
+        pol, n_layers=layers, n_heads=h, head_dim=d, budget_override=Budget("fraction", 0.3)
+    )
+    for li in range(layers):
+        store.append(li, torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g))
+    for step in range(4):
+        for li in range(layers):
+            store.observe(li, Signals(attn=torch.rand(h, t, generator=g) ** 6))
+        before = [store.tiers(li).clone() for li in range(layers)]
+        q = store.tier_names.index("int2")
+        writes = [lay.v.stores[q].write_count.clone() for lay in store.layers]
+        moves = store.route(f"step {step}")
+        want = set()
+        for li in range(layers):
+            after = store.tiers(li)
+            for hh, u in (after != before[li]).nonzero().tolist():
+                want.add((li, hh, u, int(before[li][hh, u]), int(after[hh, u])))
+        got = {
+            (m.layer, m.head, m.unit, *(store.tier_names.index(x) for x in (m.src, m.dst)))
+            for m in moves
+        }
+        assert got == want and len(moves) == len(want)
+        new = {
+            (li, hh, u)
+            for li, lay in enumerate(store.layers)
+            for hh, u in (lay.v.stores[q].write_count[:, : writes[li].shape[1]] > writes[li])
+            .nonzero()
+            .tolist()
+        }
+        assert {(m.layer, m.head, m.unit) for m in moves if m.ledger_write} == new
+        assert all(m.dst == "int2" for m in moves if m.ledger_write)
+    assert store.events.counters["ledger_write"] == sum(
+        int(lay.v.stores[q].write_count.sum()) for lay in store.layers
+    )

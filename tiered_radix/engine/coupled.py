@@ -1,12 +1,14 @@
-"""One layer of a coupled policy: K and V share units, one tier per (head, unit) moves both.
+"""Every layer of a coupled policy: K and V share units, one tier per (layer, head, unit).
 
-Storage: full rows ``full[part] [H, capacity, d]`` (``dtype``; parts "k" and "v", or "v" alone for
-RDKV's V tokens), NaN where the unit is not in the full tier (freed storage is poisoned, so reading
-a demoted or evicted unit shows up as NaN); one :class:`~tiered_radix.engine.ledger.CopyStore` per
-quantized tier; ``tier [H, U]`` int64 engine tier indices (units appended since the last routing
-are full).
+Storage, stacked over layers so one routing step moves every layer with a few index ops: full
+rows ``full[part] [L, H, capacity * W, d]`` (``dtype``; parts "k" and "v", or "v" alone for RDKV's
+V tokens), NaN where the unit is not in the full tier (freed storage is poisoned, so reading a
+demoted or evicted unit shows up as NaN); one all-layers
+:class:`~tiered_radix.engine.ledger.CopyStore` per quantized tier; ``tier [L, H, capacity]`` int64
+engine tier indices (units appended since the last routing are full). :class:`CoupledLayer` is
+one layer's view of it.
 
-Transitions (:meth:`CoupledLayer.apply`), in this order so every read precedes the free:
+Transitions (:meth:`CoupledStack.apply`), in this order so every read precedes the free:
 1. a unit entering quantized tier ``j`` without a copy there is quantized from what it holds now
    (its full rows, or ``dequantize`` of its current copy): a ledger write;
 2. a unit entering the full tier gets ``dequantize(copy of its previous tier)`` into its rows;
@@ -17,35 +19,61 @@ Transitions (:meth:`CoupledLayer.apply`), in this order so every read precedes t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from tiered_radix.policy.model import Quantize
 
-from .ledger import CopyStore, part_codecs
-from .routing import EngineConfigError, TierSet
+from .ledger import CopyStore, LedgerError, part_codecs
+from .routing import EngineConfigError, TierSet, per_layer
 from .units import UnitLayout
 
 
-class CoupledLayer:
+@dataclass
+class Moves:
+    """One step's transitions as device columns ``[n]`` (int64, ``wrote`` bool)."""
+
+    layer: Tensor
+    head: Tensor
+    unit: Tensor
+    src: Tensor
+    dst: Tensor
+    wrote: Tensor
+
+
+def _compact(mask: Tensor, n: int) -> Tensor:
+    """int64 ``[n]``: flat positions of the ``n`` True entries of ``mask``, in order (no host
+    sync: the caller knows ``n``)."""
+    m = mask.flatten()
+    pos = torch.where(m, m.cumsum(0) - 1, n)
+    out = torch.empty(n + 1, dtype=torch.long, device=m.device)
+    return out.scatter_(0, pos, torch.arange(m.numel(), device=m.device))[:n]
+
+
+class CoupledStack:
     def __init__(
         self,
         tiers: TierSet,
         layout: UnitLayout,
+        n_layers: int,
         n_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
         write_once: bool,
         parts: tuple[str, ...] = ("k", "v"),
+        max_tokens: int | None = None,
     ) -> None:
         self.tiers, self.layout, self.write_once, self.parts = tiers, layout, write_once, parts
-        self.n_heads, self.head_dim, self.dtype, self.device = n_heads, head_dim, dtype, device
-        self.n_tokens, self.routed_units = 0, 0
-        self.full = {
-            p: torch.empty(n_heads, 0, head_dim, dtype=dtype, device=device) for p in parts
-        }
-        self.tier = torch.zeros(n_heads, 0, dtype=torch.long, device=device)
+        self.n_layers, self.n_heads, self.head_dim = n_layers, n_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.n_tokens, self.routed_units = [0] * n_layers, [0] * n_layers
+        self.capacity = 0  # units per (layer, head)
+        lh = (n_layers, n_heads)
+        self.full = {p: torch.empty(*lh, 0, head_dim, dtype=dtype, device=device) for p in parts}
+        self.tier = torch.zeros(*lh, 0, dtype=torch.long, device=device)
         self.stores: dict[int, CopyStore] = {}
         w = layout.size
         for j in tiers.quantized:
@@ -60,81 +88,212 @@ class CoupledLayer:
                         f"needs groups of {c.group} that divide {n} and hold whole bytes; "
                         f"pick a group that divides the window ({w}) and head_dim ({head_dim})"
                     )
-            self.stores[j] = CopyStore(codec, n_heads, w, head_dim, device, write_once)
+            self.stores[j] = CopyStore(
+                codec, n_heads, w, head_dim, device, write_once, n_layers=n_layers
+            )
+        full = 2 * len(parts) * w * head_dim
+        ev = tiers.evict
+        self.unit_bytes = [
+            0 if j == ev else self.stores[j].unit_nbytes if j in self.stores else full
+            for j in range(len(tiers.tiers))
+        ]  # bytes of one complete unit at each engine tier
+        f64 = dict(dtype=torch.float64, device=device)
+        self.unit_bytes_t = torch.tensor(self.unit_bytes, **f64)  # once: no per-step copies
+        self.copy_bytes_t = torch.tensor([s.unit_nbytes for s in self.stores.values()], **f64)
+        self._reserve(max_tokens or 1)
+
+    def layer(self, li: int) -> CoupledLayer:
+        return CoupledLayer(self, li)
+
+    def n_units(self, li: int) -> int:
+        return self.layout.n_units(self.n_tokens[li])
+
+    def max_units(self) -> int:
+        return max(self.n_units(li) for li in range(self.n_layers))
+
+    def _reserve(self, n_tokens: int) -> None:
+        u = self.layout.n_units(n_tokens)
+        if u <= self.capacity:
+            return
+        cap = max(u, 2 * self.capacity)
+        extra = cap - self.capacity
+        lh, w = (self.n_layers, self.n_heads), self.layout.size
+        for p, x in self.full.items():
+            pad = x.new_full((*lh, extra * w, self.head_dim), torch.nan)
+            self.full[p] = torch.cat([x, pad], 2)
+        self.tier = torch.cat([self.tier, self.tier.new_zeros(*lh, extra)], 2)
+        for s in self.stores.values():
+            s.grow(cap)
+        self.capacity = cap
+
+    def append(self, li: int, rows: dict[str, Tensor]) -> None:
+        """Append ``rows[part][H, t, d]`` to layer ``li`` (new tokens are full)."""
+        t0 = self.n_tokens[li]
+        t = t0 + next(iter(rows.values())).shape[1]
+        self._reserve(t)
+        for p, x in self.full.items():
+            x[li, :, t0:t] = rows[p].to(self.dtype)
+        self.n_tokens[li] = t
+
+    # -- accounting (device tensors, no host sync) -------------------------------------------
+    def held(self, layers: slice | list[int], n_units: int) -> Tensor | None:
+        """bool ``[J, G, H, U]`` copies kept at each quantized tier (write-once ledger), else
+        None."""
+        if not self.write_once or not self.stores:
+            return None
+        return torch.stack([s.present[layers, :, :n_units] for s in self.stores.values()])
+
+    def unit_tokens(self, layers: slice | list[int], n_units: int) -> Tensor:
+        """int64 ``[U]`` or ``[G, 1, U]``: tokens per unit (partial window fewer, 0 past the
+        layer's end)."""
+        ids = range(self.n_layers)[layers] if isinstance(layers, slice) else layers
+        t = per_layer([self.n_tokens[i] for i in ids], self.device)
+        first = self.layout.first_token(n_units * self.layout.size, self.device)
+        return (t - first).clamp(0, self.layout.size)
+
+    def nbytes(self) -> Tensor:
+        """int64 0-d: bytes held over all layers (full rows, copies kept)."""
+        u = self.max_units()
+        rows = ((self.tier[..., :u] == 0) * self.unit_tokens(slice(None), u)).sum()
+        b = rows * (2 * len(self.parts) * self.head_dim)
+        for s in self.stores.values():
+            b = b + s.present.sum() * s.unit_nbytes
+        return b
+
+    # -- moving --------------------------------------------------------------------------------
+    def apply(self, new: Tensor) -> Moves:
+        """Move every layer's units to ``new[L, H, U]`` (engine tiers, ``U`` the most units
+        of any layer; units a layer lacks and partial windows keep their tier). One host sync.
+
+        Raises:
+            LedgerError: a write-once copy would be written twice (an engine bug).
+        """
+        u = new.shape[-1]
+        old = self.tier[..., :u].clone()
+        changed = new != old
+        ev = -1 if self.tiers.evict is None else self.tiers.evict
+        need = {j: (new == j) & (old != j) & ~s.present[..., :u] for j, s in self.stores.items()}
+        up, down = changed & (new == 0), changed & (old == 0)
+        nc = per_layer([self.layout.n_complete(t) for t in self.n_tokens], self.device)
+        bad = [
+            (up & (old == ev)).sum(),
+            (changed & (torch.arange(u, device=new.device) >= nc)).sum(),
+        ]
+        if self.write_once:
+            bad += [
+                (m & (s.write_count[..., :u] > 0)).sum()
+                for (j, m), s in zip(need.items(), self.stores.values(), strict=True)
+            ]
+        counts = torch.stack(
+            [changed.sum(), up.sum(), down.sum(), *(m.sum() for m in need.values()), *bad]
+        ).tolist()  # the host sync
+        n_changed, n_up, n_down = counts[:3]
+        n_need, bad = counts[3 : 3 + len(need)], counts[3 + len(need) :]
+        assert not bad[0] and not bad[1], "promoted an evicted unit or moved a partial window"
+        if any(bad[2:]):
+            raise LedgerError("write-once ledger entry written twice")
+        for (j, m), n in zip(need.items(), n_need, strict=True):
+            self._write(j, _compact(m, n), old, u)
+        if n_up:
+            self._restore(_compact(up, n_up), old, u)
+        if n_down:
+            idx = self._row_index(_compact(down, n_down), u)
+            for x in self.full.values():
+                self._rows(x).index_fill_(0, idx, torch.nan)
+        for j, s in self.stores.items():
+            leave = (new == ev) if self.write_once else ((old == j) & (new != j)) | (new == ev)
+            s.present[..., :u] &= ~leave
+        self.tier[..., :u] = new
+        idx = _compact(changed, n_changed)
+        lh = self.n_heads * u
+        wrote = torch.zeros_like(changed)
+        for m in need.values():
+            wrote |= m
+        return Moves(
+            idx // lh,
+            idx // u % self.n_heads,
+            idx % u,
+            old.flatten()[idx],
+            new.flatten()[idx],
+            wrote.flatten()[idx],
+        )
+
+    def _rows(self, x: Tensor) -> Tensor:
+        """Full rows ``[L, H, cap * W, d]`` as unit blocks ``[L * H * cap, W, d]`` (a view)."""
+        return x.view(-1, self.layout.size, self.head_dim)
+
+    def _row_index(self, idx: Tensor, u: int) -> Tensor:
+        return idx // u * self.capacity + idx % u
+
+    def _current(self, idx: Tensor, old: Tensor, skip: int | None) -> dict[str, Tensor]:
+        """``[n, W, d]`` per part: what the units at flat ``idx`` (into ``[L, H, u]``) hold now:
+        full rows, or ``dequantize`` of the copy of their quantized tier (except ``skip``)."""
+        u = old.shape[-1]
+        rows = self._row_index(idx, u)
+        out = {p: self._rows(x).index_select(0, rows) for p, x in self.full.items()}
+        src = old.flatten()[idx][:, None, None]
+        for j, s in self.stores.items():
+            if j != skip:
+                read = s.read_at(rows)
+                out = {p: torch.where(src == j, read[p], out[p].float()) for p in out}
+        return out
+
+    def _write(self, j: int, idx: Tensor, old: Tensor, u: int) -> None:
+        s = self.stores[j]
+        step = max(1, (2**27 if self.device.type == "cuda" else 2**24) // (s.window * s.head_dim))
+        for a in range(0, idx.numel(), step):
+            part = idx[a : a + step]
+            s.write_at(self._row_index(part, u), self._current(part, old, skip=j))
+
+    def _restore(self, idx: Tensor, old: Tensor, u: int) -> None:
+        rows = self._row_index(idx, u)
+        src = old.flatten()[idx][:, None, None]
+        out = None
+        for j, s in self.stores.items():
+            read = s.read_at(rows)
+            out = read if out is None else {p: torch.where(src == j, read[p], out[p]) for p in out}
+        for p, x in self.full.items():
+            self._rows(x).index_copy_(0, rows, out[p].to(self.dtype))
+
+
+class CoupledLayer:
+    """Layer ``li`` of a :class:`CoupledStack`: views of its tensors and per-layer reads."""
+
+    def __init__(self, stack: CoupledStack, li: int) -> None:
+        self.stack, self.li = stack, li
+        self.tiers, self.layout, self.parts = stack.tiers, stack.layout, stack.parts
+        self.n_heads, self.head_dim = stack.n_heads, stack.head_dim
+
+    @property
+    def n_tokens(self) -> int:
+        return self.stack.n_tokens[self.li]
 
     @property
     def n_units(self) -> int:
         return self.layout.n_units(self.n_tokens)
 
-    def append(self, rows: dict[str, Tensor]) -> None:
-        """Append ``rows[part][H, t, d]`` (new tokens are full)."""
-        n = next(iter(rows.values())).shape[1]
-        t = self.n_tokens + n
-        for p, x in self.full.items():
-            if t > x.shape[1]:
-                pad = max(t, 2 * x.shape[1]) - x.shape[1]
-                x = self.full[p] = torch.cat(
-                    [x, x.new_full((self.n_heads, pad, self.head_dim), torch.nan)], 1
-                )
-            x[:, self.n_tokens : t] = rows[p].to(self.dtype)
-        self.n_tokens = t
-        extra = self.n_units - self.tier.shape[1]
-        if extra > 0:
-            self.tier = torch.cat([self.tier, self.tier.new_zeros(self.n_heads, extra)], 1)
+    @property
+    def full(self) -> dict[str, Tensor]:
+        """``[H, capacity * W, d]`` per part."""
+        return {p: x[self.li] for p, x in self.stack.full.items()}
 
-    # -- accounting ------------------------------------------------------------------------
-    def unit_bytes(self) -> list[int]:
-        """Bytes of one complete unit at each engine tier."""
-        full = 2 * len(self.parts) * self.layout.size * self.head_dim
-        ev = self.tiers.evict
-        return [
-            0 if j == ev else self.stores[j].unit_nbytes if j in self.stores else full
-            for j in range(len(self.tiers.tiers))
-        ]
+    @property
+    def tier(self) -> Tensor:
+        """int64 ``[H, capacity]``."""
+        return self.stack.tier[self.li]
 
-    def held(self) -> Tensor | None:
-        """bool ``[J, H, U]`` copies kept (write-once ledger), else None."""
-        if not self.write_once:
-            return None
-        u = self.n_units
-        return (
-            torch.stack([self.stores[j].held(u) for j in self.tiers.quantized])
-            if self.stores
-            else None
-        )
+    @property
+    def stores(self) -> dict[int, CopyStore]:
+        return {j: s.layer(self.li) for j, s in self.stack.stores.items()}
 
-    def unit_tokens(self) -> Tensor:
-        """int64 ``[U]`` tokens per unit (the partial window has fewer)."""
-        t = self.n_tokens
-        lay = self.layout
-        return lay.last_token(t, self.device) - lay.first_token(t, self.device) + 1
-
-    def bytes_of(self, mask: Tensor) -> Tensor:
-        """Bytes held by the units where ``mask[H, U]``: full rows if full, copies kept."""
-        u = self.n_units
-        full = (self.tier[:, :u] == 0) & mask
-        b = (full.long() * self.unit_tokens()).sum() * (2 * len(self.parts) * self.head_dim)
-        for s in self.stores.values():
-            b = b + (s.held(u) & mask).sum() * s.unit_nbytes
-        return b
-
-    def nbytes(self) -> int:
-        return int(
-            self.bytes_of(
-                torch.ones(self.n_heads, self.n_units, dtype=torch.bool, device=self.device)
-            )
-        )
-
-    # -- reading ---------------------------------------------------------------------------
     def blocks(self, tier: Tensor) -> dict[str, Tensor]:
         """float32 ``[H, U, W, d]`` of complete units as they are held at ``tier[H, U]``."""
         u = tier.shape[1]
         out = {p: self.layout.rows(x, u).float() for p, x in self.full.items()}
         for j, s in self.stores.items():
             m = (tier == j)[..., None, None]
-            if bool(m.any()):
-                read = s.read(u)
-                out = {p: torch.where(m, read[p], out[p]) for p in out}
+            read = s.read(u)
+            out = {p: torch.where(m, read[p], out[p]) for p in out}
         return out
 
     def view(self) -> tuple[dict[str, Tensor], Tensor]:
@@ -144,58 +303,10 @@ class CoupledLayer:
         tier = self.tier[:, :u]
         out = {p: x[:, :t].float() for p, x in self.full.items()}
         uc = self.layout.n_complete(t)
-        if uc:
+        if uc and self.stores:
             b, n = self.blocks(tier[:, :uc]), uc * self.layout.size
             for p in out:
                 out[p][:, :n] = b[p].reshape(self.n_heads, n, self.head_dim)
         ev = self.tiers.evict
         kept = self.layout.token_mask(tier != (-1 if ev is None else ev), t)
         return {p: torch.where(kept[..., None], x, torch.nan) for p, x in out.items()}, kept
-
-    # -- moving ----------------------------------------------------------------------------
-    def apply(self, new: Tensor) -> tuple[Tensor, Tensor]:
-        """Move units to ``new[H, U]`` (engine tiers; the partial window stays full).
-
-        Returns ``changed`` bool ``[H, U]`` and ``wrote`` bool ``[H, U]`` (a copy was written).
-        """
-        u = new.shape[1]
-        old = self.tier[:, :u].clone()
-        changed, wrote = new != old, torch.zeros_like(new, dtype=torch.bool)
-        if not bool(changed.any()):
-            return changed, wrote
-        uc = self.layout.n_complete(self.n_tokens)
-        assert not bool(changed[:, uc:].any()), "the partial window must stay full"
-        new_c, old_c = new[:, :uc], old[:, :uc]
-        cur = None
-        for j, s in self.stores.items():
-            need = (new_c == j) & (old_c != j) & ~s.held(uc)
-            if bool(need.any()):
-                cur = self.blocks(old_c) if cur is None else cur
-                s.write(need, cur)
-                wrote[:, :uc] |= need
-        up = (new_c == 0) & (old_c != 0)
-        if bool(up.any()):
-            cur = self.blocks(old_c) if cur is None else cur
-            self._set_rows(up, cur)
-        down = (new_c != 0) & (old_c == 0)
-        if bool(down.any()):
-            self._set_rows(down, None)
-        ev = self.tiers.evict
-        for j, s in self.stores.items():
-            leave = (old_c == j) & (new_c != j)
-            gone = new_c == ev if ev is not None else torch.zeros_like(leave)
-            s.drop(gone if self.write_once else leave | gone)
-        self.tier[:, :u] = new
-        return changed, wrote
-
-    def _set_rows(self, mask: Tensor, blocks: dict[str, Tensor] | None) -> None:
-        """Write ``blocks`` (NaN when None) into the full rows of the units in ``mask[H, U]``."""
-        rows = self.layout.token_mask(mask, mask.shape[1] * self.layout.size)
-        n = rows.shape[1]
-        for p, x in self.full.items():
-            src = (
-                torch.full_like(x[:, :n], torch.nan)
-                if blocks is None
-                else blocks[p].reshape(self.n_heads, n, self.head_dim).to(self.dtype)
-            )
-            x[:, :n] = torch.where(rows[..., None], src, x[:, :n])

@@ -1,16 +1,20 @@
 """What routing did: per-unit transitions and one record per routing step.
 
 A routing step over 32 layers x 8 heads x 4096 windows can move ~10^5 units, so transitions are
-kept as columns of CPU tensors (:class:`Transitions`) and turned into :class:`Transition` objects
+kept as columns of tensors (:class:`Transitions`) and turned into :class:`Transition` objects
 only when someone iterates them. ``Transitions`` is a read-only ``Sequence[Transition]``: use it
 like a list (``len``, indexing, iteration, ``count(kind)`` via :meth:`Transitions.counts`).
+
+Nothing here makes routing wait for the device: columns may stay on the GPU and a step's byte
+count may be a 0-d device tensor; they are copied to the host the first time someone reads them
+(a column, a count, ``StepEvents.bytes_used``, ``EventLog.counters``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -34,8 +38,11 @@ class Transition:
 
 
 class Transitions(Sequence):
-    """Columns of transitions: int64 CPU tensors ``layer, head, unit, src, dst`` ``[n]`` (tier
-    indices into ``tier_names``) and bool ``ledger_write [n]``."""
+    """Columns of transitions: int64 ``layer, head, unit, src, dst`` ``[n]`` (tier indices into
+    ``tier_names``) and bool ``ledger_write [n]``, given on any device and read as CPU tensors
+    (copied once, on first read)."""
+
+    _COLS = ("layer", "head", "unit", "src", "dst", "ledger_write")
 
     def __init__(
         self,
@@ -50,8 +57,27 @@ class Transitions(Sequence):
     ):
         self.tier_names = tuple(tier_names)
         self.evict_index = evict_index
-        self.layer, self.head, self.unit = layer, head, unit
-        self.src, self.dst, self.ledger_write = src, dst, ledger_write
+        self._n = int(layer.numel())
+        self._raw: tuple[Tensor, ...] | None = (layer, head, unit, src, dst, ledger_write)
+        self._cpu: dict[str, Tensor] = {}
+
+    def _column(self, name: str) -> Tensor:
+        if self._raw is not None:
+            raw = self._raw
+            if any(c.device.type != "cpu" for c in raw):  # one copy for all columns
+                both = torch.stack([c.long() for c in raw]).cpu()
+                raw = tuple(both[i] for i in range(len(raw)))
+            cols = dict(zip(self._COLS, raw, strict=True))
+            cols["ledger_write"] = cols["ledger_write"].bool()
+            self._cpu, self._raw = cols, None
+        return self._cpu[name]
+
+    layer = property(lambda self: self._column("layer"))
+    head = property(lambda self: self._column("head"))
+    unit = property(lambda self: self._column("unit"))
+    src = property(lambda self: self._column("src"))
+    dst = property(lambda self: self._column("dst"))
+    ledger_write = property(lambda self: self._column("ledger_write"))
 
     @classmethod
     def empty(cls, tier_names: Sequence[str], evict_index: int | None = None) -> Transitions:
@@ -77,7 +103,7 @@ class Transitions(Sequence):
         return dict(zip(KINDS, c, strict=True))
 
     def __len__(self) -> int:
-        return int(self.layer.numel())
+        return self._n
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -106,29 +132,62 @@ class Transitions(Sequence):
         return f"Transitions({len(self)}: {self.counts()})"
 
 
-@dataclass(frozen=True)
 class StepEvents:
     """One routing step. ``over_budget``: the forced content (protected tokens, the partial
     trailing window, ``keep``/``promote`` rules, tiers without an evicting option) alone exceeded
-    the budget, so everything else went to its cheapest tier and ``bytes_used > budget``."""
+    the budget, so everything else went to its cheapest tier and ``bytes_used > budget``.
+    ``bytes_used`` and ``over_budget`` may be given as 0-d device tensors (read lazily)."""
 
-    step: int
-    reason: str
-    transitions: Transitions
-    bytes_used: int
-    budget: int
-    over_budget: bool = False
+    def __init__(
+        self,
+        step: int,
+        reason: str,
+        transitions: Transitions,
+        bytes_used: int | Tensor,
+        budget: int,
+        over_budget: bool | Tensor = False,
+    ) -> None:
+        self.step, self.reason, self.transitions, self.budget = step, reason, transitions, budget
+        self._bytes_used, self._over = bytes_used, over_budget
+
+    @property
+    def bytes_used(self) -> int:
+        if isinstance(self._bytes_used, Tensor):
+            self._bytes_used = int(self._bytes_used)
+        return self._bytes_used
+
+    @property
+    def over_budget(self) -> bool:
+        if isinstance(self._over, Tensor):
+            self._over = bool(self._over)
+        return self._over
+
+    def __repr__(self) -> str:
+        return (
+            f"StepEvents(step={self.step}, reason={self.reason!r}, {self.transitions!r}, "
+            f"bytes_used={self.bytes_used}, budget={self.budget}, over_budget={self.over_budget})"
+        )
 
 
-@dataclass
 class EventLog:
-    steps: list[StepEvents] = field(default_factory=list)
-    counters: Counter = field(default_factory=Counter)  # by kind, plus "ledger_write"
+    """Every routing step of a store, and transition counts by kind plus "ledger_write"."""
+
+    def __init__(self) -> None:
+        self.steps: list[StepEvents] = []
+        self._counters: Counter = Counter()
+        self._pending: list[StepEvents] = []
 
     def record(self, ev: StepEvents) -> None:
         self.steps.append(ev)
-        self.counters.update(ev.transitions.counts())
-        self.counters["ledger_write"] += int(ev.transitions.ledger_write.sum())
+        self._pending.append(ev)
+
+    @property
+    def counters(self) -> Counter:
+        for ev in self._pending:
+            self._counters.update(ev.transitions.counts())
+            self._counters["ledger_write"] += int(ev.transitions.ledger_write.sum())
+        self._pending = []
+        return self._counters
 
     @property
     def over_budget_steps(self) -> list[int]:

@@ -17,8 +17,11 @@ Ledger modes (the store decides when to call what):
   ``write_count[h, u]`` counts writes; :meth:`CopyStore.write` refuses a second one.
 - no ledger: a copy lives only while its unit is in the tier; leaving drops it.
 
-Storage is dense ``[H, capacity, ...]`` per tier with a ``present`` mask; byte accounting uses
-``present`` and :attr:`CopyStore.unit_nbytes`, i.e. what a packed pool would hold.
+Storage is dense ``[*lead, capacity, ...]`` per tier with a ``present`` mask, ``lead`` being
+``[H]`` (one layer) or ``[L, H]`` (every layer of a store, so one routing step moves all layers'
+units with a few index ops); byte accounting uses ``present`` and :attr:`CopyStore.unit_nbytes`,
+i.e. what a packed pool would hold. On CUDA, encoding uses the fused Triton
+``quantize_pack`` kernel when it supports the group (bit-identical to :mod:`.codecs`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,17 @@ import torch
 from torch import Tensor
 
 from . import codecs
+
+
+def _quantize(x: Tensor, bits: int, group: int) -> codecs.QuantizedTensor:
+    if x.device.type == "cuda" and group % (8 // bits) == 0:
+        try:
+            from tiered_radix.kernels.quant import quantize_pack
+        except ImportError:  # no Triton: the codec gives the same codes
+            pass
+        else:
+            return quantize_pack(x.contiguous(), bits=bits, group=group)
+    return codecs.quantize(x, bits, group)
 
 
 class LedgerError(RuntimeError):
@@ -45,9 +59,7 @@ class PartCodec:
 
     def encode(self, x: Tensor) -> codecs.QuantizedTensor:
         """``x[n, W, d]`` -> codes over ``[n, d, W]`` (along tokens) or ``[n, W, d]``."""
-        return codecs.quantize(
-            x.transpose(-1, -2) if self.along_tokens else x, self.bits, self.group
-        )
+        return _quantize(x.transpose(-1, -2) if self.along_tokens else x, self.bits, self.group)
 
     def decode(self, q: codecs.QuantizedTensor) -> Tensor:
         """-> float32 ``[..., W, d]``."""
@@ -72,7 +84,8 @@ def part_codecs(
 
 
 class CopyStore:
-    """Copies of one layer's units at one quantized tier. ``parts`` maps "k"/"v" to codecs."""
+    """Copies of one quantized tier's units, for one layer (``n_layers=None``: masks
+    ``[H, U]``) or all layers (masks ``[L, H, U]``). ``parts`` maps "k"/"v" to codecs."""
 
     def __init__(
         self,
@@ -82,72 +95,112 @@ class CopyStore:
         head_dim: int,
         device: torch.device,
         write_once: bool,
+        *,
+        n_layers: int | None = None,
     ) -> None:
         self.parts, self.window, self.head_dim = parts, window, head_dim
         self.n_heads, self.device, self.write_once = n_heads, device, write_once
+        self.lead = (n_heads,) if n_layers is None else (n_layers, n_heads)
         self.unit_nbytes = sum(c.nbytes(window, head_dim) for c in parts.values())
-        self.capacity = 0
-        self.present = torch.zeros(n_heads, 0, dtype=torch.bool, device=device)
-        self.write_count = torch.zeros(n_heads, 0, dtype=torch.int32, device=device)
+        self.capacity, self._fixed = 0, False
+        self.present = torch.zeros(*self.lead, 0, dtype=torch.bool, device=device)
+        self.write_count = torch.zeros(*self.lead, 0, dtype=torch.int32, device=device)
         self.data: dict[str, list[Tensor]] = {}
+        self.grow(1)
+
+    def layer(self, li: int) -> CopyStore:
+        """The copies of layer ``li`` of an all-layers store: a ``[H, U]`` store sharing its
+        tensors (valid until the all-layers store grows)."""
+        assert len(self.lead) == 2
+        out = object.__new__(CopyStore)
+        out.__dict__.update(self.__dict__)
+        out.lead, out._fixed = self.lead[1:], True
+        out.present, out.write_count = self.present[li], self.write_count[li]
+        out.data = {name: [t[li] for t in ts] for name, ts in self.data.items()}
+        return out
 
     def grow(self, n_units: int) -> None:
         if n_units <= self.capacity:
             return
+        assert not self._fixed, "a per-layer view cannot grow; grow the all-layers store"
         cap = max(n_units, 2 * self.capacity)
-        extra = cap - self.capacity
-        h, w, d = self.n_heads, self.window, self.head_dim
-        self.present = torch.cat([self.present, self.present.new_zeros(h, extra)], 1)
-        self.write_count = torch.cat([self.write_count, self.write_count.new_zeros(h, extra)], 1)
+        extra = (*self.lead, cap - self.capacity)
+        w, d, dim = self.window, self.head_dim, len(self.lead)
+        self.present = torch.cat([self.present, self.present.new_zeros(extra)], dim)
+        self.write_count = torch.cat([self.write_count, self.write_count.new_zeros(extra)], dim)
         for name, c in self.parts.items():
             q = c.encode(torch.zeros(1, w, d, device=self.device))  # shapes of one unit
-            new = [t.new_zeros(h, extra, *t.shape[1:]) for t in (q.codes, q.scale, q.lo)]
+            new = [t.new_zeros(*extra, *t.shape[1:]) for t in (q.codes, q.scale, q.lo)]
             old = self.data.get(name)
             self.data[name] = (
-                new if old is None else [torch.cat(p, 1) for p in zip(old, new, strict=True)]
+                new if old is None else [torch.cat(p, dim) for p in zip(old, new, strict=True)]
             )
         self.capacity = cap
 
+    # -- masks over [*lead, U] ---------------------------------------------------------------
     def write(self, mask: Tensor, blocks: dict[str, Tensor]) -> None:
-        """Quantize ``blocks[part][H, U, W, d]`` into the units where ``mask[H, U]`` is True.
+        """Quantize ``blocks[part][*lead, U, W, d]`` into the units where ``mask[*lead, U]``.
 
         Raises:
             LedgerError: write-once mode and one of these units already has a copy.
         """
-        u = mask.shape[1]
+        u = mask.shape[-1]
         self.grow(u)
-        if self.write_once and bool((self.write_count[:, :u][mask] > 0).any()):
+        if self.write_once and bool((self.write_count[..., :u][mask] > 0).any()):
             raise LedgerError("write-once ledger entry written twice")
-        full = torch.zeros(self.n_heads, self.capacity, dtype=torch.bool, device=self.device)
-        full[:, :u] = mask
-        for name, c in self.parts.items():
-            q = c.encode(blocks[name][mask].float())
-            for store, new in zip(self.data[name], (q.codes, q.scale, q.lo), strict=True):
-                store[full] = new
-        self.present |= full
-        self.write_count += full.int()
+        idx = self.flat_index(mask.flatten().nonzero()[:, 0], u)
+        self.write_at(idx, {p: b[mask] for p, b in blocks.items()})
 
     def read(self, n_units: int) -> dict[str, Tensor]:
-        """float32 ``[H, U, W, d]`` per part: ``dequantize(copy)`` (garbage where absent)."""
+        """float32 ``[*lead, U, W, d]`` per part: ``dequantize(copy)`` (garbage where absent)."""
         self.grow(n_units)
-        out = {}
-        for name, c in self.parts.items():
-            codes, scale, lo = (t[:, :n_units] for t in self.data[name])
-            q = codecs.QuantizedTensor(
-                codes, scale, lo, c.bits, c.group, self.window if c.along_tokens else self.head_dim
+        return {
+            name: self._decode(
+                name, [t.narrow(len(self.lead), 0, n_units) for t in self.data[name]]
             )
-            out[name] = c.decode(q)
-        return out
+            for name in self.parts
+        }
 
     def drop(self, mask: Tensor) -> None:
-        """Forget the copies of the units where ``mask[H, U]`` is True (the count stays)."""
-        self.grow(mask.shape[1])
-        self.present[:, : mask.shape[1]] &= ~mask
+        """Forget the copies of the units where ``mask[*lead, U]`` is True (the count stays)."""
+        self.grow(mask.shape[-1])
+        self.present[..., : mask.shape[-1]] &= ~mask
 
     def held(self, n_units: int) -> Tensor:
-        """bool ``[H, U]``."""
+        """bool ``[*lead, U]``."""
         self.grow(n_units)
-        return self.present[:, :n_units]
+        return self.present[..., :n_units]
 
     def nbytes(self) -> int:
         return int(self.present.sum()) * self.unit_nbytes
+
+    # -- flat unit indices (no host sync) ----------------------------------------------------
+    def flat_index(self, idx: Tensor, n_units: int) -> Tensor:
+        """Positions ``idx`` in a flattened ``[*lead, n_units]`` -> in ``[*lead, capacity]``."""
+        return idx // n_units * self.capacity + idx % n_units
+
+    def write_at(self, idx: Tensor, blocks: dict[str, Tensor]) -> None:
+        """Quantize ``blocks[part][n, W, d]`` into the units at flat indices ``idx[n]`` (see
+        :meth:`flat_index`; distinct). The caller checks write-once."""
+        for name, c in self.parts.items():
+            x = blocks[name]
+            q = c.encode(x if x.dtype in (torch.bfloat16, torch.float16) else x.float())
+            for store, new in zip(self.data[name], (q.codes, q.scale, q.lo), strict=True):
+                store.view(-1, *store.shape[len(self.lead) + 1 :]).index_copy_(0, idx, new)
+        self.present.view(-1).index_fill_(0, idx, True)
+        self.write_count.view(-1).index_add_(
+            0, idx, torch.ones_like(idx, dtype=self.write_count.dtype)
+        )
+
+    def read_at(self, idx: Tensor) -> dict[str, Tensor]:
+        """float32 ``[n, W, d]`` per part: ``dequantize`` of the copies at flat ``idx[n]``."""
+        out = {}
+        for name in self.parts:
+            ts = [t.view(-1, *t.shape[len(self.lead) + 1 :]) for t in self.data[name]]
+            out[name] = self._decode(name, [t.index_select(0, idx) for t in ts])
+        return out
+
+    def _decode(self, name: str, tensors: list[Tensor]) -> Tensor:
+        c = self.parts[name]
+        n = self.window if c.along_tokens else self.head_dim
+        return c.decode(codecs.QuantizedTensor(*tensors, c.bits, c.group, n))

@@ -1,10 +1,13 @@
 """One routing step's decisions (``TierStore.plan``): constraints, budgets, allocator calls.
 
-Order: per layer, forced masks (protected units, rules, units already evicted) and the bytes the
-forced-full units hold; then the budget left after those is spread over (layer, head) (see
-:mod:`.routing`); then each layer is allocated: rank allocation over ``allocate.by``, or
-rate-distortion per head (coupled units: one RD over the units; RDKV: V tokens over
-``v_share`` of the head's share, then K channels over the kept tokens with the rest).
+Layers holding the same number of tokens (all of them, except mid-step) are planned together as
+``[G, H, U]`` tensors, so the number of device ops does not grow with the layer count and the
+rank path never waits for the device. Order: forced masks (protected units, rules, units
+already evicted) and the bytes the forced-full units hold; then the budget left after those is
+spread over (layer, head) (see :mod:`.routing`); then allocation: rank allocation over
+``allocate.by`` (one call for a group of layers), or rate-distortion per layer and head (coupled
+units: one RD over the units; RDKV: V tokens over ``v_share`` of the head's share, then K
+channels over the kept tokens with the rest).
 """
 
 from __future__ import annotations
@@ -18,98 +21,162 @@ from tiered_radix.policy.model import Demote, Evict, Keep, Promote, RankAllocati
 
 from .allocate_rd import rd_allocate
 from .decoupled import channel_cost
-from .routing import Constraints, coupled_costs, rank_heads, spread_shares, total_budget
+from .routing import (
+    Constraints,
+    coupled_costs,
+    per_layer,
+    rank_heads,
+    spread_shares,
+    total_budget,
+)
 from .units import UnitLayout
 
 
 @dataclass
 class Plan:
-    """New tiers: ``v[l]`` int64 ``[H, U]`` per layer (all units); decoupled policies also
-    ``k[l]`` int64 ``[H, d]`` channel tiers and ``k_set[l]`` bool ``[H, T]``. ``over`` is a
-    0-d bool device tensor (forced bytes exceed the budget); reading ``over_budget`` syncs."""
+    """New tiers: ``tiers`` int64 ``[L, H, U]`` (``U`` the most units of any layer; a layer's
+    units past its own ``units[l]`` keep their tier), ``v[l]`` its ``[H, units[l]]`` view;
+    decoupled policies also ``k[l]`` int64 ``[H, d]`` channel tiers and ``k_set[l]`` bool
+    ``[H, T]``. ``over`` is a 0-d bool device tensor (forced bytes exceed the budget); reading
+    ``over_budget`` syncs."""
 
-    v: list[Tensor]
+    tiers: Tensor
+    units: list[int]
     k: list[Tensor]
     k_set: list[Tensor]
     over: Tensor
+
+    @property
+    def v(self) -> list[Tensor]:
+        return [self.tiers[li, :, :u] for li, u in enumerate(self.units)]
 
     @property
     def over_budget(self) -> bool:
         return bool(self.over)
 
 
-def _constraints(store, li: int) -> Constraints:
-    lay, ts = store.layers[li].v, store.tier_set
-    h, u, t = store.n_heads, lay.n_units, lay.n_tokens
-    protected = store.layout.protected(t, store.policy.protect, store.device)[None].expand(h, u)
-    full = torch.zeros(h, u, dtype=torch.bool, device=store.device)
+@dataclass
+class _Group:
+    """Layers with the same token count; ``sel`` indexes them in ``[L, ...]`` tensors."""
+
+    layers: list[int]
+    sel: slice | list[int]
+    n_tokens: int
+    n_units: int
+
+
+def _groups(store) -> list[_Group]:
+    by: dict[int, list[int]] = {}
+    for li, t in enumerate(store.stack.n_tokens):
+        by.setdefault(t, []).append(li)
+    out = []
+    for t, ls in by.items():
+        sel = slice(ls[0], ls[-1] + 1) if ls == list(range(ls[0], ls[-1] + 1)) else ls
+        out.append(_Group(ls, sel, t, store.layout.n_units(t)))
+    return out
+
+
+def _merge(parts: list[Tensor], groups: list[_Group]) -> Tensor:
+    """Per-group ``[G, ...]`` -> ``[L, ...]`` in layer order."""
+    if len(groups) == 1:
+        return parts[0]
+    order = [li for g in groups for li in g.layers]
+    inv = sorted(range(len(order)), key=order.__getitem__)
+    return torch.cat(parts)[inv]
+
+
+def _constraints(store, g: _Group) -> Constraints:
+    ts, st, dev = store.tier_set, store.stack, store.device
+    shape = (len(g.layers), store.n_heads, g.n_units)
+    protected = store.layout.protected(g.n_tokens, store.policy.protect, dev)
+    full = torch.zeros(shape, dtype=torch.bool, device=dev)
     evict, cap = torch.zeros_like(full), torch.zeros_like(full)
     for rule in store.policy.rules:
-        m = store.scores.evaluate(li, rule.when, store.layout).bool()
+        m = store.scores.evaluate_layers(g.layers, rule.when, store.layout).bool()
         if isinstance(rule.then, Evict):
             evict, full, cap = evict | m, full & ~m, cap & ~m
         elif isinstance(rule.then, Keep | Promote):
             full, evict, cap = full | m, evict & ~m, cap & ~m
         elif isinstance(rule.then, Demote):
             cap, full, evict = cap | m, full & ~m, evict & ~m
-    gone = lay.tier[:, :u] == (-1 if ts.evict is None else ts.evict)
+    gone = st.tier[g.sel, :, : g.n_units] == (-1 if ts.evict is None else ts.evict)
     full = (full | protected) & ~gone
     return Constraints(full=full, evict=(evict & ~protected) | gone, cap=cap & ~full)
 
 
-def _forced_bytes(store, li: int, c: Constraints) -> Tensor:
-    """float64 ``[H]``: bytes the forced-full units hold after routing (rows + kept copies)."""
-    lay = store.layers[li].v
-    rows = (c.full.double() * lay.unit_tokens()).sum(1) * (2 * 2 * store.head_dim)
-    held = lay.held()
+def _forced_bytes(store, g: _Group, c: Constraints) -> Tensor:
+    """float64 ``[G, H]``: bytes the forced-full units hold after routing (rows + kept copies)."""
+    st = store.stack
+    rows = (c.full * st.unit_tokens(g.sel, g.n_units)).sum(-1).double() * (4 * store.head_dim)
+    held = st.held(g.sel, g.n_units)
     if held is not None:
-        nb = torch.tensor(
-            [lay.stores[j].unit_nbytes for j in store.tier_set.quantized],
-            dtype=torch.float64,
-            device=store.device,
-        )
-        rows = rows + (held.double() * c.full * nb[:, None, None]).sum((0, 2))
+        nb = st.copy_bytes_t.view(-1, 1, 1, 1)
+        rows = rows + (held.double() * c.full * nb).sum((0, -1))
     return rows
 
 
+def _costs(store, g: _Group) -> Tensor:
+    """float64 ``[G, H, U, J]`` engine-tier costs."""
+    st = store.stack
+    cost = coupled_costs(store.tier_set, st.unit_bytes_t, st.held(g.sel, g.n_units))
+    return cost.expand(len(g.layers), store.n_heads, g.n_units, -1) if cost.dim() == 1 else cost
+
+
 def plan_route(store) -> Plan:
-    pol, dev = store.policy, store.device
-    cons = [_constraints(store, li) for li in range(store.n_layers)]
-    forced = torch.stack([_forced_bytes(store, li, c) for li, c in enumerate(cons)])  # [L, H]
+    pol, dev, st = store.policy, store.device, store.stack
+    groups = _groups(store)
+    cons = [_constraints(store, g) for g in groups]
+    forced = _merge(
+        [_forced_bytes(store, g, c) for g, c in zip(groups, cons, strict=True)], groups
+    )  # [L, H]
     totals = None
     if pol.spread.kind == "proportional":
-        totals = torch.stack(
+        totals = _merge(
             [
-                store.scores.evaluate(li, pol.spread.by, store.layout).float().sum(1)
-                for li in range(store.n_layers)
-            ]
+                store.scores.evaluate_layers(g.layers, pol.spread.by, store.layout).float().sum(-1)
+                for g in groups
+            ],
+            groups,
         )
-    budget = total_budget(
-        store.budget, [lay.v.n_tokens for lay in store.layers], store.n_heads, store.head_dim
-    )
+    budget = total_budget(store.budget, st.n_tokens, store.n_heads, store.head_dim)
     rest = budget - forced.sum()  # float64 0-d, on device
     shares = spread_shares(pol.spread, store.n_layers, store.n_heads, totals, dev)
     head_budget = torch.floor(shares * rest.clamp(min=0.0))  # float64 [L, H]
-    out = Plan([], [], [], over=rest < 0)
+    units = [st.n_units(li) for li in range(store.n_layers)]
+    out = Plan(st.tier[..., : max(units)], units, [], [], over=rest < 0)
     if isinstance(pol.allocate, RankAllocation):
-        out.v.extend(_rank_all(store, cons, head_budget))
+        out.tiers = _place(
+            st,
+            [_rank(store, g, c, head_budget[g.sel]) for g, c in zip(groups, cons, strict=True)],
+            groups,
+        )
         return out
     head_budget = head_budget.tolist()
-    for li, c in enumerate(cons):
-        if store.coupled:
-            out.v.append(_rd_coupled(store, li, c, head_budget[li]))
-        else:
-            v, k, kset = _rd_decoupled(store, li, c, head_budget[li])
-            out.v.append(v)
-            out.k.append(k)
-            out.k_set.append(kset)
+    v, k, k_set = {}, {}, {}
+    for g, c in zip(groups, cons, strict=True):
+        cost = _costs(store, g)
+        for i, li in enumerate(g.layers):
+            ci = Constraints(c.full[i], c.evict[i], c.cap[i])
+            if store.coupled:
+                v[li] = _rd_coupled(store, li, ci, cost[i], head_budget[li])
+            else:
+                v[li], k[li], k_set[li] = _rd_decoupled(store, li, ci, cost[i], head_budget[li])
+    layers = range(store.n_layers)
+    out.k, out.k_set = [k[li] for li in layers if k], [k_set[li] for li in layers if k_set]
+    one = [_Group([li], slice(li, li + 1), 0, units[li]) for li in layers]
+    out.tiers = _place(st, [v[li][None] for li in layers], one)
     return out
 
 
-def _costs(store, li: int) -> Tensor:
-    lay = store.layers[li].v
-    cost = coupled_costs(store.tier_set, lay.unit_bytes(), lay.held(), store.device)
-    return cost.expand(store.n_heads, lay.n_units, -1) if cost.dim() == 1 else cost
+def _place(st, parts: list[Tensor], groups: list[_Group]) -> Tensor:
+    """Per-group tiers ``[G, H, U_g]`` -> ``[L, H, U]`` (units a layer lacks keep theirs)."""
+    u = max(g.n_units for g in groups)
+    if len(groups) == 1 and groups[0].n_units == u:
+        return parts[0]
+    out = st.tier[..., :u].clone()
+    for g, t in zip(groups, parts, strict=True):
+        out[g.sel, :, : g.n_units] = t
+    return out
 
 
 def _finish(store, tier_p: Tensor, cost_p: Tensor, c: Constraints) -> Tensor:
@@ -120,53 +187,36 @@ def _finish(store, tier_p: Tensor, cost_p: Tensor, c: Constraints) -> Tensor:
     return c.apply(tier_p + ts.offset, ts, cheapest)
 
 
-def _rank_inputs(store, li: int, c: Constraints) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Allocator inputs of one layer: score ``[H, U]``, cost ``[H, U, J]`` (forced units cost
-    0), previous policy tier ``[H, U]`` (-1: never routed); and the unmasked cost."""
+def _rank(store, g: _Group, c: Constraints, budgets: Tensor) -> Tensor:
+    """Rank allocation of a group of layers in one allocator call; ``budgets`` float64
+    ``[G, H]``. Allocator inputs: score ``[G, H, U]`` (-inf: evicted), cost ``[G, H, U, J]``
+    (forced units cost 0), previous policy tier (-1: never routed)."""
     a: RankAllocation = store.policy.allocate
-    ts, lay = store.tier_set, store.layers[li].v
-    cost_p = _costs(store, li)[..., ts.offset :]
-    score = store.scores.evaluate(li, a.by, store.layout).float()
-    u = lay.n_units
-    prev = lay.tier[:, :u] - ts.offset
-    routed = torch.arange(u, device=store.device) < lay.routed_units
-    prev = torch.where(routed & (prev >= 0), prev, -1)
+    ts, st = store.tier_set, store.stack
+    cost_p = _costs(store, g)[..., ts.offset :]
+    score = store.scores.evaluate_layers(g.layers, a.by, store.layout).float()
     score = torch.where(c.evict, -torch.inf, torch.nan_to_num(score, nan=-torch.inf))
-    return score, torch.where((c.full | c.evict)[..., None], 0.0, cost_p), prev, cost_p
-
-
-def _rank_all(store, cons: list[Constraints], budgets: Tensor) -> list[Tensor]:
-    """Rank allocation of every layer, stacked into one allocator call when the layers hold
-    the same number of units (else one call per layer); ``budgets`` float64 ``[L, H]``."""
-    a: RankAllocation = store.policy.allocate
-    ts = store.tier_set
+    prev = st.tier[g.sel, :, : g.n_units] - ts.offset
+    routed = per_layer([st.routed_units[li] for li in g.layers], store.device)
+    routed = torch.arange(g.n_units, device=store.device) < routed
+    prev = torch.where(routed & (prev >= 0), prev, -1)
     # the allocator is exact with rounds > distinct positive costs per tier column: a unit's
     # cost is its tier's bytes plus the copies it keeps, one of 2**Q values with Q quantized
     # tiers under a write-once ledger, a single value otherwise (forced units cost 0)
     rounds = (2 ** len(ts.quantized) if store.policy.ledger.write_once else 1) + 1
-    inputs = [_rank_inputs(store, li, c) for li, c in enumerate(cons)]
-    groups = [list(range(store.n_layers))]
-    if len({x[0].shape[-1] for x in inputs}) > 1:
-        groups = [[li] for li in range(store.n_layers)]
-    out = []
-    for g in groups:
-        score, cost, prev = (torch.stack([inputs[li][i] for li in g]) for i in range(3))
-        tier_p = rank_heads(
-            score,
-            cost,
-            budgets[g],
-            shares=a.shares,
-            previous=prev,
-            hysteresis=a.hysteresis,
-            has_evict=ts.evict is not None,
-            rounds=rounds,
-        )
-        for i, li in enumerate(g):
-            cost_p, t = inputs[li][3], tier_p[i]
-            if ts.evict is None:  # left by the allocator: the cheapest tier (over budget, flagged)
-                t = torch.where(t == cost_p.shape[-1], cost_p.argmin(-1), t)
-            out.append(_finish(store, t, cost_p, cons[li]))
-    return out
+    tier_p = rank_heads(
+        score,
+        torch.where((c.full | c.evict)[..., None], 0.0, cost_p),
+        budgets,
+        shares=a.shares,
+        previous=prev,
+        hysteresis=a.hysteresis,
+        has_evict=ts.evict is not None,
+        rounds=rounds,
+    )
+    if ts.evict is None:  # left by the allocator: the cheapest tier (over budget, flagged)
+        tier_p = torch.where(tier_p == cost_p.shape[-1], cost_p.argmin(-1), tier_p)
+    return _finish(store, tier_p, cost_p, c)
 
 
 def _weights(store, li: int, expr, layout: UnitLayout) -> Tensor:
@@ -174,10 +224,11 @@ def _weights(store, li: int, expr, layout: UnitLayout) -> Tensor:
     return torch.nan_to_num(w, nan=0.0, posinf=1e300, neginf=0.0).clamp(min=0)
 
 
-def _rd_coupled(store, li: int, c: Constraints, budgets: list[float]) -> Tensor:
+def _rd_coupled(store, li: int, c: Constraints, cost: Tensor, budgets: list[float]) -> Tensor:
+    """``cost`` float64 ``[H, U, J]`` engine-tier costs of layer ``li``."""
     a: RateDistortion = store.policy.allocate
     ts = store.tier_set
-    cost_p = _costs(store, li)[..., ts.offset :]
+    cost_p = cost[..., ts.offset :]
     w, sig = (
         _weights(store, li, a.v_weight, store.layout),
         _weights(store, li, a.sigma, store.layout),
@@ -190,17 +241,17 @@ def _rd_coupled(store, li: int, c: Constraints, budgets: list[float]) -> Tensor:
     return _finish(store, tier_p, cost_p, c)
 
 
-def _rd_decoupled(store, li: int, c: Constraints, budgets: list[float]):
+def _rd_decoupled(store, li: int, c: Constraints, cost: Tensor, budgets: list[float]):
     a: RateDistortion = store.policy.allocate
     ts, lay = store.tier_set, store.layers[li]
-    v_tier = _rd_coupled(store, li, c, [a.v_share * b for b in budgets])
+    v_tier = _rd_coupled(store, li, c, cost, [a.v_share * b for b in budgets])
     ev = -1 if ts.evict is None else ts.evict
     k_set = (v_tier != ev) & ~c.full
     n_set = k_set.sum(1)
     chan = UnitLayout("channel", 1, store.head_dim)
     kw, ks = _weights(store, li, a.k_weight, chan), _weights(store, li, a.sigma, chan)
     k_cost = channel_cost(n_set, lay.k.bits, a.group)[:, ts.offset :]
-    v_cost = _costs(store, li).gather(-1, v_tier[..., None])[..., 0]
+    v_cost = cost.gather(-1, v_tier[..., None])[..., 0]
     v_spent = torch.where(c.full | c.evict, 0.0, v_cost).sum(1).tolist()
     k_tier = torch.zeros(store.n_heads, store.head_dim, dtype=torch.long, device=store.device)
     for h in range(store.n_heads):

@@ -72,6 +72,13 @@ class TierSet:
         return [i for i, t in enumerate(self.tiers) if isinstance(t.action, Quantize)]
 
     @property
+    def quantized_slice(self) -> slice:
+        """The quantized tiers as a slice (they sit between full and evicted)."""
+        q = self.quantized
+        assert q == list(range(q[0], q[-1] + 1)) if q else True, "quantized tiers are contiguous"
+        return slice(q[0], q[-1] + 1) if q else slice(0, 0)
+
+    @property
     def first_quantized(self) -> int | None:
         q = self.quantized
         return q[0] if q else None
@@ -113,22 +120,32 @@ def spread_shares(
     return torch.where(total > 0, t / torch.where(total > 0, total, 1.0), even)
 
 
-def coupled_costs(
-    tiers: TierSet, unit_bytes: list[int], held: Tensor | None, device: torch.device | None = None
-) -> Tensor:
-    """float64 ``[H, U, n_tiers]``. ``unit_bytes[j]``: bytes of one unit at tier ``j``;
-    ``held[j, H, U]`` (bool, write-once ledger only): the unit keeps a copy at tier ``j``;
-    without it the result is ``[n_tiers]`` (same for every unit)."""
-    base = torch.tensor(unit_bytes, dtype=torch.float64, device=device)
+def per_layer(values: list[int], device: torch.device | None = None) -> int | Tensor:
+    """One int per layer, to broadcast against ``[G, H, U]``: the int itself when every layer
+    has the same (the usual case, no copy), else int64 ``[G, 1, 1]`` on ``device`` (copied
+    without a host sync on CUDA)."""
+    if len(set(values)) == 1:
+        return values[0]
+    t = torch.tensor(values, dtype=torch.long)
+    if device is not None and torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)[:, None, None]
+
+
+def coupled_costs(tiers: TierSet, unit_bytes: Tensor, held: Tensor | None) -> Tensor:
+    """float64 ``[..., U, n_tiers]``. ``unit_bytes[j]`` float64 ``[n_tiers]`` (on the device):
+    bytes of one unit at tier ``j``; ``held[Q, ..., U]`` (bool, write-once ledger only): the
+    unit keeps a copy at quantized tier ``tiers.quantized[q]``; without it the result is
+    ``[n_tiers]`` (same for every unit)."""
     if held is None:
-        return base
-    has = torch.zeros(len(unit_bytes), *held.shape[1:], dtype=torch.float64, device=held.device)
-    has[tiers.quantized] = held.double()
-    kept = (has * base[:, None, None]).sum(0)  # bytes of the copies a unit keeps
-    cost = base[:, None, None] + kept - has * base[:, None, None]
+        return unit_bytes
+    q = tiers.quantized_slice
+    kept = (held.double() * unit_bytes[q].view(-1, *[1] * (held.dim() - 1))).sum(0)
+    cost = (unit_bytes + kept[..., None]).clone()  # a unit pays every copy it keeps ...
+    cost[..., q] -= held.double().movedim(0, -1) * unit_bytes[q]  # ... but its own once
     if tiers.evict is not None:
-        cost[tiers.evict] = 0.0
-    return cost.permute(1, 2, 0)
+        cost[..., tiers.evict] = 0.0
+    return cost
 
 
 @dataclass

@@ -22,7 +22,7 @@ generated after the prompt.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -63,14 +63,29 @@ _WINDOW = {"sum_window": "sum", "mean_window": "mean", "max_window": "max"}
 
 
 class _Ctx:
-    def __init__(self, layer: int, cache: CacheState, layout: UnitLayout, token_level: bool):
+    """Where an expression is evaluated: one layer (values ``[H, X]``) or a group of layers with
+    equal token counts (``layer`` a tuple, ``cache`` a list, values ``[G, H, X]``)."""
+
+    def __init__(self, layer, cache, layout: UnitLayout, token_level: bool):
         self.layer, self.cache, self.layout, self.token_level = layer, cache, layout, token_level
-        self.device = cache.device
+        self.stacked = isinstance(layer, tuple)
+        first = cache[0] if self.stacked else cache
+        self.n_tokens, self.head_dim, self.device = first.n_tokens, first.head_dim, first.device
+        self.lead = (len(layer),) if self.stacked else ()
 
     def at_tokens(self) -> _Ctx:
         if not self.layout.over_tokens:
             raise SignalError("a per-token function was used on channel units")
         return _Ctx(self.layer, self.cache, self.layout, True)
+
+    def each(self, fn: Callable[[int, CacheState], Tensor]) -> Tensor:
+        """``fn(layer, cache)`` for this layer, or stacked over the group's layers."""
+        if not self.stacked:
+            return fn(self.layer, self.cache)
+        return torch.stack([fn(li, c) for li, c in zip(self.layer, self.cache, strict=True)])
+
+    def shape(self, n_heads: int, x: Tensor) -> tuple[int, ...]:
+        return (*self.lead, n_heads, x.shape[-1])
 
 
 class ScoreEvaluator:
@@ -92,7 +107,9 @@ class ScoreEvaluator:
         self._scores = dict(policy.scores)
         self._cache_fn = cache
         self._observed: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
-        self._state: list[dict[Call, Tensor]] = [{} for _ in range(n_layers)]
+        # cumulative state per node: float32 [L, H, capacity] per token (zeros past each
+        # layer's tokens, so unit sums need no padding) or [L, H, d] per channel
+        self._state: dict[Call, Tensor] = {}
         self._cumulative = list(
             dict.fromkeys(
                 n
@@ -119,11 +136,9 @@ class ScoreEvaluator:
                 continue  # accumulate only what this step observed
             x = self._eval(node.args[0], _Ctx(layer, cache, layout, not channel))
             decay = _const(node.kwarg("decay", Num(1.0)))
-            old = self._state[layer].get(node)
-            if old is not None and not channel:
-                old = pad_tokens(old, cache.n_tokens)
             x = torch.broadcast_to(x.float(), (self.n_heads, x.shape[-1]))
-            self._state[layer][node] = x if old is None else decay * old + x
+            buf = self._buffer(node, x.shape[-1], x.device)[layer, :, : x.shape[-1]]
+            buf.mul_(decay).add_(x)
 
     def evaluate(
         self, layer: int, expr: Expr, part: UnitLayout, *, cache: CacheState | None = None
@@ -133,10 +148,30 @@ class ScoreEvaluator:
         out = self._eval(expr, _Ctx(layer, cache, part, False))
         return torch.broadcast_to(out, (self.n_heads, part.n_units(cache.n_tokens)))
 
+    def evaluate_layers(self, layers: Sequence[int], expr: Expr, part: UnitLayout) -> Tensor:
+        """``[G, H, U]`` for ``layers`` (they hold the same number of tokens) in one pass of
+        batched ops: what :meth:`evaluate` gives per layer, stacked."""
+        layers = tuple(layers)
+        caches = [self._cache(li, None) for li in layers]
+        assert len({c.n_tokens for c in caches}) == 1, "layers with different token counts"
+        out = self._eval(expr, _Ctx(layers, caches, part, False))
+        u = part.n_units(caches[0].n_tokens)
+        return torch.broadcast_to(out, (len(layers), self.n_heads, u))
+
     def observed(self, layer: int, name: str) -> Tensor | None:
         return self._observed[layer].get(name)
 
     # -- evaluation ------------------------------------------------------------------------
+    def _buffer(self, node: Call, n: int, device) -> Tensor:
+        buf = self._state.get(node)
+        if buf is None or buf.shape[-1] < n:
+            cap = n if buf is None else max(n, 2 * buf.shape[-1])
+            new = torch.zeros(self.n_layers, self.n_heads, cap, device=device)
+            if buf is not None:
+                new[..., : buf.shape[-1]] = buf
+            buf = self._state[node] = new
+        return buf
+
     def _cache(self, layer: int, cache: CacheState | None) -> CacheState:
         if cache is None and self._cache_fn is None:
             raise SignalError("ScoreEvaluator needs the layer's cache (pass cache=...)")
@@ -144,7 +179,7 @@ class ScoreEvaluator:
 
     def _eval(self, e: Expr, c: _Ctx) -> Tensor:
         if isinstance(e, Num):
-            return torch.tensor(float(e.value), device=c.device)
+            return torch.full((), float(e.value), device=c.device)  # a fill: no host copy
         if isinstance(e, Name):
             if e.id in self._scores:
                 return self._eval(self._scores[e.id], c)
@@ -159,30 +194,34 @@ class ScoreEvaluator:
         return self._call(e, c)
 
     def _name(self, name: str, c: _Ctx) -> Tensor:
-        cache, lay, t = c.cache, c.layout, c.cache.n_tokens
+        lay, t = c.layout, c.n_tokens
         if name == "head_dim":
-            return torch.tensor(float(cache.head_dim), device=c.device)
+            return torch.full((), float(c.head_dim), device=c.device)
         if name == "seq_len":
-            return torch.tensor(float(t), device=c.device)
+            return torch.full((), float(t), device=c.device)
         if not lay.over_tokens:
             if name == "qnorm":
-                return self._need(c.layer, "qnorm")
+                return c.each(lambda li, _: self._need(li, "qnorm"))
             if name == "knorm":
-                return cache.knorm()
+                return c.each(lambda _, cache: cache.knorm())
             if name == "sigma":
-                return cache.channel_sigma()
+                return c.each(lambda _, cache: cache.channel_sigma())
             raise SignalError(f"signal '{name}' is per token; it has no value per K channel")
         if name in CHANNEL:
             raise SignalError(f"signal '{name}' is per K channel; it has no value per token")
-        pos = torch.arange(t, device=c.device).float()
         if name == "sigma":
-            return _unit_sigma(cache, lay if not c.token_level else UnitLayout("token", 1, 0))
+            at = lay if not c.token_level else UnitLayout("token", 1, 0)
+            return c.each(lambda _, cache: _unit_sigma(cache, at))
         if name in ("position", "recency"):
             if not c.token_level:
                 first, last = lay.first_token(t, c.device), lay.last_token(t, c.device)
                 return first.float() if name == "position" else (t - 1 - last).float()
+            pos = torch.arange(t, device=c.device).float()
             return pos if name == "position" else t - 1 - pos
-        x = cache.key_norm() if name == "key_norm" else pad_tokens(self._need(c.layer, name), t)
+        if name == "key_norm":
+            x = c.each(lambda _, cache: cache.key_norm())
+        else:
+            x = c.each(lambda li, _: pad_tokens(self._need(li, name), t))
         return x if c.token_level else lay.aggregate(x)
 
     def _need(self, layer: int, name: str) -> Tensor:
@@ -197,30 +236,24 @@ class ScoreEvaluator:
     def _call(self, e: Call, c: _Ctx) -> Tensor:
         fn, args = e.fn, e.args
         if fn == "cumulative":
-            state = self._state[c.layer].get(e)
-            if state is None:
-                n = c.cache.n_tokens if c.layout.over_tokens else c.cache.head_dim
-                state = torch.zeros(self.n_heads, n, device=c.device)
-            if c.layout.over_tokens:
-                state = pad_tokens(state, c.cache.n_tokens)
-                return state if c.token_level else c.layout.aggregate(state)
-            return state
+            return self._running(e, c)
         if fn in _HEADS:
             x = self._eval(args[0], c).float()
-            x = torch.broadcast_to(x, (self.n_heads, *x.shape[-1:]))
-            return getattr(x, _HEADS[fn])(0, keepdim=True)
+            x = torch.broadcast_to(x, c.shape(self.n_heads, x))
+            return getattr(x, _HEADS[fn])(-2, keepdim=True)
         if fn in _WINDOW:
             x = self._tokens(args[0], c)
             u = c.layout.aggregate(x, _WINDOW[fn])
-            return c.layout.expand(u, c.cache.n_tokens) if c.token_level else u
+            return c.layout.expand(u, c.n_tokens) if c.token_level else u
         if fn == "pool_max":
             size = int(_const(e.kwarg("size", Num(7))))
             x = self._tokens(args[0], c)
-            y = F.max_pool1d(x[:, None], size, 1, size // 2)[:, 0, : x.shape[-1]]
+            y = F.max_pool1d(x.reshape(-1, 1, x.shape[-1]), size, 1, size // 2)
+            y = y[..., : x.shape[-1]].reshape(x.shape)
             return y if c.token_level else c.layout.aggregate(y)
         if fn == "quantile":
             x = self._eval(args[0], c).float()
-            x = torch.broadcast_to(x, (self.n_heads, *x.shape[-1:]))
+            x = torch.broadcast_to(x, c.shape(self.n_heads, x))
             return torch.quantile(x, _const(args[1]), dim=-1, keepdim=True)
         vals = [self._eval(a, c) for a in args]
         if fn == "min":
@@ -233,7 +266,26 @@ class ScoreEvaluator:
 
     def _tokens(self, e: Expr, c: _Ctx) -> Tensor:
         x = self._eval(e, c.at_tokens()).float()
-        return torch.broadcast_to(x, (self.n_heads, c.cache.n_tokens))
+        return torch.broadcast_to(x, (*c.lead, self.n_heads, c.n_tokens))
+
+    def _running(self, e: Call, c: _Ctx) -> Tensor:
+        """The running state of ``e`` at ``c``'s layers: per token (summed per unit unless at
+        token level) or per channel."""
+        lay = c.layout
+        n = c.head_dim if not lay.over_tokens else c.n_tokens
+        if lay.over_tokens and not c.token_level:
+            n = lay.n_units(n) * lay.size  # zeros past the last token: whole windows, no pad
+        buf = self._state.get(e)
+        if buf is None:
+            return torch.zeros(*c.lead, self.n_heads, n, device=c.device)
+        if c.stacked:
+            first, last = c.layer[0], c.layer[-1]
+            contiguous = c.layer == tuple(range(first, last + 1))
+            buf = buf[first : last + 1] if contiguous else buf[list(c.layer)]
+        else:
+            buf = buf[c.layer]
+        state = F.pad(buf, (0, n - buf.shape[-1])) if buf.shape[-1] < n else buf[..., :n]
+        return state if not lay.over_tokens or c.token_level else lay.aggregate(state)
 
     def _walk(self, e: Expr):
         for n in e.walk():

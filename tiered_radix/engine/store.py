@@ -10,8 +10,10 @@ has ``over_budget=True`` (forced content alone exceeded the budget; see ``routin
 Coupled policies keep one tier per (head, window|token) unit (:mod:`.coupled`); decoupled ones
 (RDKV: V per token, K per channel) keep V tokens like coupled token units and K in
 :mod:`.decoupled`. Transitions report V units (K channels are re-encoded at each routing).
-Tier maps are device tensors; ``plan()`` (scores -> tiers) is separate from ``apply()`` (moving
-data) so the bookkeeping can be timed alone (``bench/routing_step.py``).
+Tier maps are device tensors, stacked over layers (:class:`~.coupled.CoupledStack`); ``plan()``
+(scores -> tiers) is separate from ``apply()`` (moving data) so each can be timed
+(``bench/routing_step.py``). A rank-allocation ``route()`` waits for the device once (to learn
+how many units move); the step's record (transitions, bytes) is read from the device lazily.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from torch import Tensor
 
 from tiered_radix.policy.model import Budget, Policy, RateDistortion
 
-from .coupled import CoupledLayer
+from .coupled import CoupledLayer, CoupledStack
 from .decoupled import ChannelK
 from .events import EventLog, StepEvents, Transitions
 from .planner import Plan, plan_route
-from .routing import EngineConfigError, TierSet, total_budget
+from .routing import EngineConfigError, TierSet, per_layer, total_budget
 from .scores import ScoreEvaluator
 from .signals import CacheState, Signals
 from .units import UnitLayout
@@ -75,23 +77,20 @@ class TierStore:
                 "`units: {k: channel, v: token}`; use one granularity "
                 "for both otherwise"
             )
-        write_once = policy.ledger.write_once
         parts = ("k", "v") if self.coupled else ("v",)
-        self.layers = [
-            _Layer(
-                CoupledLayer(
-                    self.tier_set,
-                    self.layout,
-                    n_heads,
-                    head_dim,
-                    dtype,
-                    self.device,
-                    write_once,
-                    parts,
-                )
-            )
-            for _ in range(n_layers)
-        ]
+        self.stack = CoupledStack(
+            self.tier_set,
+            self.layout,
+            n_layers,
+            n_heads,
+            head_dim,
+            dtype,
+            self.device,
+            policy.ledger.write_once,
+            parts,
+            max_tokens,
+        )
+        self.layers = [_Layer(self.stack.layer(li)) for li in range(n_layers)]
         if not self.coupled:
             a: RateDistortion = policy.allocate
             bits = [0] * self.tier_set.offset + list(a.bits)
@@ -113,10 +112,9 @@ class TierStore:
                 f"d={self.head_dim}], got {list(k.shape)} and {list(v.shape)}"
             )
         k, v = k.to(self.device), v.to(self.device)
-        lay = self.layers[layer]
-        lay.v.append({"k": k, "v": v} if self.coupled else {"v": v})
-        if lay.k is not None:
-            lay.k.append(k)
+        self.stack.append(layer, {"k": k, "v": v} if self.coupled else {"v": v})
+        if self.layers[layer].k is not None:
+            self.layers[layer].k.append(k)
 
     def observe(self, layer: int, signals: Signals) -> None:
         """Record one layer's signals and advance cumulative scores (once per step)."""
@@ -143,37 +141,19 @@ class TierStore:
 
     def apply(self, plan: Plan, reason: str = "") -> Transitions:
         """Move the data to ``plan``'s tiers; record and return the step's transitions."""
-        parts = []
         ev = self.tier_set.evict
-        for li, (layer, new) in enumerate(zip(self.layers, plan.v, strict=True)):
-            old = layer.v.tier[:, : new.shape[1]].clone()
-            changed, wrote = layer.v.apply(new)
-            layer.v.routed_units = new.shape[1]
-            if layer.k is not None:
-                kept = new != (-1 if ev is None else ev)
-                layer.k.apply(plan.k[li], plan.k_set[li], kept)
-            h, u = changed.nonzero(as_tuple=True)
-            parts.append(
-                Transitions(
-                    self.tier_set.names,
-                    ev,
-                    torch.full_like(h, li),
-                    h,
-                    u,
-                    old[h, u],
-                    new[h, u],
-                    wrote[h, u],
-                )
-            )
-        cols = [
-            torch.cat([getattr(p, c) for p in parts]).cpu()
-            for c in ("layer", "head", "unit", "src", "dst", "ledger_write")
-        ]
-        out = Transitions(self.tier_set.names, ev, *cols)
-        used, budget = self.bytes_used(), self.budget_bytes()
+        m = self.stack.apply(plan.tiers)
+        for li, u in enumerate(plan.units):
+            self.stack.routed_units[li] = u
+            k = self.layers[li].k
+            if k is not None:
+                kept = plan.v[li] != (-1 if ev is None else ev)
+                k.apply(plan.k[li], plan.k_set[li], kept)
+        out = Transitions(self.tier_set.names, ev, m.layer, m.head, m.unit, m.src, m.dst, m.wrote)
+        used, budget = self._bytes(), self.budget_bytes()
         self.events.record(
             StepEvents(
-                self.step, reason, out, used, budget, over_budget=plan.over_budget or used > budget
+                self.step, reason, out, used, budget, over_budget=plan.over | (used > budget)
             )
         )
         self.step += 1
@@ -195,33 +175,33 @@ class TierStore:
     def _cache_state(self, layer: int) -> CacheState:
         return CacheState(
             load=lambda: self.view(layer),
-            n_tokens=self.layers[layer].v.n_tokens,
+            n_tokens=self.stack.n_tokens[layer],
             head_dim=self.head_dim,
             device=self.device,
         )
 
     def n_tokens(self, layer: int = 0) -> int:
-        return self.layers[layer].v.n_tokens
+        return self.stack.n_tokens[layer]
 
     def bytes_used(self) -> int:
         """Exact bytes: full rows, codes with fp16 scale/lo, ledger copies kept."""
-        total = 0
+        return int(self._bytes())
+
+    def _bytes(self) -> Tensor:
+        """int64 0-d device tensor (no host sync)."""
+        total = self.stack.nbytes()
         for lay in self.layers:
-            total += lay.v.nbytes()
             if lay.k is not None:
                 _, kept = lay.v.view()
-                total += int(lay.k.nbytes_heads().sum() + lay.k.rows_bytes(kept).sum())
+                total = total + lay.k.nbytes_heads().sum() + lay.k.rows_bytes(kept).sum()
         return total
 
     def budget_bytes(self) -> int:
-        return total_budget(
-            self.budget, [lay.v.n_tokens for lay in self.layers], self.n_heads, self.head_dim
-        )
+        return total_budget(self.budget, self.stack.n_tokens, self.n_heads, self.head_dim)
 
     def tiers(self, layer: int) -> Tensor:
         """int64 ``[H, U]`` engine tier index per unit (V tokens for decoupled policies)."""
-        lay = self.layers[layer].v
-        return lay.tier[:, : lay.n_units]
+        return self.stack.tier[layer, :, : self.stack.n_units(layer)]
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -229,8 +209,8 @@ class TierStore:
 
     def occupancy(self) -> dict[str, int]:
         """Units per tier, over layers and heads (the partial window counts as full)."""
-        n = len(self.tier_names)
-        counts = sum(
-            torch.bincount(self.tiers(li).flatten(), minlength=n) for li in range(self.n_layers)
-        )
+        n, st = len(self.tier_names), self.stack
+        units = per_layer([st.n_units(li) for li in range(self.n_layers)], self.device)
+        valid = torch.arange(st.capacity, device=self.device) < units
+        counts = torch.bincount(st.tier[valid.expand_as(st.tier)], minlength=n)
         return dict(zip(self.tier_names, counts.tolist(), strict=True))

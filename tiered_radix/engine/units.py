@@ -45,22 +45,20 @@ class UnitLayout:
         return n_tokens // self.size
 
     def aggregate(self, x: Tensor, how: str = "sum") -> Tensor:
-        """Per-token ``[H, T]`` -> per-unit ``[H, U]`` by ``sum``, ``mean`` or ``max`` over each
-        unit's tokens (a partial window aggregates the tokens it has)."""
+        """Per-token ``[..., T]`` -> per-unit ``[..., U]`` by ``sum``, ``mean`` or ``max`` over
+        each unit's tokens (a partial window aggregates the tokens it has)."""
         assert self.over_tokens, "channel units have no tokens to aggregate"
-        w, (h, t) = self.size, x.shape
+        w, t = self.size, x.shape[-1]
         if w == 1:
             return x
         u = self.n_units(t)
         fill = -torch.inf if how == "max" else 0.0
-        xw = F.pad(x, (0, u * w - t), value=fill).reshape(h, u, w)
+        xw = (x if u * w == t else F.pad(x, (0, u * w - t), value=fill)).unflatten(-1, (u, w))
         if how == "sum":
             return xw.sum(-1)
         if how == "max":
             return xw.amax(-1)
-        count = torch.full((u,), float(w), device=x.device)
-        count[-1] = t - (u - 1) * w
-        return xw.sum(-1) / count
+        return xw.sum(-1) / self.unit_sizes(t, x.device)
 
     def expand(self, x: Tensor, n_tokens: int) -> Tensor:
         """Per-unit ``[..., U]`` -> per-token ``[..., T]`` (each token takes its unit's value)."""
@@ -74,6 +72,11 @@ class UnitLayout:
     def last_token(self, n_tokens: int, device=None) -> Tensor:
         """int64 ``[U]``: the last token position of each unit."""
         return (self.first_token(n_tokens, device) + self.size - 1).clamp(max=n_tokens - 1)
+
+    def unit_sizes(self, n_tokens: int, device=None) -> Tensor:
+        """int64 ``[U]``: tokens per unit (the partial window has fewer)."""
+        w = self.size
+        return (n_tokens - self.first_token(n_tokens, device)).clamp(max=w)
 
     def protected(self, n_tokens: int, protect: Protect, device=None) -> Tensor:
         """bool ``[U]``: units that must stay at full precision (see the module docstring)."""
@@ -90,6 +93,5 @@ class UnitLayout:
         return self.expand(unit_mask, n_tokens)
 
     def rows(self, x: Tensor, n_units: int) -> Tensor:
-        """Token rows ``[H, >=U*W, d]`` -> unit blocks ``[H, U, W, d]`` (complete units only)."""
-        h, _, d = x.shape
-        return x[:, : n_units * self.size].reshape(h, n_units, self.size, d)
+        """Token rows ``[..., >=U*W, d]`` -> unit blocks ``[..., U, W, d]`` (complete units)."""
+        return x[..., : n_units * self.size, :].unflatten(-2, (n_units, self.size))
