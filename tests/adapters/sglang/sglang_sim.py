@@ -1,5 +1,7 @@
 """A CPU stand-in for SGLang's scheduler around the real pool, allocator and radix cache.
 
+A helper module (not a conftest) so its name cannot collide with tests/conftest.py.
+
 Test modules skip themselves when sglang is missing (``pytest.importorskip``); nothing here
 imports sglang until a fixture runs. K/V are a deterministic function of (layer, token, position)
 so any two requests with the same prefix write the same values and references are easy to build.
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 SKIP_REASON = (
@@ -38,7 +39,7 @@ ledger: write_once
 class Sim:
     """Start, extend, finish and abort requests the way the scheduler drives the cache."""
 
-    def __init__(self, *, layers=2, heads=2, head_dim=8, pages=40, blocks=None, vocab=50):
+    def __init__(self, *, layers=2, heads=2, head_dim=8, pages=40, blocks=None, vocab=100):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -137,8 +138,3 @@ class Sim:
     def tokens(self, rid: str) -> list[int]:
         req = self.reqs[rid]
         return req.origin_input_ids + req.output_ids
-
-
-@pytest.fixture
-def sim():
-    return Sim()

@@ -1,0 +1,144 @@
+"""TieredKVPool on the CPU: writes, reads per state, demote/promote/evict, exact bytes, sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sglang_sim import SKIP_REASON, Sim
+
+pytest.importorskip("sglang.srt.mem_cache.memory_pool", reason=SKIP_REASON)
+
+from tiered_radix.adapters.sglang.pool import PoolFullError, TieredKVPool  # noqa: E402
+from tiered_radix.adapters.sglang.reps import (  # noqa: E402
+    S_EVICT,
+    S_FULL,
+    S_Q,
+    S_R,
+    PoolConfigError,
+)
+from tiered_radix.adapters.sglang.sizing import PoolBlocks, logical_tokens, plan_blocks  # noqa: E402
+from tiered_radix.engine import codecs  # noqa: E402
+from tiered_radix.policy import load_policy  # noqa: E402
+from tiered_radix.policy.model import Budget  # noqa: E402
+
+
+def written(sim: Sim, tokens: list[int]):
+    """A request's windows after prefill, and the bf16 reference rows ``[H, T, d]`` per layer."""
+    req = sim.start("a", tokens)
+    view = sim.cache.views["a"]
+    ref = [
+        tuple(x.transpose(0, 1).bfloat16().float() for x in sim.kv(li, tokens))
+        for li in range(sim.L)
+    ]
+    return req, view.windows, ref
+
+
+@pytest.fixture
+def sim():
+    return Sim()
+
+
+def test_write_then_read_is_the_written_rows(sim):
+    toks = list(range(1, 14))  # 13 tokens: 3 full windows and a partial one
+    _, w, ref = written(sim, toks)
+    for li in range(sim.L):
+        k, v, kept = sim.pool.read(li, w)
+        assert torch.equal(k[:, :13], ref[li][0]) and torch.equal(v[:, :13], ref[li][1])
+        assert bool(kept.all())
+        assert torch.isnan(k[:, 13:]).all()  # slots of the partial window never written
+
+
+def test_padding_page_writes_are_dropped(sim):
+    before = [len(f) for f in sim.pool.free_rows]
+    loc = torch.arange(0, 4)
+    k = torch.randn(4, sim.H, sim.d)
+    sim.pool.set_kv_buffer(None, loc, k, k, layer_id_override=0)
+    assert [len(f) for f in sim.pool.free_rows] == before
+    assert bool((sim.pool.owner[0][:, 0] == -1).all())
+
+
+def test_demote_promote_evict_read_what_the_codec_and_nan_say(sim):
+    toks = list(range(1, 13))
+    _, w, ref = written(sim, toks)
+    pool, W, li = sim.pool, sim.W, 1
+    h = torch.tensor([0, 1, 0])
+    win = torch.stack([w[0], w[1], w[2]])
+    full = torch.full((3,), S_FULL)
+    q_free = len(pool.free_q[li])
+    pool.move(li, h, win, full, torch.full((3,), S_Q))
+    pool.owner[li][h, win] = S_Q
+    assert len(pool.free_q[li]) == q_free - 3  # one ledger block per (head, window)
+    k, v, _ = pool.read(li, w)
+    for hi, u in ((0, 0), (1, 1), (0, 2)):
+        rows_k = ref[li][0][hi, u * W : (u + 1) * W]
+        rows_v = ref[li][1][hi, u * W : (u + 1) * W]
+        # independent reference: K per channel (groups of W tokens), V per token (groups of 4)
+        want_k = codecs.dequantize(codecs.quantize(rows_k.T, 2, 4)).T
+        want_v = codecs.dequantize(codecs.quantize(rows_v, 2, 4))
+        assert torch.equal(k[hi, u * W : (u + 1) * W], want_k)
+        assert torch.equal(v[hi, u * W : (u + 1) * W], want_v)
+        assert not torch.equal(want_k, rows_k)  # 2-bit codes really lose information
+    # untouched (head 1, window 0) still reads the original rows
+    assert torch.equal(k[1, :W], ref[li][0][1, :W])
+    # promote (0, window 0): restored rows = bf16(dequant(copy)); no new ledger write
+    deq = k[0, :W].clone()
+    pool.move(li, h[:1], win[:1], torch.tensor([S_Q]), torch.tensor([S_R]))
+    pool.owner[li][0, w[0]] = S_R
+    k2, _, _ = pool.read(li, w)
+    assert torch.equal(k2[0, :W], deq.bfloat16().float())
+    assert len(pool.free_q[li]) == q_free - 3
+    # demote again: the write-once copy is reused, R's rows go back
+    rows_free = len(pool.free_rows[li])
+    pool.move(li, h[:1], win[:1], torch.tensor([S_R]), torch.tensor([S_Q]))
+    pool.owner[li][0, w[0]] = S_Q
+    assert len(pool.free_q[li]) == q_free - 3 and len(pool.free_rows[li]) == rows_free + 1
+    # evict (1, window 1): NaN and not kept, its ledger block is free again
+    pool.move(li, h[1:2], win[1:2], torch.tensor([S_Q]), torch.tensor([S_EVICT]))
+    pool.owner[li][1, w[1]] = S_EVICT
+    k3, v3, kept = pool.read(li, w)
+    assert torch.isnan(k3[1, W : 2 * W]).all() and torch.isnan(v3[1, W : 2 * W]).all()
+    assert not bool(kept[1, W : 2 * W].any()) and bool(kept[0].all())
+    assert len(pool.free_q[li]) == q_free - 2
+
+
+def test_bytes_used_and_kv_size_from_first_principles(sim):
+    _, w, _ = written(sim, list(range(1, 13)))  # 3 windows x 2 heads x 2 layers at full
+    W, d, H = sim.W, sim.d, sim.H
+    row = 2 * W * d * 2  # K and V rows of one head-window in bf16
+    q = 2 * (W * d * 2 // 8 + 4 * (W * d // 4))  # K and V codes + fp16 scale/lo per group of 4
+    assert sim.pool.bytes_used() == sim.L * 3 * H * row
+    sim.pool.move(0, torch.tensor([0]), w[:1], torch.tensor([S_FULL]), torch.tensor([S_Q]))
+    assert sim.pool.bytes_used() == (sim.L * 3 * H - 1) * row + q
+    F, Qn = sim.pool.blocks.full, sim.pool.blocks.quant
+    k, v = sim.pool.get_kv_size_bytes()
+    assert k + v == sim.L * ((F + 1) * row + (Qn + 1) * q)
+
+
+def test_sizing_gives_more_slots_in_the_same_bytes():
+    qevict = load_policy("qevict")
+    assert logical_tokens(1000, Budget("fraction", 0.1)) == 10000
+    assert logical_tokens(1000, Budget("bytes", 1e6)) == 1000
+    H, d, size = 8, 128, 32 * 1000
+    b = plan_blocks(size, H, d, 2, qevict, Budget("fraction", 0.1))
+    phys = 0.1 * size * H * d * 2 * 2  # bytes per layer: 10% of the full-precision pool
+    row, q = 2 * 32 * d * 2, 2 * (32 * d * 2 // 8 + 4 * (32 * d // 32))
+    assert b == PoolBlocks(int(0.5 * phys // row), int(0.5 * phys // q))
+    assert b.full * row + b.quant * q <= phys
+
+
+def test_unsupported_layouts_are_typed_errors():
+    with pytest.raises(PoolConfigError, match="separate K and V"):
+        TieredKVPool(64, 1, torch.bfloat16, 2, 8, 1, "cpu", policy=load_policy("rdkv"))
+    with pytest.raises(PoolConfigError, match="--page-size 32"):
+        TieredKVPool(64, 1, torch.bfloat16, 2, 8, 1, "cpu", policy=load_policy("qevict"))
+
+
+def test_stock_backends_cannot_read_a_tiered_pool(sim):
+    with pytest.raises(PoolConfigError, match="tiered_triton"):
+        sim.pool.get_key_buffer(0)
+
+
+def test_out_of_row_blocks_is_a_pool_full_error():
+    sim = Sim(blocks=PoolBlocks(full=4, quant=4))  # 2 heads: two windows' worth
+    with pytest.raises(PoolFullError, match="row blocks needed"):
+        sim.start("a", list(range(1, 13)))
