@@ -1,0 +1,113 @@
+"""The SGLang plugin: flags, validation with the policy language's errors, selections, no-op
+without ``--kv-policy``, hand-over to spawned processes, backend registrations."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+from sglang_sim import SKIP_REASON
+
+pytest.importorskip("sglang.srt.server_args", reason=SKIP_REASON)
+
+from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
+
+from tiered_radix.adapters.sglang import config, plugin  # noqa: E402
+from tiered_radix.policy import PolicyError, load_policy  # noqa: E402
+
+ARGV = ["--model-path", "dummy", "--attention-backend", "triton"]
+BARE = ["--model-path", "dummy"]
+
+
+def fields(args: ServerArgs) -> dict:
+    return dataclasses.asdict(args)
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    """ServerArgs before the plugin's hooks exist; fields that vary run to run are dropped."""
+    a, b = fields(prepare_server_args(ARGV)), fields(prepare_server_args(ARGV))
+    stable = {k for k in a if a[k] == b[k]}
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    plugin.register()
+    HookRegistry.apply_hooks()
+    yield {k: a[k] for k in stable}
+    config.export(None)
+
+
+def test_without_kv_policy_nothing_changes(baseline):
+    os.environ[config.ENV_POLICY] = "qevict"  # a stale value must not switch tiering on
+    after = fields(prepare_server_args(ARGV))
+    assert {k: after[k] for k in baseline} == baseline
+    assert config.current() is None
+    assert plugin.cell_size(1000) is None
+    seen = {}
+    plugin.build_mha_kv_pool(
+        lambda self, **kw: seen.update(kw), None, max_total_num_tokens=64, mha_pool_class=int
+    )
+    assert seen["mha_pool_class"] is int
+
+
+def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseline):
+    args = prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-budget", "20%"])
+    assert (args.radix_cache_backend, args.page_size) == ("tiered", 32)
+    assert args.attention_backend == plugin.ATTENTION_BACKEND
+    child = subprocess.run(
+        [sys.executable, "-c", "from tiered_radix.adapters.sglang import config as c\n"
+         "k = c.current(); print(k.policy.name, k.budget.kind, k.budget.value)"],
+        capture_output=True, text=True, env=dict(os.environ), check=True,
+    )  # fmt: skip
+    assert child.stdout.split() == ["qevict", "fraction", "0.2"]
+    assert plugin.cell_size(1000) == 200  # the allocator gets 5x the slots of a bf16 pool
+
+
+def test_bad_policy_exits_with_the_policy_error_not_a_traceback(baseline, tmp_path, capsys):
+    text = open(load_policy("qevict").source).read().replace("cumulative(attn", "cumulative(atn")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(PolicyError) as want:
+        load_policy(bad)
+    with pytest.raises(SystemExit) as exit_:
+        prepare_server_args([*BARE, "--kv-policy", str(bad)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert str(want.value) in err and f"{bad}:" in err and "did you mean 'attn'?" in err
+    assert "Traceback" not in err
+
+
+def test_bad_budget_and_contradicting_flags_exit_cleanly(baseline, capsys):
+    with pytest.raises(SystemExit):
+        prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-budget", "10 parsecs"])
+    assert "--kv-budget:1:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        prepare_server_args([*BARE, "--kv-policy", "qevict", "--page-size", "16"])
+    assert "needs --page-size 32, got 16" in capsys.readouterr().err
+
+
+def test_engine_kwargs_validate_and_select(baseline, tmp_path):
+    args = ServerArgs(model_path="dummy", kv_policy="qevict")
+    assert args.radix_cache_backend == "tiered" and config.current().policy.name == "qevict"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("budget: 10%\nunits: window(size=32)\nalocate: {}\n")
+    with pytest.raises(PolicyError, match="bad.yaml:3:1"):
+        ServerArgs(model_path="dummy", kv_policy=str(bad))
+    ServerArgs(model_path="dummy")
+    assert config.current() is None  # a later Engine without kv_policy is untiered
+
+
+def test_backends_are_registered(baseline):
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory
+
+    assert get_radix_cache_factory("tiered") is plugin.tree_cache_factory
+    factory = ATTENTION_BACKENDS[plugin.ATTENTION_BACKEND]
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU message is what is tested here")
+    with pytest.raises(plugin.TieredBackendError, match="needs a CUDA GPU"):
+        factory(None)
