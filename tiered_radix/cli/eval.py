@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy host)"
+    )
     p.add_argument("--out", default="eval-results", help="folder for results and reports")
 
 
@@ -85,6 +88,10 @@ def run(args: argparse.Namespace) -> int:
     except (UsageError, TaskError, PolicyError) as e:
         print(f"tiered-radix eval: {e}", file=sys.stderr)
         return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         engine = TransformersEngine(args.model, device=args.device, dtype=args.dtype)
     except EngineError as e:
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {
         "engine": engine.name,
         "model": args.model,
+        "adapter_hash": getattr(engine, "adapter_hash", None),
         "device": args.device,
         "dtype": args.dtype,
         "tasks": tasks,
@@ -110,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         "samples": args.samples,
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
         "budgets": budgets or "each policy's own",
         "cpu": platform.processor() or None,
     }

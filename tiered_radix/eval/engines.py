@@ -8,6 +8,7 @@ engine exists; SGLang is refused by the CLI until its adapter lands.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -98,6 +99,7 @@ class TransformersEngine:
                 "nor a model folder"
             )
         self.model, self._adapter = model, adapter
+        self.adapter_hash = _source_hash(Path(adapter.__file__).parent)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
         self.hf_model.to(device).eval()
@@ -120,6 +122,14 @@ class TransformersEngine:
             turn = session.ask(user)
             replies.append(Reply(turn.text, _turn_stats(turn)))
         return replies
+
+
+def _source_hash(folder: Path) -> str:
+    """Short hash of the adapter's sources, so a report says which adapter produced it."""
+    h = hashlib.sha256()
+    for f in sorted(folder.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _turn_stats(turn: Any) -> dict[str, Any]:
