@@ -8,6 +8,9 @@ every peer (errors recorded, never fatal) and ours at tier mixes: ``full`` (100%
 precision), ``qevict@B`` (32-token windows; half the byte budget B on full windows, the rest on
 INT2 windows, others evicted) and ``rdkv@B`` (V per token at 2/4/8/16 bits, K channels at mixed
 bits). Ours is timed as a CUDA-graph replay (ms; eager launch in ms_eager), peers eagerly.
+Rows ``ours_*`` run the default kernel (version 2); ``ours_*_v1`` the previous code path on the
+same layout (key mixes and configs), ``ours_qevict@10%_ppi2`` / ``_ppi2w8`` v2 with 2 pages an
+iteration (4 / 8 warps) (Llama 32K x1 and 128K x8 only).
 Bytes are those the kernel loads (layout.bytes_kv + q + partials); fraction = bytes /
 time / copy bandwidth. Writes OUT/decode_attention.json and OUT/decode_attention.png.
 """
@@ -45,6 +48,11 @@ FULL = [(4096, 1), (4096, 32), (32768, 1), (32768, 8), (131072, 1), (131072, 8)]
 QUICK = [(32768, 1), (131072, 8)]
 TINY = [(96, 2)]
 BUDGETS = (0.05, 0.10, 0.20)
+V1_CONFIGS = {  # ~20 extra rows: the full run stays under 4 minutes on the H200
+    ("llama3-8b", 32768, 1), ("llama3-8b", 131072, 1), ("llama3-8b", 131072, 8),
+    ("qwen2.5-0.5b", 32768, 1), ("llama3-8b", 96, 2),
+}  # fmt: skip
+TUNE_CONFIGS = {("llama3-8b", 32768, 1), ("llama3-8b", 131072, 8), ("llama3-8b", 96, 2)}
 V_DIST = {16: 0.1, 8: 0.2, 4: 0.3, 2: 0.4}  # rdkv: share of kept tokens / K channels per width
 
 
@@ -98,15 +106,18 @@ def tier_plan(kind, budget, ctx, batch, hkv, d, gen):
     return TierPlan(vb, kb, fresh)
 
 
-def ours(q, k, v, kind, budget, dev, side, gen):
+def ours(q, k, v, kind, budget, dev, side, gen, cache, **plan_kw):
+    """Time decode.run on the (cached) layout of this tier mix; plan_kw go to decode.plan."""
     from tiered_radix.kernels import decode
     from tiered_radix.kernels.layout import build_trizone
 
     batch, hq, d = q.shape
     hkv = k[0].shape[1]
-    tp = tier_plan(kind, budget, k[0].shape[0], batch, hkv, d, gen)
-    lay = build_trizone(k, v, tp, page_size=32, v_group=32, unit_tokens=32)
-    p = decode.plan(lay, num_q_heads=hq, side_output=side)
+    if (kind, budget) not in cache:
+        tp = tier_plan(kind, budget, k[0].shape[0], batch, hkv, d, gen)
+        cache[kind, budget] = build_trizone(k, v, tp, page_size=32, v_group=32, unit_tokens=32)
+    lay = cache[kind, budget]
+    p = decode.plan(lay, num_q_heads=hq, side_output=side, **plan_kw)
     mass = torch.zeros(batch, lay.max_units, device=dev) if side else None
     out = torch.empty_like(q)
     ms = eager = timeit(lambda: decode.run(q, lay, p, out=out, mass=mass), dev)
@@ -116,10 +127,20 @@ def ours(q, k, v, kind, budget, dev, side, gen):
             decode.run(q, lay, p, out=out, mass=mass)
         ms = timeit(graph.replay, dev)
     extra = q.numel() * 4 + p.part_acc.numel() * 8 + p.part_ml.numel() * 8
-    if side:
+    if side and p.version == 1:  # every token's logit written and read back, units read
         extra += lay.bytes_side + 2 * p.score.numel() * 4
+    elif side:  # units read twice; one value per (tile, head) written and read (windows)
+        tiles = lay.page_ntok.numel() + (lay.full_slots.numel() + lay.fresh_slots.numel()) // 32
+        extra += 2 * lay.bytes_side + 8 * p.group * tiles
     full_bytes = sum(x.numel() for x in k) * 4
-    info = {"splits": p.num_splits, "budget_actual": lay.bytes_kv / full_bytes, "ms_eager": eager}
+    info = {
+        "splits": p.num_splits,
+        "budget_actual": lay.bytes_kv / full_bytes,
+        "ms_eager": eager,
+        "version": p.version,
+        "pages_per_iter": p.pages_per_iter,
+        "num_warps": p.num_warps,
+    }
     return ms, lay.bytes_kv + extra, info
 
 
@@ -197,11 +218,25 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     mixes = [("full", 1.0)] + [(kd, b) for kd in ("qevict", "rdkv") for b in BUDGETS]
     if quick:
         mixes = [("full", 1.0), ("qevict", 0.10), ("rdkv", 0.10)]
-    for kind, b in mixes:
-        name = kind if kind == "full" else f"{kind}@{int(b * 100)}%"
-        record(f"ours_{name}", lambda kind=kind, b=b: ours(q, k, v, kind, b, dev, False, gen))
-    record("ours_full+mass", lambda: ours(q, k, v, "full", 1.0, dev, True, gen))
-    record("ours_qevict@10%+mass", lambda: ours(q, k, v, "qevict", 0.1, dev, True, gen))
+    cache = {}
+    key = [("full", 1.0, False), ("qevict", 0.1, False), ("rdkv", 0.1, False),
+           ("full", 1.0, True), ("qevict", 0.1, True)]  # fmt: skip
+    variants = [("", {})]
+    if (fam, ctx, batch) in V1_CONFIGS or quick:
+        variants.append(("_v1", {"version": 1}))
+    if (fam, ctx, batch) in TUNE_CONFIGS:
+        variants += [("_ppi2", {"pages_per_iter": 2}), ("_ppi2w8", {"pages_per_iter": 2,
+                     "num_warps": 8})]  # fmt: skip
+    for kind, b, side in [(kd, b, False) for kd, b in mixes] + key[3:]:
+        name = (kind if kind == "full" else f"{kind}@{int(b * 100)}%") + ("+mass" if side else "")
+        for suffix, kw in variants:
+            tune = suffix.startswith("_ppi")  # pages per iteration: uniform (qevict) pages only
+            if suffix and (kind, b, side) not in key or tune and (side or kind != "qevict"):
+                continue
+            record(f"ours_{name}{suffix}",
+                   lambda kind=kind, b=b, side=side, kw=kw: ours(q, k, v, kind, b, dev, side, gen,
+                                                                 cache, **kw))  # fmt: skip
+    cache.clear()
     base = next((r["ms"] for r in rows if r["impl"] == "flashinfer_bf16" and "ms" in r), None)
     for r in rows:
         if base and "ms" in r:

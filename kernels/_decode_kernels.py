@@ -448,18 +448,30 @@ def _decode_split_kernel(
     m = tl.full([G_PAD], NEG, dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D], dtype=tl.float32)
-    if UNIFORM:
-        for vi in tl.static_range(3):
-            if (V2, V4, V8)[vi]:
-                li = rh * 4 + vi
-                ps, pe = _split_range(
-                    tl.load(page_indptr_ptr + li), tl.load(page_indptr_ptr + li + 1), j, S
-                )
-                m, l_i, acc = _pages_u(
-                    m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
-                    page_unit_ptr, ps, pe, score_ptr, qk_scale, G,
-                    DT, (2, 4, 8)[vi], VG, D, G_PAD, P, PPI, MASS,
-                )  # fmt: skip
+    if UNIFORM and V2:
+        ps, pe = _split_range(
+            tl.load(page_indptr_ptr + rh * 4 + 0), tl.load(page_indptr_ptr + rh * 4 + 1), j, S
+        )
+        m, l_i, acc = _pages_u(
+            m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
+            page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 2, VG, D, G_PAD, P, PPI, MASS,
+        )  # fmt: skip
+    if UNIFORM and V4:
+        ps, pe = _split_range(
+            tl.load(page_indptr_ptr + rh * 4 + 1), tl.load(page_indptr_ptr + rh * 4 + 2), j, S
+        )
+        m, l_i, acc = _pages_u(
+            m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
+            page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 4, VG, D, G_PAD, P, PPI, MASS,
+        )  # fmt: skip
+    if UNIFORM and V8:
+        ps, pe = _split_range(
+            tl.load(page_indptr_ptr + rh * 4 + 2), tl.load(page_indptr_ptr + rh * 4 + 3), j, S
+        )
+        m, l_i, acc = _pages_u(
+            m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
+            page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 8, VG, D, G_PAD, P, PPI, MASS,
+        )  # fmt: skip
     if V2 and not UNIFORM:
         m, l_i, acc = _pages(
             m,
@@ -1008,16 +1020,18 @@ def _decode_merge_kernel_v2(
     ms = tl.load(part_ml_ptr + ((rh * S + sj) * 2 * G_PAD + gg).to(tl.int64), mask=sj < S,
                  other=NEG)  # fmt: skip
     big_m = tl.max(ms, 0)
-    acc = tl.zeros([D], dtype=tl.float32)
-    big_l = 0.0
+    acc2 = tl.zeros([BLOCK_S, D], dtype=tl.float32)
+    l2 = tl.zeros([BLOCK_S], dtype=tl.float32)
     for j0 in range(0, S, BLOCK_S):
         sb = j0 + tl.arange(0, BLOCK_S)
         ok = sb < S
         o = ((rh * S + sb) * G_PAD + gg).to(tl.int64)
         w = tl.exp2(tl.load(part_ml_ptr + 2 * o - gg, mask=ok, other=NEG) - big_m)
-        big_l += tl.sum(w * tl.load(part_ml_ptr + 2 * o - gg + G_PAD, mask=ok, other=0.0), 0)
+        l2 += w * tl.load(part_ml_ptr + 2 * o - gg + G_PAD, mask=ok, other=0.0)
         part = tl.load(part_acc_ptr + o[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * part, 0)
+        acc2 += w[:, None] * part
+    acc = tl.sum(acc2, 0)
+    big_l = tl.sum(l2, 0)
     safe = tl.where(big_l > 0, big_l, 1.0)
     r = rh // H_KV
     h = rh % H_KV

@@ -94,7 +94,7 @@ def plan(
     ``layout``); pass (2, 4, 8, 16) to serve every layer of a model with one plan.
     max_rows: longest per-head token count (default: from ``layout``, a CPU read).
     version: kernel code path, 1 or 2 (see the module docstring).  pages_per_iter (v2, uniform
-    pages; default 64 // page_size) and num_warps override the built-in choices.
+    pages; default 32 // page_size) and num_warps override the built-in choices.
     """
     hkv, d = layout.num_kv_heads, layout.head_dim
     if num_q_heads % hkv:
@@ -121,7 +121,9 @@ def plan(
     # v2: ~32 programs per SM (SGLang's Triton decode: 96% of copy bandwidth at 64 splits for
     # 128K x 8, 73% at 16; v1 used 16 per SM -> 33 splits, 86%)
     s = num_splits or _splits(layout.batch, hkv, max_rows, num_sms, 16 if ver == 1 else 32)
-    ppi = pages_per_iter or max(1, 64 // layout.page_size)
+    # 1 page (P=32) an iteration: 128 registers at 4 warps, 4 programs per SM (sm_90 compile);
+    # 2 pages need 215 (2 programs per SM), 4 spill
+    ppi = pages_per_iter or max(1, 32 // layout.page_size)
     if ppi & (ppi - 1):
         raise DecodeInputError(f"pages_per_iter={ppi} must be a power of two")
     has_pages = bool(layout.page_ids.numel())
@@ -212,7 +214,7 @@ def run(
         extra = dict(
             page_unit_ptr=layout.page_unit, full_units_ptr=layout.full_units,
             fresh_units_ptr=layout.fresh_units, VER2=True, UNIFORM=p.uniform,
-            PPI=p.pages_per_iter,
+            PPI=p.pages_per_iter if p.uniform and layout.page_ids.numel() else 1,
         )  # fmt: skip
     K._decode_split_kernel[(bh, s)](
         q, q.stride(0), q.stride(1), layout.perm,
