@@ -41,7 +41,8 @@ class OracleEngine:
         found = re.findall(r"numbers for ([\w-]+) is: (\d+)\.", text)
         right = " ".join(v for k, v in found if k in question)
         wrong = policy.name != "full" and frac < 0.15
-        stats = {"bytes_used": int(1000 * frac), "full_bytes": 1000, "diag": {"fmm": frac / 2}}
+        stats = {"bytes_used": int(1000 * frac), "full_bytes": 1000, "diag": {"fmm": frac / 2},
+                 "over_budget": wrong}  # fmt: skip
         return Reply("I do not know" if wrong else f"The number is {right}.", flatten_stats(stats))
 
     def generate(self, prompt, policy, max_new_tokens):
@@ -131,7 +132,8 @@ def test_report_files_and_plots(tmp_path):
     }  # fmt: skip
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
     md = markdown_report(report)
-    assert "| niah_single | 400 | streaming | 10% | 0.0 | [0, 66] | 2 | 0% | 10.0% |" in md
+    assert "| niah_single | 400 | streaming | 10% | 0.0 | [0, 66] | 2 | 0% | 10.0% (2 over) |" in md
+    assert "| niah_single | 400 | streaming | 20% | 100.0 | [34, 100] | 2 | 100% | 20.0% |" in md
     json.dumps(report)  # JSON-ready
 
 

@@ -4,13 +4,14 @@
 
     {"schema": 1, "meta": {engine, model, seed, samples, lengths, ...},
      "rows": [{task, length, policy, budget, reference, n, score, ci_low, ci_high, retention,
-               bytes_fraction, fmm, lir, churn, seconds, errors}],
+               bytes_fraction, over_budget, fmm, lir, churn, seconds, errors}],
      "depths": [{policy, budget, length, depth, n, score}],       # needle sweep cells
      "errors": [{policy, budget, task, length, index, error}]}
 
 Scores and interval ends are percents; ``retention`` is the row's score over the full-KV score
 of the same task and length, in percent (null when the reference scored 0 or is missing).
-``bytes_fraction`` is the mean of ``bytes_used / full_bytes`` at the end of generation.
+``bytes_fraction`` is the mean of ``bytes_used / full_bytes`` at the end of generation;
+``over_budget`` counts samples whose engine reported a routing step that missed the budget.
 Diagnostics (``fmm``, ``lir``, ``churn``) are means of any stats key ending in that name.
 """
 
@@ -72,6 +73,7 @@ def build_rows(records: Sequence[dict]) -> list[dict[str, Any]]:
         else:
             row.update(score=None, ci_low=None, ci_high=None)
         row["bytes_fraction"] = _mean([_bytes_fraction(r) for r in recs])
+        row["over_budget"] = sum(bool(r.get("stats", {}).get("over_budget")) for r in recs)
         for name in DIAGNOSTICS:
             row[name] = _mean([_stat(r, name) for r in recs])
         row["seconds"] = _mean([r.get("seconds") for r in recs])
@@ -158,7 +160,8 @@ def markdown_table(report: dict) -> str:
         lines.append(
             f"| {r['task']} | {r['length']} | {r['policy']} | {r['budget']} | {_f(r['score'])} "
             f"| {ci} | {n} | {_f(r['retention'], '{:.0f}%')} "
-            f"| {_f(r['bytes_fraction'] and 100 * r['bytes_fraction'], '{:.1f}%')} "
+            f"| {_f(r['bytes_fraction'] and 100 * r['bytes_fraction'], '{:.1f}%')}"
+            f"{' (' + str(r['over_budget']) + ' over)' if r.get('over_budget') else ''} "
             f"| {_f(r['fmm'], '{:.3f}')} | {_f(r['lir'], '{:.3f}')} | {_f(r['churn'], '{:.3f}')} |"
         )
     return "\n".join(lines)
@@ -173,7 +176,8 @@ def markdown_report(report: dict) -> str:
         "Score: RULER string match (percent of answer strings found), mean over "
         "samples; 95% CI: Wilson (0/1 scores) or bootstrap. Retention: score / full-KV "
         "score of the same task and length. KV bytes: bytes used / full-precision bytes "
-        "at the end of generation.",
+        "at the end of generation; '(k over)': k samples had a routing step that could not "
+        "meet the budget.",
         "",
     ]
     tail = [""]
