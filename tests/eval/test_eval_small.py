@@ -60,6 +60,7 @@ def test_full_kv_finds_the_single_needle(engine, tmp_path):
     assert stats["bytes_used"] == stats["full_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_adapter_full_policy_agrees_with_hf_generate(engine):
     """The harness through the adapter's ``full`` policy scores each sample as plain
     ``model.generate`` (the test stand-in) does."""
