@@ -44,6 +44,12 @@ def _eval(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from .chat import run
+
+    return run(args)
+
+
 def _model_fetch(args: argparse.Namespace) -> int:
     from ..models import ModelError, fetch
 
@@ -89,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="score policies x budgets on synthetic long-context tasks")
     add_arguments(ev)
     ev.set_defaults(fn=_eval)
+
+    from .chat import add_arguments as add_chat_arguments
+
+    chat = sub.add_parser("chat", help="a short multi-turn chat whose KV cache a policy runs")
+    add_chat_arguments(chat)
+    chat.set_defaults(fn=_chat)
     return parser
 
 

@@ -1,0 +1,137 @@
+"""The attention function transformers calls when a model runs on a :class:`TieredCache`.
+
+Registered with ``AttentionInterface`` under :data:`ATTN_NAME`. The cache's ``update`` returns the
+store's view of the layer (K post-RoPE; quantized units dequantized; evicted rows NaN) and hands
+the layer over through a thread-local slot; this function takes it, masks evicted tokens, runs
+causal grouped-query attention in float32 over query-row chunks (never a ``[Tq, T]`` matrix per
+head beyond one chunk), and feeds the store the signals the policy reads:
+
+- ``attn [H, T]``: probability mass of the newest query row, summed over the group's query heads;
+- on prefill chunks only (and only if the policy reads them): ``colmass [H, T]`` (summed over every
+  chunk row), ``obs_attn [H, T]`` (the last :data:`OBS_WINDOW` rows), ``qnorm [H, d]``
+  (``colmass_ref.channel_norms`` of the chunk's queries).
+
+Without a tiered layer handed over (e.g. the model runs on a ``DynamicCache``) it is plain causal
+attention over ``key``/``value``: the same numbers, no signals.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from tiered_radix.engine.colmass_ref import channel_norms
+from tiered_radix.engine.signals import Signals
+
+ATTN_NAME = "tiered_radix"
+OBS_WINDOW = 32  # SnapKV's observation window (engine/signals.py: "the last 32 prompt queries")
+
+_handoff = threading.local()
+
+
+class AdapterError(ValueError):
+    """The model or the call cannot run on the tiered cache; the message says what to change."""
+
+
+def hand_over(layer) -> None:
+    """Called by the cache's ``update``: ``layer`` has ``keys``, ``kept``, ``needs(tq)`` and
+    ``observe(Signals)``; the next attention call whose ``key is layer.keys`` takes it."""
+    _handoff.layer = layer
+
+
+def _take(key: Tensor):
+    layer = getattr(_handoff, "layer", None)
+    _handoff.layer = None
+    return layer if layer is not None and layer.keys is key else None
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kept: Tensor | None,
+    scale: float,
+    *,
+    need: frozenset[str] = frozenset(),
+    chunk_elems: int = 1 << 22,
+) -> tuple[Tensor, Signals]:
+    """Causal GQA attention of ``q [Hq, tq, d]`` (the last ``tq`` of ``T`` positions) over
+    ``k, v [H, T, d]``; ``kept`` bool ``[H, T]`` or None (all kept; evicted rows may be NaN).
+
+    Query head ``i`` reads KV head ``i // (Hq // H)``. Returns float32 ``out [Hq, tq, d]`` and the
+    signals: ``attn`` always, ``colmass``/``obs_attn``/``qnorm`` when named in ``need``.
+    ``chunk_elems`` bounds one score block (``Hq * rows * T`` float32 values).
+    """
+    (hq, tq, d), (h, t, _) = q.shape, k.shape
+    g = hq // h
+    assert g * h == hq and tq <= t, (q.shape, k.shape)
+    kf, vf = k.float(), v.float()
+    if kept is not None:  # evicted rows are NaN-poisoned: zero them before any product
+        kf = kf.masked_fill(~kept[..., None], 0.0)
+        vf = vf.masked_fill(~kept[..., None], 0.0)
+    qg = q.float().reshape(h, g, tq, d)
+    kt = kf.transpose(1, 2)[:, None]  # [H, 1, d, T]
+    keys = torch.arange(t, device=q.device)
+    out = torch.empty(h, g, tq, d, dtype=torch.float32, device=q.device)
+    colmass = torch.zeros(h, t, device=q.device) if "colmass" in need else None
+    obs = torch.zeros(h, t, device=q.device) if "obs_attn" in need else None
+    rows = max(1, chunk_elems // (hq * t))
+    for r0 in range(0, tq, rows):
+        r1 = min(tq, r0 + rows)
+        s = torch.matmul(qg[:, :, r0:r1], kt) * scale  # [H, G, c, T]
+        pos = t - tq + torch.arange(r0, r1, device=q.device)
+        masked = (keys[None, :] > pos[:, None])[None, None]
+        if kept is not None:
+            masked = masked | ~kept[:, None, None, :]
+        p = torch.softmax(s.masked_fill(masked, float("-inf")), dim=-1).nan_to_num(0.0)
+        out[:, :, r0:r1] = torch.matmul(p, vf[:, None])
+        if colmass is not None:
+            colmass += p.sum((1, 2))
+        if obs is not None and r1 > tq - OBS_WINDOW:
+            obs += p[:, :, max(0, tq - OBS_WINDOW - r0) :].sum((1, 2))
+    qnorm = None
+    if "qnorm" in need:
+        kt_new = kf[:, t - tq :].transpose(0, 1).to(q.dtype)
+        qnorm = channel_norms(q.transpose(0, 1), kt_new)[0]
+    signals = Signals(attn=p[:, :, -1].sum(1), colmass=colmass, obs_attn=obs, qnorm=qnorm)
+    return out.reshape(hq, tq, d), signals
+
+
+def tiered_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """``AttentionInterface`` entry: query ``[1, Hq, tq, d]``, key/value ``[1, H, T, d]``;
+    returns ``([1, tq, Hq, d], None)``. ``attention_mask`` is not read (batch 1, causal; see the
+    cache's module docstring); dropout is not applied (inference only)."""
+    if query.shape[0] != 1:
+        raise AdapterError(f"the tiered cache runs batch 1, got a batch of {query.shape[0]}")
+    layer = _take(key)
+    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    need = layer.needs(query.shape[2]) if layer is not None else frozenset()
+    kept = layer.kept if layer is not None else None
+    out, signals = attend(query[0], key[0], value[0], kept, scale, need=need)
+    if layer is not None:
+        layer.observe(signals)
+    return out.to(query.dtype).transpose(0, 1)[None].contiguous(), None
+
+
+def register() -> None:
+    """Register :func:`tiered_attention` with transformers under :data:`ATTN_NAME` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, tiered_attention)
+
+
+@contextmanager
+def tiered_attention_on(model) -> Iterator[None]:
+    """Run ``model`` with :func:`tiered_attention` inside the block; restore its previous
+    implementation afterwards."""
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
