@@ -71,10 +71,9 @@ def test_writes_report_and_plots(capsys, trace_path, tmp_path):
         assert (out / name).stat().st_size > 10_000
 
 
-def test_policy_the_trace_cannot_feed_is_skipped_and_exits_2(capsys, trace_path, tmp_path):
-    code, _, err = _run(
-        capsys, "-p", "streaming", "-p", "snapkv", "--trace", trace_path, "--out", tmp_path
-    )
+def test_policy_the_trace_cannot_feed_is_skipped_and_exits_2(capsys, tmp_path):
+    v1 = synthetic_trace(3, steps=24, version=1).save(tmp_path / "v1.npz")  # no obs_attn
+    code, _, err = _run(capsys, "-p", "streaming", "-p", "snapkv", "--trace", v1, "--out", tmp_path)
     assert code == 2 and "skipped snapkv" in err and "obs_attn" in err
     report = json.loads((tmp_path / "report.json").read_text())
     assert [e["policy"] for e in report["policies"]] == ["streaming"]

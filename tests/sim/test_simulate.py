@@ -118,11 +118,14 @@ def test_oracle_lir_is_policy_independent(runs):
     )
 
 
-def test_policy_needing_obs_attn_is_refused_on_a_trace_without_it(trace):
-    if getattr(trace, "obs_attn", None) is not None:
-        pytest.skip("this trace records obs_attn")
+def test_policy_needing_obs_attn_is_refused_on_a_trace_without_it():
     with pytest.raises(SimError, match="obs_attn"):
-        simulate("snapkv", trace, progress=False)
+        simulate("snapkv", synthetic_trace(0, steps=32, version=1), progress=False)
+
+
+def test_snapkv_runs_on_a_trace_with_obs_attn(trace):
+    r = simulate("snapkv", trace, progress=False)
+    assert r.transitions["evict"].sum() > 0 and r.diagnostics.fmm.mean() > 0
 
 
 def test_report_json_table_and_plots(runs, trace, tmp_path):
