@@ -9,7 +9,10 @@ step, with three CUDA events (wall clock with synchronisation on CPU):
 - ``plan_ms``: scores -> tiers for every layer (``TierStore.plan``);
 - ``apply_ms``: transition masks, quantizing newly demoted units into the ledger, restoring
   promoted rows, poisoning freed rows, the step's record (``TierStore.apply``);
-- ``route_ms``: both, i.e. one ``route()``.
+- ``route_ms``: both, i.e. one ``route()`` (the device is idle when it starts).
+
+``plan()`` never waits for the device, so on CUDA device work it queued may finish inside the
+``apply`` interval; ``route_ms`` is exact.
 
 Medians are reported. ``--count`` adds, from one extra step under ``torch.profiler``: top-level
 aten ops per plan/apply (a proxy for kernel launches; on CPU the count does not depend on the
@@ -101,6 +104,8 @@ def decode(store: TierStore, args, device: torch.device, seed: int) -> None:
 
 def step(store: TierStore, device: torch.device, r: int) -> tuple[float, float, float, int]:
     """One timed route(): plan, apply and total ms, and the number of units moved."""
+    if device.type == "cuda":  # no queued observe() work to hide the launches behind
+        torch.cuda.synchronize()
     t = Timer(device)
     t.mark()
     plan = store.plan()
@@ -177,6 +182,8 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     store = build(args, device)
     observe(store, args, device, 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     t = Timer(device)
     t.mark()
     store.route("after_prefill")  # quantizes most of the cache once

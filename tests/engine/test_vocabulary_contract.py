@@ -134,3 +134,51 @@ def test_constant(name):
 def test_function(name):
     text, want, scores = FUNCTION_CASES[name]
     np.testing.assert_allclose(ev(text, policy_scores=scores), want, rtol=1e-5, atol=1e-6)
+
+
+CASES = {
+    **{n: (t, lay, w, "") for n, (t, lay, w) in SIGNAL_CASES.items()},
+    **{n: (t, WIN, w, "") for n, (t, w) in CONSTANT_CASES.items()},
+    **{n: (t, WIN, w, s) for n, (t, w, s) in FUNCTION_CASES.items()},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_evaluate_layers_equals_each_layer_alone(name):
+    """The planner's batched ``evaluate_layers`` over layers holding different data (layer 1
+    has its heads swapped) gives every layer its own float64 reference values."""
+    text, layout, want, scores = CASES[name]
+    policy = compile_text(
+        "budget: 10%\nunits: window(size=4)\nscores:\n  s: "
+        + (scores or "attn")
+        + "\ntiers: {full: keep(bf16), gone: evict}\nallocate: {method: rank, by: s}\n"
+    )
+    flips = [False, True, False]
+
+    def f(x: torch.Tensor, flip: bool) -> torch.Tensor:
+        return x.flip(0).float() if flip else x.float()
+
+    caches = [CacheState(f(K, fl), f(V, fl), torch.ones(H, T, dtype=torch.bool)) for fl in flips]
+    sc = ScoreEvaluator(policy, 3, H, cache=lambda li: caches[li])
+    for li, fl in enumerate(flips):
+        obs = {"attn": ATTN, "colmass": COLMASS, "obs_attn": OBS, "qnorm": QNORM}
+        sc.update(li, Signals(**{n: f(x, fl) for n, x in obs.items()}))
+    e = parse(text, "expr", Span("<test>", 1, 1))
+    for layers in ([0, 1, 2], [1, 2], [0, 2]):
+        got = sc.evaluate_layers(layers, e, layout).double().numpy()
+        assert got.shape == (len(layers), *want.shape)
+        for i, li in enumerate(layers):
+            ref = want[::-1] if flips[li] else want
+            np.testing.assert_allclose(got[i], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_cumulative_never_updated_is_zero_per_unit():
+    policy = compile_text(
+        "budget: 10%\nunits: window(size=4)\nscores:\n  s: cumulative(obs_attn)\n"
+        "tiers: {full: keep(bf16), gone: evict}\nallocate: {method: rank, by: s}\n"
+    )
+    cache = CacheState(K.float(), V.float(), torch.ones(H, T, dtype=torch.bool))
+    sc = ScoreEvaluator(policy, 2, H, cache=lambda li: cache)
+    sc.update(0, Signals(attn=ATTN.float()))  # no obs_attn observed: nothing accumulates
+    assert torch.equal(sc.evaluate(0, policy.score("s"), WIN), torch.zeros(H, 3))
+    assert torch.equal(sc.evaluate_layers([0, 1], policy.score("s"), WIN), torch.zeros(2, H, 3))

@@ -33,11 +33,11 @@ from .units import UnitLayout
 
 @dataclass
 class Moves:
-    """One step's transitions as device columns ``[n]`` (int64, ``wrote`` bool)."""
+    """One step's transitions as device columns ``[n]``: flat positions ``index`` into a
+    ``shape`` ``(L, H, capacity)`` tier map, ``src``/``dst`` tiers (int64), ``wrote`` bool."""
 
-    layer: Tensor
-    head: Tensor
-    unit: Tensor
+    index: Tensor
+    shape: tuple[int, int, int]
     src: Tensor
     dst: Tensor
     wrote: Tensor
@@ -45,11 +45,9 @@ class Moves:
 
 def _compact(mask: Tensor, n: int) -> Tensor:
     """int64 ``[n]``: flat positions of the ``n`` True entries of ``mask``, in order (no host
-    sync: the caller knows ``n``)."""
-    m = mask.flatten()
-    pos = torch.where(m, m.cumsum(0) - 1, n)
-    out = torch.empty(n + 1, dtype=torch.long, device=m.device)
-    return out.scatter_(0, pos, torch.arange(m.numel(), device=m.device))[:n]
+    sync: the caller knows ``n``). The k-th True entry is where the running count reaches k."""
+    count = mask.flatten().cumsum(0)
+    return torch.searchsorted(count, torch.arange(1, n + 1, device=mask.device))
 
 
 class CoupledStack:
@@ -100,6 +98,7 @@ class CoupledStack:
         f64 = dict(dtype=torch.float64, device=device)
         self.unit_bytes_t = torch.tensor(self.unit_bytes, **f64)  # once: no per-step copies
         self.copy_bytes_t = torch.tensor([s.unit_nbytes for s in self.stores.values()], **f64)
+        self._tokens_key, self._tokens = None, None
         self._reserve(max_tokens or 1)
 
     def layer(self, li: int) -> CoupledLayer:
@@ -147,9 +146,12 @@ class CoupledStack:
         """int64 ``[U]`` or ``[G, 1, U]``: tokens per unit (partial window fewer, 0 past the
         layer's end)."""
         ids = range(self.n_layers)[layers] if isinstance(layers, slice) else layers
-        t = per_layer([self.n_tokens[i] for i in ids], self.device)
-        first = self.layout.first_token(n_units * self.layout.size, self.device)
-        return (t - first).clamp(0, self.layout.size)
+        key = (tuple(self.n_tokens[i] for i in ids), n_units)
+        if self._tokens_key != key:  # plan and apply of one step ask for the same
+            t = per_layer(list(key[0]), self.device)
+            first = self.layout.first_token(n_units * self.layout.size, self.device)
+            self._tokens_key, self._tokens = key, (t - first).clamp(0, self.layout.size)
+        return self._tokens
 
     def nbytes(self) -> Tensor:
         """int64 0-d: bytes held over all layers (full rows, copies kept)."""
@@ -165,95 +167,88 @@ class CoupledStack:
         """Move every layer's units to ``new[L, H, U]`` (engine tiers, ``U`` the most units
         of any layer; units a layer lacks and partial windows keep their tier). One host sync.
 
+        Masks span the whole ``[L, H, capacity]`` tier map, so a flat position is also the
+        unit's row in the stores. A unit at quantized tier ``j`` always holds its copy there.
+
         Raises:
             LedgerError: a write-once copy would be written twice (an engine bug).
         """
-        u = new.shape[-1]
-        old = self.tier[..., :u].clone()
+        u, ev = new.shape[-1], -1 if self.tiers.evict is None else self.tiers.evict
+        if u < self.capacity:
+            new = torch.cat([new, self.tier[..., u:]], -1)
+        old = self.tier.clone()
         changed = new != old
-        ev = -1 if self.tiers.evict is None else self.tiers.evict
-        need = {j: (new == j) & (old != j) & ~s.present[..., :u] for j, s in self.stores.items()}
+        need = {j: (new == j) & ~s.present for j, s in self.stores.items()}
         up, down = changed & (new == 0), changed & (old == 0)
         nc = per_layer([self.layout.n_complete(t) for t in self.n_tokens], self.device)
-        bad = [
-            (up & (old == ev)).sum(),
-            (changed & (torch.arange(u, device=new.device) >= nc)).sum(),
-        ]
+        bad = (up & (old == ev)) | (
+            changed & (torch.arange(self.capacity, device=new.device) >= nc)
+        )
         if self.write_once:
-            bad += [
-                (m & (s.write_count[..., :u] > 0)).sum()
-                for (j, m), s in zip(need.items(), self.stores.values(), strict=True)
-            ]
-        counts = torch.stack(
-            [changed.sum(), up.sum(), down.sum(), *(m.sum() for m in need.values()), *bad]
-        ).tolist()  # the host sync
-        n_changed, n_up, n_down = counts[:3]
-        n_need, bad = counts[3 : 3 + len(need)], counts[3 + len(need) :]
-        assert not bad[0] and not bad[1], "promoted an evicted unit or moved a partial window"
-        if any(bad[2:]):
-            raise LedgerError("write-once ledger entry written twice")
+            for j, m in need.items():
+                bad = bad | (m & (self.stores[j].write_count > 0))
+        sums = [changed.sum(), up.sum(), down.sum(), *(m.sum() for m in need.values()), bad.sum()]
+        counts = torch.stack(sums).tolist()  # the host sync: how many units move, and how
+        (n_changed, n_up, n_down), n_need = counts[:3], counts[3:-1]
+        if counts[-1]:
+            twice = [m & (self.stores[j].write_count > 0) for j, m in need.items()]
+            if self.write_once and any(bool(t.any()) for t in twice):
+                raise LedgerError("write-once ledger entry written twice")
+            raise AssertionError("promoted an evicted unit or moved a partial window")
         for (j, m), n in zip(need.items(), n_need, strict=True):
-            self._write(j, _compact(m, n), old, u)
+            if n:
+                self._write(j, _compact(m, n), old)
         if n_up:
-            self._restore(_compact(up, n_up), old, u)
+            self._restore(_compact(up, n_up), old)
         if n_down:
-            idx = self._row_index(_compact(down, n_down), u)
+            idx = _compact(down, n_down)
             for x in self.full.values():
                 self._rows(x).index_fill_(0, idx, torch.nan)
+        gone = new == ev
         for j, s in self.stores.items():
-            leave = (new == ev) if self.write_once else ((old == j) & (new != j)) | (new == ev)
-            s.present[..., :u] &= ~leave
-        self.tier[..., :u] = new
-        idx = _compact(changed, n_changed)
-        lh = self.n_heads * u
+            s.present &= ~(gone if self.write_once else gone | ((old == j) & (new != j)))
+        self.tier.copy_(new)
         wrote = torch.zeros_like(changed)
         for m in need.values():
             wrote |= m
-        return Moves(
-            idx // lh,
-            idx // u % self.n_heads,
-            idx % u,
-            old.flatten()[idx],
-            new.flatten()[idx],
-            wrote.flatten()[idx],
-        )
+        idx = _compact(changed, n_changed)
+        flat = [t.flatten()[idx] for t in (old, new, wrote)]
+        return Moves(idx, (self.n_layers, self.n_heads, self.capacity), *flat)
 
     def _rows(self, x: Tensor) -> Tensor:
         """Full rows ``[L, H, cap * W, d]`` as unit blocks ``[L * H * cap, W, d]`` (a view)."""
         return x.view(-1, self.layout.size, self.head_dim)
 
-    def _row_index(self, idx: Tensor, u: int) -> Tensor:
-        return idx // u * self.capacity + idx % u
-
-    def _current(self, idx: Tensor, old: Tensor, skip: int | None) -> dict[str, Tensor]:
-        """``[n, W, d]`` per part: what the units at flat ``idx`` (into ``[L, H, u]``) hold now:
-        full rows, or ``dequantize`` of the copy of their quantized tier (except ``skip``)."""
-        u = old.shape[-1]
-        rows = self._row_index(idx, u)
-        out = {p: self._rows(x).index_select(0, rows) for p, x in self.full.items()}
-        src = old.flatten()[idx][:, None, None]
+    def _current(self, idx: Tensor, old: Tensor, skip: int) -> dict[str, Tensor]:
+        """``[n, W, d]`` per part: what the units at flat ``idx`` hold now: full rows, or
+        ``dequantize`` of the copy of their quantized tier (other than ``skip``)."""
+        out = {p: self._rows(x).index_select(0, idx) for p, x in self.full.items()}
+        src = None
         for j, s in self.stores.items():
             if j != skip:
-                read = s.read_at(rows)
+                src = old.flatten()[idx][:, None, None] if src is None else src
+                read = s.read_at(idx)
                 out = {p: torch.where(src == j, read[p], out[p].float()) for p in out}
         return out
 
-    def _write(self, j: int, idx: Tensor, old: Tensor, u: int) -> None:
+    def _write(self, j: int, idx: Tensor, old: Tensor) -> None:
         s = self.stores[j]
         step = max(1, (2**27 if self.device.type == "cuda" else 2**24) // (s.window * s.head_dim))
         for a in range(0, idx.numel(), step):
             part = idx[a : a + step]
-            s.write_at(self._row_index(part, u), self._current(part, old, skip=j))
+            s.write_at(part, self._current(part, old, skip=j))
 
-    def _restore(self, idx: Tensor, old: Tensor, u: int) -> None:
-        rows = self._row_index(idx, u)
-        src = old.flatten()[idx][:, None, None]
-        out = None
+    def _restore(self, idx: Tensor, old: Tensor) -> None:
+        src, out = None, None
         for j, s in self.stores.items():
-            read = s.read_at(rows)
-            out = read if out is None else {p: torch.where(src == j, read[p], out[p]) for p in out}
+            read = s.read_at(idx)
+            if out is None:
+                out = read
+            else:
+                src = old.flatten()[idx][:, None, None] if src is None else src
+                out = {p: torch.where(src == j, read[p], out[p]) for p in out}
         for p, x in self.full.items():
-            self._rows(x).index_copy_(0, rows, out[p].to(self.dtype))
+            self._rows(x).index_copy_(0, idx, out[p].to(self.dtype))
 
 
 class CoupledLayer:

@@ -59,7 +59,25 @@ class Transitions(Sequence):
         self.evict_index = evict_index
         self._n = int(layer.numel())
         self._raw: tuple[Tensor, ...] | None = (layer, head, unit, src, dst, ledger_write)
+        self._shape: tuple[int, int, int] | None = None
         self._cpu: dict[str, Tensor] = {}
+
+    @classmethod
+    def from_flat(
+        cls,
+        tier_names: Sequence[str],
+        evict_index: int | None,
+        index: Tensor,
+        shape: tuple[int, int, int],
+        src: Tensor,
+        dst: Tensor,
+        ledger_write: Tensor,
+    ) -> Transitions:
+        """Transitions at flat positions ``index`` of a ``shape`` ``(L, H, U)`` tier map (the
+        layer/head/unit columns are derived on the host, when first read)."""
+        out = cls(tier_names, evict_index, index, index, index, src, dst, ledger_write)
+        out._raw, out._shape = (index, src, dst, ledger_write), shape
+        return out
 
     def _column(self, name: str) -> Tensor:
         if self._raw is not None:
@@ -67,6 +85,9 @@ class Transitions(Sequence):
             if any(c.device.type != "cpu" for c in raw):  # one copy for all columns
                 both = torch.stack([c.long() for c in raw]).cpu()
                 raw = tuple(both[i] for i in range(len(raw)))
+            if self._shape is not None:
+                (idx, *rest), (_, h, u) = raw, self._shape
+                raw = (idx // (h * u), idx // u % h, idx % u, *rest)
             cols = dict(zip(self._COLS, raw, strict=True))
             cols["ledger_write"] = cols["ledger_write"].bool()
             self._cpu, self._raw = cols, None

@@ -63,6 +63,12 @@ class _Group:
     sel: slice | list[int]
     n_tokens: int
     n_units: int
+    copies: Tensor | None = None  # float64 [Q, G, H, U]: bytes of each kept ledger copy
+
+
+def _copies(store, g: _Group) -> Tensor | None:
+    held = store.stack.held(g.sel, g.n_units)
+    return None if held is None else held * store.stack.copy_bytes_t.view(-1, 1, 1, 1)
 
 
 def _groups(store) -> list[_Group]:
@@ -72,7 +78,9 @@ def _groups(store) -> list[_Group]:
     out = []
     for t, ls in by.items():
         sel = slice(ls[0], ls[-1] + 1) if ls == list(range(ls[0], ls[-1] + 1)) else ls
-        out.append(_Group(ls, sel, t, store.layout.n_units(t)))
+        g = _Group(ls, sel, t, store.layout.n_units(t))
+        g.copies = _copies(store, g)
+        out.append(g)
     return out
 
 
@@ -87,9 +95,12 @@ def _merge(parts: list[Tensor], groups: list[_Group]) -> Tensor:
 
 def _constraints(store, g: _Group) -> Constraints:
     ts, st, dev = store.tier_set, store.stack, store.device
-    shape = (len(g.layers), store.n_heads, g.n_units)
     protected = store.layout.protected(g.n_tokens, store.policy.protect, dev)
-    full = torch.zeros(shape, dtype=torch.bool, device=dev)
+    tier = st.tier[g.sel, :, : g.n_units]
+    gone = tier == ts.evict if ts.evict is not None else torch.zeros_like(tier, dtype=torch.bool)
+    if not store.policy.rules:
+        return Constraints(full=protected & ~gone, evict=gone, cap=None)
+    full = torch.zeros_like(gone)
     evict, cap = torch.zeros_like(full), torch.zeros_like(full)
     for rule in store.policy.rules:
         m = store.scores.evaluate_layers(g.layers, rule.when, store.layout).bool()
@@ -99,26 +110,22 @@ def _constraints(store, g: _Group) -> Constraints:
             full, evict, cap = full | m, evict & ~m, cap & ~m
         elif isinstance(rule.then, Demote):
             cap, full, evict = cap | m, full & ~m, evict & ~m
-    gone = st.tier[g.sel, :, : g.n_units] == (-1 if ts.evict is None else ts.evict)
     full = (full | protected) & ~gone
     return Constraints(full=full, evict=(evict & ~protected) | gone, cap=cap & ~full)
 
 
 def _forced_bytes(store, g: _Group, c: Constraints) -> Tensor:
     """float64 ``[G, H]``: bytes the forced-full units hold after routing (rows + kept copies)."""
-    st = store.stack
-    rows = (c.full * st.unit_tokens(g.sel, g.n_units)).sum(-1).double() * (4 * store.head_dim)
-    held = st.held(g.sel, g.n_units)
-    if held is not None:
-        nb = st.copy_bytes_t.view(-1, 1, 1, 1)
-        rows = rows + (held.double() * c.full * nb).sum((0, -1))
+    tokens = store.stack.unit_tokens(g.sel, g.n_units)
+    rows = (c.full * tokens).sum(-1) * (4.0 * store.head_dim)
+    if g.copies is not None:
+        rows = rows + (g.copies.sum(0) * c.full).sum(-1)
     return rows
 
 
 def _costs(store, g: _Group) -> Tensor:
     """float64 ``[G, H, U, J]`` engine-tier costs."""
-    st = store.stack
-    cost = coupled_costs(store.tier_set, st.unit_bytes_t, st.held(g.sel, g.n_units))
+    cost = coupled_costs(store.tier_set, store.stack.unit_bytes_t, g.copies)
     return cost.expand(len(g.layers), store.n_heads, g.n_units, -1) if cost.dim() == 1 else cost
 
 
@@ -140,7 +147,9 @@ def plan_route(store) -> Plan:
         )
     budget = total_budget(store.budget, st.n_tokens, store.n_heads, store.head_dim)
     rest = budget - forced.sum()  # float64 0-d, on device
-    shares = spread_shares(pol.spread, store.n_layers, store.n_heads, totals, dev)
+    shares = (
+        store.shares if totals is None else spread_shares(pol.spread, *totals.shape, totals, dev)
+    )
     head_budget = torch.floor(shares * rest.clamp(min=0.0))  # float64 [L, H]
     units = [st.n_units(li) for li in range(store.n_layers)]
     out = Plan(st.tier[..., : max(units)], units, [], [], over=rest < 0)
@@ -156,7 +165,7 @@ def plan_route(store) -> Plan:
     for g, c in zip(groups, cons, strict=True):
         cost = _costs(store, g)
         for i, li in enumerate(g.layers):
-            ci = Constraints(c.full[i], c.evict[i], c.cap[i])
+            ci = c[i]
             if store.coupled:
                 v[li] = _rd_coupled(store, li, ci, cost[i], head_budget[li])
             else:
@@ -181,25 +190,29 @@ def _place(st, parts: list[Tensor], groups: list[_Group]) -> Tensor:
 
 def _finish(store, tier_p: Tensor, cost_p: Tensor, c: Constraints) -> Tensor:
     ts = store.tier_set
-    cheapest = (
-        cost_p.argmin(-1) + ts.offset if ts.evict is None else torch.full_like(tier_p, ts.evict)
-    )
+    cheapest = cost_p.argmin(-1) + ts.offset if ts.evict is None else ts.evict
     return c.apply(tier_p + ts.offset, ts, cheapest)
 
 
 def _rank(store, g: _Group, c: Constraints, budgets: Tensor) -> Tensor:
     """Rank allocation of a group of layers in one allocator call; ``budgets`` float64
     ``[G, H]``. Allocator inputs: score ``[G, H, U]`` (-inf: evicted), cost ``[G, H, U, J]``
-    (forced units cost 0), previous policy tier (-1: never routed)."""
+    (forced units cost 0), previous policy tier (the last column: never routed)."""
     a: RankAllocation = store.policy.allocate
     ts, st = store.tier_set, store.stack
     cost_p = _costs(store, g)[..., ts.offset :]
     score = store.scores.evaluate_layers(g.layers, a.by, store.layout).float()
     score = torch.where(c.evict, -torch.inf, torch.nan_to_num(score, nan=-torch.inf))
-    prev = st.tier[g.sel, :, : g.n_units] - ts.offset
-    routed = per_layer([st.routed_units[li] for li in g.layers], store.device)
-    routed = torch.arange(g.n_units, device=store.device) < routed
-    prev = torch.where(routed & (prev >= 0), prev, -1)
+    # previous policy tier; the implicit full tier (-1) and units never routed map to the
+    # allocator's last column, like the old code's "no previous tier"
+    last = cost_p.shape[-1] - (0 if ts.evict is None else 1)
+    prev = (st.tier[g.sel, :, : g.n_units] - ts.offset).remainder_(last + 1)
+    routed = [st.routed_units[li] for li in g.layers]
+    if len(set(routed)) == 1:
+        prev[..., routed[0] :] = last
+    else:
+        new = torch.arange(g.n_units, device=store.device) >= per_layer(routed, store.device)
+        prev = torch.where(new, last, prev)
     # the allocator is exact with rounds > distinct positive costs per tier column: a unit's
     # cost is its tier's bytes plus the copies it keeps, one of 2**Q values with Q quantized
     # tiers under a write-once ledger, a single value otherwise (forced units cost 0)

@@ -132,17 +132,15 @@ def per_layer(values: list[int], device: torch.device | None = None) -> int | Te
     return t.to(device, non_blocking=True)[:, None, None]
 
 
-def coupled_costs(tiers: TierSet, unit_bytes: Tensor, held: Tensor | None) -> Tensor:
-    """float64 ``[..., U, n_tiers]``. ``unit_bytes[j]`` float64 ``[n_tiers]`` (on the device):
-    bytes of one unit at tier ``j``; ``held[Q, ..., U]`` (bool, write-once ledger only): the
-    unit keeps a copy at quantized tier ``tiers.quantized[q]``; without it the result is
-    ``[n_tiers]`` (same for every unit)."""
-    if held is None:
+def coupled_costs(tiers: TierSet, unit_bytes: Tensor, copies: Tensor | None) -> Tensor:
+    """float64 ``[..., U, n_tiers]``. ``unit_bytes`` float64 ``[n_tiers]`` (on the device):
+    bytes of one unit at each tier; ``copies[Q, ..., U]`` float64 (write-once ledger only):
+    bytes of the copy a unit keeps at quantized tier ``tiers.quantized[q]``, 0 if none; without
+    it the result is ``[n_tiers]`` (same for every unit)."""
+    if copies is None:
         return unit_bytes
-    q = tiers.quantized_slice
-    kept = (held.double() * unit_bytes[q].view(-1, *[1] * (held.dim() - 1))).sum(0)
-    cost = (unit_bytes + kept[..., None]).clone()  # a unit pays every copy it keeps ...
-    cost[..., q] -= held.double().movedim(0, -1) * unit_bytes[q]  # ... but its own once
+    cost = unit_bytes + copies.sum(0)[..., None]  # a unit pays every copy it keeps ...
+    cost[..., tiers.quantized_slice] -= copies.movedim(0, -1)  # ... and its own tier's once
     if tiers.evict is not None:
         cost[..., tiers.evict] = 0.0
     return cost
@@ -150,20 +148,24 @@ def coupled_costs(tiers: TierSet, unit_bytes: Tensor, held: Tensor | None) -> Te
 
 @dataclass
 class Constraints:
-    """Per-unit constraints of one layer, bool ``[H, U]`` each."""
+    """Per-unit constraints of a layer (``[H, U]``) or a group of layers (``[G, H, U]``), bool."""
 
     full: Tensor  # forced to tier 0
     evict: Tensor  # forced evicted (or to the cheapest tier when there is no evict tier)
-    cap: Tensor  # at most the first quantized tier
+    cap: Tensor | None  # at most the first quantized tier (None: no unit is capped)
 
-    def apply(self, tier: Tensor, tiers: TierSet, cheapest: Tensor) -> Tensor:
-        """Override allocated ``tier[H, U]`` (engine indices); ``cheapest[H, U]`` for evictions
-        in a policy without an evict tier."""
+    def apply(self, tier: Tensor, tiers: TierSet, cheapest: Tensor | int) -> Tensor:
+        """Override allocated ``tier`` (engine indices); ``cheapest``: the evict tier, or per
+        unit the cheapest tier for evictions in a policy without an evict tier."""
         q = tiers.first_quantized
-        if q is not None:
+        if q is not None and self.cap is not None:
             tier = torch.where(self.cap, tier.clamp(min=q), tier)
         tier = torch.where(self.evict, cheapest, tier)
         return torch.where(self.full, 0, tier)
+
+    def __getitem__(self, i: int) -> Constraints:
+        """Layer ``i`` of a group."""
+        return Constraints(self.full[i], self.evict[i], None if self.cap is None else self.cap[i])
 
 
 def rank_heads(
@@ -178,18 +180,17 @@ def rank_heads(
     rounds: int,
 ) -> Tensor:
     """Rank allocation for every row at once: ``score[..., U]`` (-inf: evict), ``cost[..., U,
-    J]`` (policy tiers), ``budget[...]`` float64 bytes, ``previous[..., U]`` (policy tier index,
-    -1 for units never routed); ``...`` is ``[H]`` or ``[L, H]``. Without an evict tier a
-    zero-cost column is appended for the allocator and the units it leaves there come back as
-    ``J`` (the caller moves them to their cheapest tier). ``rounds``: see ``rank_allocate``.
-    Returns int64 ``[..., U]`` policy tier indices; one allocator call, no host sync.
+    J]`` (policy tiers), ``budget[...]`` float64 bytes, ``previous[..., U]`` policy tier index
+    of the last routing, ``J - 1`` (no evict tier: ``J``) for units never routed; ``...`` is
+    ``[H]`` or ``[L, H]``. Without an evict tier a zero-cost column is appended for the
+    allocator and the units it leaves there come back as ``J`` (the caller moves them to their
+    cheapest tier). ``rounds``: see ``rank_allocate``. Returns int64 ``[..., U]`` policy tier
+    indices; one allocator call, no host sync.
     """
     from .allocate_rank import rank_allocate
 
     if not has_evict:
         cost = torch.cat([cost, cost.new_zeros(*cost.shape[:-1], 1)], -1)
-    last = cost.shape[-1] - 1
-    previous = torch.where(previous < 0, last, previous)
     tier = rank_allocate(
         score,
         cost,

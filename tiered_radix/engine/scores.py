@@ -277,7 +277,7 @@ class ScoreEvaluator:
             n = lay.n_units(n) * lay.size  # zeros past the last token: whole windows, no pad
         buf = self._state.get(e)
         if buf is None:
-            return torch.zeros(*c.lead, self.n_heads, n, device=c.device)
+            buf = torch.zeros(self.n_layers, self.n_heads, n, device=c.device)
         if c.stacked:
             first, last = c.layer[0], c.layer[-1]
             contiguous = c.layer == tuple(range(first, last + 1))

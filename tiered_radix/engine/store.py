@@ -29,7 +29,7 @@ from .coupled import CoupledLayer, CoupledStack
 from .decoupled import ChannelK
 from .events import EventLog, StepEvents, Transitions
 from .planner import Plan, plan_route
-from .routing import EngineConfigError, TierSet, per_layer, total_budget
+from .routing import EngineConfigError, TierSet, per_layer, spread_shares, total_budget
 from .scores import ScoreEvaluator
 from .signals import CacheState, Signals
 from .units import UnitLayout
@@ -98,6 +98,11 @@ class TierStore:
                 layer.k = ChannelK(
                     self.tier_set, bits, a.group, n_heads, head_dim, dtype, self.device
                 )
+        self.shares = (  # float64 [L, H] budget shares, fixed unless proportional to scores
+            None
+            if policy.spread.kind == "proportional"
+            else spread_shares(policy.spread, n_layers, n_heads, None, self.device)
+        )
         self.scores = ScoreEvaluator(policy, n_layers, n_heads, cache=self._cache_state)
         self.events = EventLog()
         self.step = 0
@@ -149,7 +154,9 @@ class TierStore:
             if k is not None:
                 kept = plan.v[li] != (-1 if ev is None else ev)
                 k.apply(plan.k[li], plan.k_set[li], kept)
-        out = Transitions(self.tier_set.names, ev, m.layer, m.head, m.unit, m.src, m.dst, m.wrote)
+        out = Transitions.from_flat(
+            self.tier_set.names, ev, m.index, m.shape, m.src, m.dst, m.wrote
+        )
         used, budget = self._bytes(), self.budget_bytes()
         self.events.record(
             StepEvents(

@@ -79,14 +79,24 @@ class UnitLayout:
         return (n_tokens - self.first_token(n_tokens, device)).clamp(max=w)
 
     def protected(self, n_tokens: int, protect: Protect, device=None) -> Tensor:
-        """bool ``[U]``: units that must stay at full precision (see the module docstring)."""
+        """bool ``[U]``: units that must stay at full precision (see the module docstring).
+        They are a prefix (sinks) and a suffix (recent tokens, the partial window), found on
+        the host: two slice fills on the device."""
         if not self.over_tokens:
             return torch.zeros(self.head_dim, dtype=torch.bool, device=device)
-        first, last = self.first_token(n_tokens, device), self.last_token(n_tokens, device)
-        sink = first < protect.sinks
-        recent = last >= n_tokens - protect.recent
-        partial = (last - first + 1) < self.size
-        return sink | recent | partial
+        w, t = self.size, n_tokens
+        u = self.n_units(t)
+        head = min(u, -(-protect.sinks // w))  # units whose first token is a sink
+        # first unit whose last token min(u*w + w - 1, t - 1) is recent; the last unit when
+        # recent >= 1 or it is partial
+        tail = u if protect.recent == 0 else max(0, -(-(t - protect.recent - w + 1) // w))
+        tail = min(tail, u - 1) if protect.recent or t % w else tail
+        out = torch.zeros(u, dtype=torch.bool, device=device)
+        if head:
+            out[:head] = True
+        if tail < u:
+            out[tail:] = True
+        return out
 
     def token_mask(self, unit_mask: Tensor, n_tokens: int) -> Tensor:
         """bool ``[..., U]`` -> ``[..., T]``."""
