@@ -113,20 +113,19 @@ def rank_allocate(
     if validate and bool((paid > budget).any()):
         r = int((paid - budget).flatten().argmax())
         raise BudgetError(float(paid.flatten()[r]), float(budget.flatten()[r]))
-    cum = torch.tensor(shares, dtype=torch.float64, device=dev).cumsum(0)
-    caps = torch.minimum(torch.maximum(budget[..., None] * cum, paid[..., None]), budget[..., None])
     tier = torch.where(protected, 0, n_tiers - 1).to(torch.int8)
     score = score.double()
     free = ~protected & (score > -torch.inf)  # NaN compares False: never placed
-    used = paid
+    used, cum = paid, 0.0  # cumulative shares on the host: no host-to-device copy
+    bonus = hysteresis * score.abs() if previous is not None and hysteresis else None
     for k in range(n_tiers - 1):
-        eff = score
-        if previous is not None and hysteresis:
-            eff = score + hysteresis * score.abs() * (previous <= k)
+        cum += shares[k]
+        cap = torch.minimum(torch.maximum(budget * cum, paid), budget)
+        eff = score if bonus is None else score + bonus * (previous <= k)
         order = torch.sort(torch.where(free, eff, -torch.inf), dim=-1, descending=True, stable=True)
         order = order.indices
         take, used = _fill(
-            cost[..., k].gather(-1, order), free.gather(-1, order), caps[..., k], used, rounds
+            cost[..., k].gather(-1, order), free.gather(-1, order), cap, used, rounds
         )
         take = torch.zeros_like(take).scatter_(-1, order, take)  # back to unit order
         tier = torch.where(take, k, tier)
@@ -138,17 +137,18 @@ def _fill(
     c: Tensor, free: Tensor, cap: Tensor, used: Tensor, rounds: int | None
 ) -> tuple[Tensor, Tensor]:
     """Sequential 'take if it fits' along the last dim of ``c`` (sorted), vectorised in rounds.
-    Returns the taken mask and the updated bytes per row."""
-    take, room = torch.zeros_like(free), cap - used
+    Returns the taken mask and the updated bytes per row. Costs are >= 0, so the running sum
+    never decreases and the units before the first overflow are those whose running sum fits
+    (exactly so for integer byte costs; on a parallel-scan device other costs may differ by
+    the rounding of that sum)."""
+    rest, room = free, cap - used
     r = 0
     while rounds is None or r < rounds:
-        live = free & ~take & (c <= room[..., None])  # costing more than the room: never fits
+        live = rest & (c <= room[..., None])  # costing more than the room: never fits
         if rounds is None and not bool(live.any()):
             break
-        csum = torch.cumsum(torch.where(live, c, 0.0), -1)
-        over = live & (csum > room[..., None])
-        now = live & (over.cumsum(-1) == 0)  # the prefix before the first unit that overflows
-        spent = torch.where(now, c, 0.0).sum(-1)
-        take, room, used = take | now, room - spent, used + spent
+        now = live & (torch.cumsum(c * live, -1) <= room[..., None])
+        spent = (c * now).sum(-1)
+        rest, room, used = rest ^ now, room - spent, used + spent
         r += 1
-    return take, used
+    return free & ~rest, used
