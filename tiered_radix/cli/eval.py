@@ -8,7 +8,7 @@ cells failed (reported, the others scored); 2 invalid input or an engine that ca
 from __future__ import annotations
 
 import argparse
-import platform
+import os
 import re
 import sys
 from pathlib import Path
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         "max_new_tokens": args.max_new_tokens,
         "threads": args.threads,
         "budgets": budgets or "each policy's own",
-        "cpu": platform.processor() or None,
+        "host_cpus": os.cpu_count(),
     }
     report = build_report(records, meta)
     out = Path(args.out)

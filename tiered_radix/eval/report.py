@@ -170,7 +170,9 @@ def markdown_table(report: dict) -> str:
 def markdown_report(report: dict) -> str:
     meta = report["meta"]
     head = [f"# Evaluation: {meta.get('model')} ({meta.get('engine')})", ""]
-    head += [f"- {k}: {v}" for k, v in meta.items() if k not in ("model", "engine")]
+    head += [
+        f"- {k}: {v}" for k, v in meta.items() if k not in ("model", "engine") and v is not None
+    ]
     head += [
         "",
         "Score: RULER string match (percent of answer strings found), mean over "
@@ -187,4 +189,4 @@ def markdown_report(report: dict) -> str:
             f"- {e['policy']} @ {e['budget']}, {e['task']}/{e['length']}/{e['index']}: {e['error']}"
             for e in report["errors"][:50]
         ]
-    return "\n".join(head) + markdown_table(report) + "\n" + "\n".join(tail) + "\n"
+    return "\n".join(head) + "\n" + markdown_table(report) + "\n" + "\n".join(tail) + "\n"
