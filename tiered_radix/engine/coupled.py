@@ -51,6 +51,9 @@ def _compact(mask: Tensor, n: int) -> Tensor:
 
 
 class CoupledStack:
+    """Units, tiers and copies of every layer (see the module docstring). ``max_tokens``
+    reserves room up front; otherwise capacity doubles as tokens arrive."""
+
     def __init__(
         self,
         tiers: TierSet,
@@ -136,7 +139,7 @@ class CoupledStack:
 
     # -- accounting (device tensors, no host sync) -------------------------------------------
     def held(self, layers: slice | list[int], n_units: int) -> Tensor | None:
-        """bool ``[J, G, H, U]`` copies kept at each quantized tier (write-once ledger), else
+        """bool ``[Q, G, H, U]`` copies kept at each quantized tier (write-once ledger), else
         None."""
         if not self.write_once or not self.stores:
             return None
