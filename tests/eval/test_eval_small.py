@@ -46,6 +46,7 @@ def engine():
         pytest.skip(f"the transformers adapter is not available: {e}")
 
 
+@pytest.mark.slow  # 189 s on the 2-core dev host (~60 s per sample through the adapter on CPU)
 def test_full_kv_finds_the_single_needle(engine, tmp_path):
     from tiered_radix.eval.report import build_report
     from tiered_radix.eval.runner import Grid, run_grid
