@@ -14,7 +14,7 @@ mode=${1:-full}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
-timeout ${TEST_S:-120} python3 -P -m pytest -q -x tests/kernels tests/engine/test_store.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+timeout ${TEST_S:-120} python3 -P -m pytest -q -x tests/kernels tests/engine/test_store.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -5
 quick=(); [ "$mode" = quick ] && quick=(--quick)
 timeout ${DECODE_S:-330} python3 bench/decode_attention.py --out "$OUT" "${quick[@]}" 2>&1 | tail -60
 [ -n "${SKIP_QUANT:-}" ] || timeout 60 python3 bench/quant_pack.py --out "$OUT" 2>&1 | tail -20
