@@ -225,12 +225,14 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     if (fam, ctx, batch) in V1_CONFIGS or quick:
         variants.append(("_v1", {"version": 1}))
     if (fam, ctx, batch) in TUNE_CONFIGS:
-        variants += [("_ppi2", {"pages_per_iter": 2}), ("_ppi2w8", {"pages_per_iter": 2,
-                     "num_warps": 8})]  # fmt: skip
+        # v2's uniform-page path (off by default: it failed to compile under Triton 3.6)
+        variants += [("_uniform", {"uniform_pages": True}),
+                     ("_ppi2", {"pages_per_iter": 2, "uniform_pages": True}),
+                     ("_ppi2w8", {"pages_per_iter": 2, "num_warps": 8, "uniform_pages": True})]
     for kind, b, side in [(kd, b, False) for kd, b in mixes] + key[3:]:
         name = (kind if kind == "full" else f"{kind}@{int(b * 100)}%") + ("+mass" if side else "")
         for suffix, kw in variants:
-            tune = suffix.startswith("_ppi")  # pages per iteration: uniform (qevict) pages only
+            tune = suffix.startswith(("_ppi", "_uniform"))  # uniform (qevict) pages only
             if suffix and (kind, b, side) not in key or tune and (side or kind != "qevict"):
                 continue
             record(f"ours_{name}{suffix}",

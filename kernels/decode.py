@@ -87,6 +87,7 @@ def plan(
     version: int | None = None,
     pages_per_iter: int | None = None,
     num_warps: int | None = None,
+    uniform_pages: bool = False,
 ) -> DecodePlan:
     """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
 
@@ -95,6 +96,9 @@ def plan(
     max_rows: longest per-head token count (default: from ``layout``, a CPU read).
     version: kernel code path, 1 or 2 (see the module docstring).  pages_per_iter (v2, uniform
     pages; default 32 // page_size) and num_warps override the built-in choices.
+    uniform_pages: use v2's specialised path for ``layout.k_uniform`` layouts. Off by default:
+    it failed to compile under Triton 3.6 on the H200 (2026-11-30, bench/decode_notes.md), so
+    uniform layouts take v2's general page path until that is fixed.
     """
     hkv, d = layout.num_kv_heads, layout.head_dim
     if num_q_heads % hkv:
@@ -117,7 +121,7 @@ def plan(
             else NUM_SMS_DEFAULT
         )
     ver = _version(version)
-    uniform = ver == 2 and layout.k_uniform
+    uniform = ver == 2 and layout.k_uniform and uniform_pages
     # v2: ~32 programs per SM (SGLang's Triton decode: 96% of copy bandwidth at 64 splits for
     # 128K x 8, 73% at 16; v1 used 16 per SM -> 33 splits, 86%)
     s = num_splits or _splits(layout.batch, hkv, max_rows, num_sms, 16 if ver == 1 else 32)

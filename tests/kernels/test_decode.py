@@ -153,8 +153,9 @@ WINDOWED = [  # lens, hkv, grp, d, dtype, bits, window = unit, page, splits, pag
 ]
 
 
+@pytest.mark.parametrize("uniform", [True, False], ids=["uniform_path", "general_path"])
 @pytest.mark.parametrize("case", range(len(WINDOWED)))
-def test_v2_windowed_pages_and_unit_side_output(case):
+def test_v2_windowed_pages_and_unit_side_output(case, uniform):
     lens, hkv, grp, d, dt, bits, win, page, splits, ppi = WINDOWED[case]
     q, k, v, tp = windowed_case(case, lens, hkv, grp, d, dt, bits, win, [5] * len(lens))
     lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=win)
@@ -162,8 +163,8 @@ def test_v2_windowed_pages_and_unit_side_output(case):
     single = lay.page_unit >= 0
     assert bool(single.any()) if win >= page else bool((~single).any())
     p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
-                    version=2, pages_per_iter=ppi)  # fmt: skip
-    assert p.uniform and p.pages_per_iter == ppi
+                    version=2, pages_per_iter=ppi, uniform_pages=uniform)  # fmt: skip
+    assert p.uniform == uniform and p.pages_per_iter == ppi
     poison(p)
     out = torch.full_like(q, float("nan"))
     mass = torch.zeros(len(lens), lay.max_units, device=DEV)
