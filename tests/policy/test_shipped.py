@@ -154,7 +154,8 @@ def test_custom_example_combines_qevict_and_rdkv() -> None:
     assert actions(p) == [Keep, Quantize, Quantize, Evict]
     assert [t.action.bits for t in p.tiers[1:3]] == [4, 2]
     assert p.allocate.v_weight == Name("heat")
-    assert p.score("heat") == Call("cumulative", (Name("attn"),), (("decay", Num(0.99)),))
+    attn = Call("cumulative", (Name("attn"),), (("decay", Num(0.99)),))
+    assert p.score("heat") == BinOp("+", attn, Name("colmass"))
     assert p.ledger.write_once and p.schedule.every == 16
 
 

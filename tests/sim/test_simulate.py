@@ -147,3 +147,16 @@ def test_report_json_table_and_plots(runs, trace, tmp_path):
     assert [p.name for p in pngs] == ["bytes.png", "occupancy.png", "quality.png"]
     for p in pngs:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+
+
+def test_custom_policy_runs_in_the_simulator(trace):
+    """examples/custom_policy.yaml (QEvict windows + RDKV allocation) runs with no code change."""
+    from pathlib import Path
+
+    custom = Path(__file__).resolve().parents[2] / "examples" / "custom_policy.yaml"
+    # 192 prompt tokens: sinks + the recent 64 hold about half the bytes, so 10% cannot bind
+    r = simulate(str(custom), trace, budget="60%", progress=False)
+    assert (r.bytes_used[r.routed] <= r.budget_bytes[r.routed]).all()
+    quantized = [name for name in r.occupancy if name in ("b2", "b4")]
+    assert quantized and sum(int(r.occupancy[n].max()) for n in quantized) > 0
+    assert r.transitions["evict"].sum() > 0 and 0 < r.error.mean() < 0.3
