@@ -1,1 +1,2 @@
-"""The tier engine: engine-agnostic units, tiers, ledger, codecs, scores, allocators, diagnostics."""
+"""The tier engine: engine-agnostic units, tiers, ledger, codecs, scores, allocators and
+diagnostics."""
