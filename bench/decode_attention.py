@@ -8,9 +8,10 @@ every peer (errors recorded, never fatal) and ours at tier mixes: ``full`` (100%
 precision), ``qevict@B`` (32-token windows; half the byte budget B on full windows, the rest on
 INT2 windows, others evicted) and ``rdkv@B`` (V per token at 2/4/8/16 bits, K channels at mixed
 bits). Ours is timed as a CUDA-graph replay (ms; eager launch in ms_eager), peers eagerly.
-Rows ``ours_*`` run the default kernel (version 2); ``ours_*_v1`` the previous code path on the
-same layout (key mixes and configs), ``ours_qevict@10%_ppi2`` / ``_ppi2w8`` v2 with 2 pages an
-iteration (4 / 8 warps) (Llama 32K x1 and 128K x8 only).
+Rows ``ours_*`` run the default kernel (version 2; uniform QEvict pages take its uniform-page
+path); ``ours_*_v1`` the previous code path on the same layout (key mixes and configs),
+``ours_qevict@10%_general`` v2's general page path, ``_ppi2`` / ``_ppi2w8`` the uniform path with
+2 pages an iteration (4 / 8 warps) (Llama 32K x1 and 128K x8 only).
 Bytes are those the kernel loads (layout.bytes_kv + q + partials); fraction = bytes /
 time / copy bandwidth. Writes OUT/decode_attention.json and OUT/decode_attention.png.
 """
@@ -225,14 +226,15 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     if (fam, ctx, batch) in V1_CONFIGS or quick:
         variants.append(("_v1", {"version": 1}))
     if (fam, ctx, batch) in TUNE_CONFIGS:
-        # v2's uniform-page path (off by default: it failed to compile under Triton 3.6)
-        variants += [("_uniform", {"uniform_pages": True}),
+        # the default row runs v2's uniform-page path (qevict pages); "_general" times v2's
+        # general page path on the same layout, "_ppi2*" the uniform path's tuning knobs
+        variants += [("_general", {"uniform_pages": False}),
                      ("_ppi2", {"pages_per_iter": 2, "uniform_pages": True}),
                      ("_ppi2w8", {"pages_per_iter": 2, "num_warps": 8, "uniform_pages": True})]
     for kind, b, side in [(kd, b, False) for kd, b in mixes] + key[3:]:
         name = (kind if kind == "full" else f"{kind}@{int(b * 100)}%") + ("+mass" if side else "")
         for suffix, kw in variants:
-            tune = suffix.startswith(("_ppi", "_uniform"))  # uniform (qevict) pages only
+            tune = suffix.startswith(("_ppi", "_general"))  # uniform (qevict) pages only
             if suffix and (kind, b, side) not in key or tune and (side or kind != "qevict"):
                 continue
             record(f"ours_{name}{suffix}",

@@ -19,7 +19,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-from tiered_radix.kernels import _decode_kernels as K
+import triton.language as tl
+from tiered_radix.kernels._decode_mass import _decode_mass_kernel, _decode_mass_kernel_v2
+from tiered_radix.kernels._decode_merge import _decode_merge_kernel, _decode_merge_kernel_v2
+from tiered_radix.kernels._decode_split import _decode_split_kernel
 from tiered_radix.kernels.layout import TriZoneLayout
 
 LOG2E = 1.4426950408889634
@@ -87,7 +90,7 @@ def plan(
     version: int | None = None,
     pages_per_iter: int | None = None,
     num_warps: int | None = None,
-    uniform_pages: bool = False,
+    uniform_pages: bool = True,
 ) -> DecodePlan:
     """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
 
@@ -96,9 +99,9 @@ def plan(
     max_rows: longest per-head token count (default: from ``layout``, a CPU read).
     version: kernel code path, 1 or 2 (see the module docstring).  pages_per_iter (v2, uniform
     pages; default 32 // page_size) and num_warps override the built-in choices.
-    uniform_pages: use v2's specialised path for ``layout.k_uniform`` layouts. Off by default:
-    it failed to compile under Triton 3.6 on the H200 (2026-11-30, bench/decode_notes.md), so
-    uniform layouts take v2's general page path until that is fixed.
+    uniform_pages: use v2's specialised path for ``layout.k_uniform`` layouts (False: v2's
+    general page path, as for per-channel K).  GPU run 3 found it failing to compile under Triton
+    3.6 (fixed since, bench/decode_notes.md); bench/compile_check.py compiles every config.
     """
     hkv, d = layout.num_kv_heads, layout.head_dim
     if num_q_heads % hkv:
@@ -121,6 +124,9 @@ def plan(
             else NUM_SMS_DEFAULT
         )
     ver = _version(version)
+    for name, bits in (("v_bits", v_bits), ("k_bits", k_bits)):
+        if bits is not None and not set(bits) <= {2, 4, 8, 16}:
+            raise DecodeInputError(f"{name}={bits}: bit widths must be among 2, 4, 8, 16")
     uniform = ver == 2 and layout.k_uniform and uniform_pages
     # v2: ~32 programs per SM (SGLang's Triton decode: 96% of copy bandwidth at 64 splits for
     # 128K x 8, 73% at 16; v1 used 16 per SM -> 33 splits, 86%)
@@ -203,13 +209,12 @@ def run(
     out = torch.empty_like(q) if out is None else out
     hkv, bh, s = p.num_kv_heads, p.batch * p.num_kv_heads, p.num_splits
     qk = (sm_scale if sm_scale is not None else p.head_dim**-0.5) * LOG2E
-    dt = K.tl.bfloat16 if q.dtype == torch.bfloat16 else K.tl.float16
+    dt = tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16
     if q.device.type == "cpu":  # the Triton interpreter computes bf16 tl.dot wrongly
-        dt = K.tl.float32
+        dt = tl.float32
     arena = layout.arena
     row_full = layout.page_ntok.numel() * layout.page_size
     row_fresh = row_full + layout.full_slots.numel()
-    vb, kb = set(p.v_bits), set(p.k_bits)
     if p.uniform and not layout.k_uniform:
         raise DecodeInputError("plan made for a k_uniform layout; this layout has per-channel K")
     v2 = p.version == 2
@@ -220,7 +225,7 @@ def run(
             fresh_units_ptr=layout.fresh_units, VER2=True, UNIFORM=p.uniform,
             PPI=p.pages_per_iter if p.uniform and layout.page_ids.numel() else 1,
         )  # fmt: skip
-    K._decode_split_kernel[(bh, s)](
+    _decode_split_kernel[(bh, s)](
         q, q.stride(0), q.stride(1), layout.perm,
         layout.k_pool, layout.v_pool, layout.k_pool.stride(0), layout.k_pool.stride(1),
         layout.full_indptr, layout.full_slots, layout.fresh_indptr, layout.fresh_slots,
@@ -228,24 +233,22 @@ def run(
         layout.page_indptr, layout.page_ids, layout.k_table, p.part_acc, p.part_ml, p.score,
         row_full, row_fresh, qk, hkv, p.group, s,
         DT=dt, D=p.head_dim, G_PAD=p.g_pad, P=layout.page_size, VG=layout.v_group,
-        BLOCK_N=p.block_n, MASS=p.side_output,
-        V2=2 in vb, V4=4 in vb, V8=8 in vb, V16=16 in vb,
-        K2=2 in kb, K4=4 in kb, K8=8 in kb, K16=16 in kb,
-        num_warps=p.num_warps, num_stages=p.num_stages, **extra,
+        BLOCK_N=p.block_n, MASS=p.side_output, VBITS=sum(set(p.v_bits)),
+        KBITS=sum(set(p.k_bits)), num_warps=p.num_warps, num_stages=p.num_stages, **extra,
     )  # fmt: skip
     s_pad = max(2, 1 << (s - 1).bit_length())
     if v2:
-        K._decode_merge_kernel_v2[(bh * p.group,)](
+        _decode_merge_kernel_v2[(bh * p.group,)](
             p.part_acc, p.part_ml, out, out.stride(0), out.stride(1), p.lse, hkv, p.group, s,
             D=p.head_dim, G_PAD=p.g_pad, S_PAD=s_pad, BLOCK_S=min(s_pad, 16), num_warps=4,
         )  # fmt: skip
     else:
-        K._decode_merge_kernel[(bh,)](
+        _decode_merge_kernel[(bh,)](
             p.part_acc, p.part_ml, out, out.stride(0), out.stride(1), p.lse, hkv, p.group, s,
             D=p.head_dim, G_PAD=p.g_pad, S_PAD=s_pad, num_warps=4,
         )  # fmt: skip
     if p.side_output and v2:
-        K._decode_mass_kernel_v2[(bh, s)](
+        _decode_mass_kernel_v2[(bh, s)](
             p.score, p.lse, mass, mass.stride(0), layout.full_indptr, layout.full_units,
             layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,
             layout.page_ntok, layout.page_units, layout.page_unit, row_full, row_fresh, hkv,
@@ -253,7 +256,7 @@ def run(
             P=layout.page_size, BLOCK_N=p.block_n, NT=16, NBLK=8, num_warps=4,
         )  # fmt: skip
     elif p.side_output:
-        K._decode_mass_kernel[(bh, s)](
+        _decode_mass_kernel[(bh, s)](
             p.score, p.lse, mass, mass.stride(0), layout.full_indptr, layout.full_units,
             layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,
             layout.page_ntok, layout.page_units, row_full, row_fresh, hkv, p.group, s,

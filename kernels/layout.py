@@ -319,3 +319,42 @@ def _page_read_bytes(n, vb, p, d, g, ntok, npg) -> int:
     k = sum(c * p * b // 8 for c, b in zip(n, K_BITS, strict=True)) + 4 * sum(n[:3])
     v = ntok * (d * vb // 8 + (0 if vb == 16 else 4 * d // g))
     return npg * (k + 16) + v
+
+
+# -- uniform pages one at a time: the SGLang pool's ledger blocks ---------------------------------
+def uniform_page_nbytes(bits: int, page_size: int, d: int, v_group: int) -> int:
+    """Bytes of one page whose K channels and V tokens all have ``bits`` (2, 4 or 8)."""
+    n = [d if b == bits else 0 for b in K_BITS]
+    return k_sections(n, page_size)[6] + v_sections(bits, page_size, d, v_group)[3]
+
+
+def pack_uniform_pages(k: torch.Tensor, v: torch.Tensor, bits: int, v_group: int) -> torch.Tensor:
+    """uint8 ``[n, uniform_page_nbytes]``: K/V ``[n, P, d]`` as TriZone pages at ``bits``
+    (K per channel over the page's P tokens, V per token in groups of ``v_group``)."""
+    n = [k.shape[2] if b == bits else 0 for b in K_BITS]
+    return _page_bytes(k, v, n, bits, v_group)
+
+
+def unpack_uniform_pages(
+    img: torch.Tensor, bits: int, page_size: int, d: int, v_group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_uniform_pages`: float32 ``k, v [n, P, d]`` (``dequantize``)."""
+    m, p = img.shape[0], page_size
+    ks = k_sections([d if b == bits else 0 for b in K_BITS], p)
+    vs = v_sections(bits, p, d, v_group)
+    o = ks[K_BITS.index(bits)]
+
+    def f16(at: int, count: int) -> torch.Tensor:
+        return img[:, at : at + 2 * count].contiguous().view(torch.float16)
+
+    kq = codecs.QuantizedTensor(
+        img[:, o : o + d * p * bits // 8].reshape(m, d, p * bits // 8),
+        f16(ks[4], d).reshape(m, d, 1), f16(ks[5], d).reshape(m, d, 1), bits, p, p,
+    )  # fmt: skip
+    vo, ng = ks[6], d // v_group
+    vq = codecs.QuantizedTensor(
+        img[:, vo : vo + p * d * bits // 8].reshape(m, p, d * bits // 8),
+        f16(vo + vs[1], p * ng).reshape(m, p, ng), f16(vo + vs[2], p * ng).reshape(m, p, ng),
+        bits, v_group, d,
+    )  # fmt: skip
+    return codecs.dequantize(kq).transpose(1, 2), codecs.dequantize(vq)

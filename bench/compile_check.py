@@ -1,0 +1,252 @@
+"""Compile the TriZone decode kernels for a GPU target without a GPU; report registers and spills.
+
+    python bench/compile_check.py [--arch 90] [-k SUBSTRING] [--json PATH]
+
+Every (version, uniform pages, bit widths, head_dim, side output) configuration that
+``decode.plan()`` and ``bench/decode_attention.py`` launch is compiled ahead of time with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` (Triton's bundled ptxas,
+no driver), with the argument specialisation the JIT would choose (16-divisible pointers and
+ints, ints equal to 1 as constexprs).  Prints per config OK/FAIL, registers, spill stores/loads
+(ptxas -v) and shared memory (bytes); the full error of every failing config follows the table.
+Needs only triton (no torch): the kernel modules are loaded from kernels/ by path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default; silences Triton 3.9
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
+from triton.runtime.jit import native_specialize_impl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = {64: (7, 2), 128: (4, 8)}  # head_dim -> (group, H_kv): Qwen2.5-0.5B, Llama-3.1-8B
+MIXES = {  # name -> (V bit widths, K bit widths) present in the plan
+    "full": ((), ()),
+    "qevict2": ((2,), (2,)),
+    "u4": ((4,), (4,)),
+    "u8": ((8,), (8,)),
+    "rdkv": ((2, 4, 8, 16), (2, 4, 8, 16)),
+}
+UNIFORM_MIXES = ("qevict2", "u4", "u8")
+
+
+MODULES = ("_decode_common", "_decode_pages", "_decode_split", "_decode_merge", "_decode_mass")
+
+
+def load_kernels() -> list[types.ModuleType]:
+    """The decode kernel modules of this checkout, loaded by path in dependency order under
+    their package names (no torch import; an installed tiered_radix is not consulted)."""
+    for name in ("tiered_radix", "tiered_radix.kernels"):
+        if name not in sys.modules:
+            sys.modules[name] = types.ModuleType(name)
+    out = []
+    for mod in MODULES:
+        full = f"tiered_radix.kernels.{mod}"
+        if full not in sys.modules:
+            spec = importlib.util.spec_from_file_location(full, ROOT / "kernels" / f"{mod}.py")
+            sys.modules[full] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(sys.modules[full])
+        out.append(sys.modules[full])
+    return out
+
+
+def kernel(name: str):
+    """The @triton.jit kernel ``name`` from the decode kernel modules."""
+    for m in load_kernels():
+        if hasattr(m, name):
+            return getattr(m, name)
+    raise LookupError(f"kernel {name} not found in kernels/_decode_*.py")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    kernel: str
+    args: dict  # runtime args: "*dtype" pointer strings, ints, floats, None
+    constexprs: dict
+    num_warps: int
+    num_stages: int = 2
+
+
+def _split(ver: int, uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | None):
+    grp, hkv = FAMILIES[d]
+    vb, kb = MIXES[mix]
+    pages = bool(vb)
+    ptr = {n: "*i32" for n in ("perm_ptr", "full_indptr_ptr", "full_slots_ptr",
+                               "fresh_indptr_ptr", "fresh_slots_ptr", "page_ntok_ptr",
+                               "page_indptr_ptr", "page_ids_ptr", "k_table_ptr")}  # fmt: skip
+    args = dict(ptr, q_ptr="*bf16", k_pool="*bf16", v_pool="*bf16", arena8="*u8",
+                arena16="*fp16", arenadt="*bf16", page_off_ptr="*i64", part_acc_ptr="*fp32",
+                part_ml_ptr="*fp32", score_ptr="*fp32", q_stride_b=grp * hkv * d, q_stride_h=d,
+                pool_stride_s=hkv * d, pool_stride_h=d, row_full=4096 * 32 + 0,
+                row_fresh=4096 * 32 + 1000, qk_scale=0.127, H_KV=hkv, G=grp, S=33)  # fmt: skip
+    cx = dict(DT=tl.bfloat16, D=d, G_PAD=16, P=32, VG=32, BLOCK_N=64 if d == 64 else 32,
+              MASS=side, VBITS=sum(vb), KBITS=sum(kb))  # fmt: skip
+    if ver == 2:
+        args.update(page_unit_ptr="*i32", full_units_ptr="*i32", fresh_units_ptr="*i32")
+        cx.update(VER2=True, UNIFORM=uniform, PPI=ppi if uniform and pages else 1)
+    w = warps or ((2 if pages else 4) if ver == 1 else 4)
+    tag = f"v{ver}{'u' if uniform else ''} {mix:7} d{d} {'mass' if side else '-   '} ppi{ppi} w{w}"
+    return Config(f"split {tag}", "_decode_split_kernel", args, cx, w)
+
+
+def _merge(ver: int, d: int, s: int) -> Config:
+    grp, hkv = FAMILIES[d]
+    s_pad = max(2, 1 << (s - 1).bit_length())
+    args = dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*bf16",
+                out_stride_b=grp * hkv * d, out_stride_h=d, lse_ptr="*fp32", H_KV=hkv, G=grp,
+                S=s)  # fmt: skip
+    cx = dict(D=d, G_PAD=16, S_PAD=s_pad)
+    name = "_decode_merge_kernel"
+    if ver == 2:
+        cx["BLOCK_S"] = min(s_pad, 16)
+        name += "_v2"
+    return Config(f"merge v{ver} d{d} S{s}", name, args, cx, 4)
+
+
+def _mass(ver: int, d: int) -> Config:
+    grp, hkv = FAMILIES[d]
+    args = {n: "*i32" for n in ("full_indptr_ptr", "full_units_ptr", "fresh_indptr_ptr",
+                                "fresh_units_ptr", "page_indptr_ptr", "page_ids_ptr",
+                                "page_ntok_ptr", "page_units_ptr")}  # fmt: skip
+    args.update(
+        score_ptr="*fp32",
+        lse_ptr="*fp32",
+        mass_ptr="*fp32",
+        mass_stride=4096,
+        row_full=4096 * 32,
+        row_fresh=4096 * 32 + 1000,
+        H_KV=hkv,
+        G=grp,
+        S=33,
+    )
+    cx = dict(G_PAD=16, P=32)
+    if ver == 2:
+        args["page_unit_ptr"] = "*i32"
+        g_p2 = max(2, 1 << (grp - 1).bit_length())
+        cx.update(G_P2=g_p2, BLOCK_N=64 if d == 64 else 32, NT=16, NBLK=8)
+        return Config(f"mass v2 d{d}", "_decode_mass_kernel_v2", args, cx, 4)
+    cx["BLOCK_N"] = 32
+    return Config(f"mass v1 d{d}", "_decode_mass_kernel", args, cx, 4)
+
+
+def configs() -> list[Config]:
+    out = []
+    for d in (64, 128):
+        for side in (False, True):
+            out += [_split(1, False, m, d, side, 1, None) for m in ("full", "qevict2", "rdkv")]
+            out += [_split(2, False, m, d, side, 1, None) for m in MIXES]
+            out += [_split(2, True, m, d, side, 1, None) for m in UNIFORM_MIXES]
+        # bench/decode_attention.py tuning rows: 2 pages an iteration at 4 and 8 warps
+        out += [_split(2, True, "qevict2", d, False, 2, w) for w in (4, 8)]
+        out += [_merge(v, d, s) for v in (1, 2) for s in (4, 64)]
+        out += [_mass(v, d) for v in (1, 2)]
+    return out
+
+
+def specialise(fn, cfg: Config):
+    """(signature, constexprs, attrs) as the JIT builds them for these arguments."""
+    sig, cx, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            val = cfg.constexprs.get(p.name, p.default)
+            sig[p.name], cx[(i,)] = "constexpr", val
+            continue
+        val = cfg.args.get(p.name, p.default)
+        if isinstance(val, str):  # a pointer (PyTorch allocations are 16-byte aligned)
+            ty, attr = val, "D"
+        else:
+            ty, attr = native_specialize_impl(BaseBackend, val, False, True, True)
+        sig[p.name] = ty
+        if ty == "constexpr":
+            cx[(i,)] = val
+        elif attr:
+            attrs[(i,)] = BaseBackend.parse_attr(attr)
+    return sig, cx, attrs
+
+
+PTXAS = re.compile(r"Used (\d+) registers")
+SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _chain(e: BaseException) -> str:
+    """An exception and its causes, innermost (the root cause) first."""
+    parts = []
+    while e is not None:
+        parts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    return "\n\n".join(reversed(parts))
+
+
+def compile_one(cfg: Config, arch: int) -> dict:
+    fn = kernel(cfg.kernel)
+    sig, cx, attrs = specialise(fn, cfg)
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):
+            k = triton.compile(
+                src,
+                target=GPUTarget("cuda", arch, 32),
+                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            )
+    except Exception as e:  # noqa: BLE001 - every failure is reported, the sweep goes on
+        return dict(name=cfg.name, ok=False, error=_chain(e))
+    text = log.getvalue()
+    regs, spill = PTXAS.search(text), SPILL.search(text)
+    return dict(name=cfg.name, ok=True, regs=int(regs[1]) if regs else None,
+                spill_st=int(spill[1]) if spill else None,
+                spill_ld=int(spill[2]) if spill else None, shared=k.metadata.shared)  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
+    ap.add_argument("-k", default="", help="only configs whose name contains this")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    knobs = triton.knobs
+    knobs.nvidia.dump_ptxas_log = True  # ptxas -v output: registers and spills
+    knobs.compilation.always_compile = True
+    knobs.cache.dir = tempfile.mkdtemp(prefix="trizone-compile-check-")
+    print(f"triton {triton.__version__}, target sm_{args.arch}")
+    print(f"{'config':44} {'status':6} {'regs':>5} {'spill st/ld':>12} {'smem':>7}")
+    rows = []
+    for cfg in configs():
+        if args.k not in cfg.name:
+            continue
+        r = compile_one(cfg, args.arch)
+        rows.append(r)
+        if r["ok"]:
+            spill = f"{r['spill_st']}/{r['spill_ld']}"
+            print(f"{r['name']:44} {'OK':6} {r['regs']:5} {spill:>12} {r['shared']:7}", flush=True)
+        else:
+            print(f"{r['name']:44} FAIL   {r['error'].splitlines()[0][:70]}", flush=True)
+    failed: dict[str, list[str]] = {}
+    for r in rows:
+        if not r["ok"]:
+            failed.setdefault(r["error"], []).append(r["name"].strip())
+    for err, names in failed.items():  # each distinct error once, root cause first
+        print(f"\n==== {len(names)} config(s): {'; '.join(names)}\n{err}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            dict(triton=triton.__version__, arch=args.arch, rows=rows), indent=1))  # fmt: skip
+    return int(any(not r["ok"] for r in rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

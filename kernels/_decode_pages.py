@@ -1,0 +1,149 @@
+"""Zone A page loops of the TriZone decode split kernel: general pages (K sections of runtime
+size, from k_table) and v2's uniform pages (compile-time geometry, PPI pages an iteration)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from tiered_radix.kernels._decode_common import (
+    _bcast,
+    _k_section,
+    _softmax_step,
+    _store_logits,
+    _store_lse,
+    _u_meta,
+    _u_raw,
+    _unpack_il,
+    _v_page,
+)
+
+
+@triton.jit
+def _pages(
+    m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt, page_off_ptr,
+    page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
+    DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+    P: tl.constexpr, MASS: tl.constexpr, KBITS: tl.constexpr, VER2: tl.constexpr,
+):  # fmt: skip
+    """Pages page_ids[ps:pe] of list li (one (request, head), V bit width VB; K channels at the
+    widths in the bit mask KBITS).  VER2: section offsets known to be 16-byte aligned (vector
+    loads), interleave unpacking, per-page log2-sum-exp2 side output for single-unit pages."""
+    kt = k_table_ptr + li * 12
+    n2 = tl.load(kt + 0)
+    n4 = tl.load(kt + 1)
+    n8 = tl.load(kt + 2)
+    n16 = tl.load(kt + 3)
+    o_sc = tl.load(kt + 8)
+    o_lo = tl.load(kt + 9)
+    k_bytes = tl.load(kt + 10)
+    o2 = tl.load(kt + 4)
+    o4 = tl.load(kt + 5)
+    o8 = tl.load(kt + 6)
+    o16 = tl.load(kt + 7)
+    if VER2:  # every section starts on a 16-byte boundary (layout.pad16)
+        o_sc = tl.multiple_of(o_sc, 16)
+        o_lo = tl.multiple_of(o_lo, 16)
+        k_bytes = tl.multiple_of(k_bytes, 16)
+        o2 = tl.multiple_of(o2, 16)
+        o4 = tl.multiple_of(o4, 16)
+        o8 = tl.multiple_of(o8, 16)
+        o16 = tl.multiple_of(o16, 16)
+    nq = n2 + n4 + n8
+    t = tl.arange(0, P)
+    g = tl.arange(0, G_PAD)
+    perm_row = perm_ptr + (li // 4) * D
+    # the next page's id, offset and length are loaded one iteration ahead (short latency chain)
+    nxt = tl.load(page_ids_ptr + ps, mask=ps < pe, other=0)
+    nbase = tl.load(page_off_ptr + nxt, mask=ps < pe, other=0)
+    nntok = tl.load(page_ntok_ptr + nxt, mask=ps < pe, other=0)
+    for i in range(ps, pe):
+        pid = nxt
+        base = tl.multiple_of(nbase, 16)
+        ntok = nntok
+        more = i + 1 < pe
+        nxt = tl.load(page_ids_ptr + i + 1, mask=more, other=0)
+        nbase = tl.load(page_off_ptr + nxt, mask=more, other=0)
+        nntok = tl.load(page_ntok_ptr + nxt, mask=more, other=0)
+        tm = t < ntok
+        s = tl.zeros([G_PAD, P], dtype=tl.float32)
+        # K sections by width, channels permuted so each width's channels are contiguous
+        if KBITS & 2:
+            s = _k_section(s, q_ptr, perm_row, q_row, gm, 0, n2, arena8, arena16, arenadt, base,
+                           o2, o_sc, o_lo, DT, 2, D, G_PAD, P, VER2)  # fmt: skip
+        if KBITS & 4:
+            s = _k_section(s, q_ptr, perm_row, q_row, gm, n2, n4, arena8, arena16, arenadt, base,
+                           o4, o_sc, o_lo, DT, 4, D, G_PAD, P, VER2)  # fmt: skip
+        if KBITS & 8:
+            s = _k_section(s, q_ptr, perm_row, q_row, gm, n2 + n4, n8, arena8, arena16, arenadt,
+                           base, o8, o_sc, o_lo, DT, 8, D, G_PAD, P, VER2)  # fmt: skip
+        if KBITS & 16:
+            s = _k_section(s, q_ptr, perm_row, q_row, gm, nq, n16, arena8, arena16, arenadt,
+                           base, o16, o_sc, o_lo, DT, 16, D, G_PAD, P, VER2)  # fmt: skip
+        s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
+        if MASS and not VER2:
+            _store_logits(score_ptr, pid * P + t, s, tm, g, g < G, G)
+        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, VER2)
+        m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
+        if MASS and VER2:
+            unit = tl.load(page_unit_ptr + pid)
+            gm2 = g < G
+            _store_lse(score_ptr, pid * P, m, p, g, gm2 & _bcast(unit >= 0, g), G)
+            _store_logits(score_ptr, pid * P + t, s, tm & _bcast(unit < 0, t), g, gm2, G)
+    return m, l_i, acc
+
+
+@triton.jit
+def _pages_u(
+    m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr, page_unit_ptr,
+    ps, pe, score_ptr, qk_scale, G, DT: tl.constexpr, B: tl.constexpr, VG: tl.constexpr,
+    D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr, MASS: tl.constexpr,
+):  # fmt: skip
+    """Uniform pages (K and V at B bits) page_ids[ps:pe], PPI per iteration.  Software
+    pipeline: raw bytes of block i+1, offsets of block i+2 and ids of block i+3 are loaded
+    while block i is computed."""
+    NG: tl.constexpr = D // VG
+    kk = tl.arange(0, PPI)
+    t = tl.arange(0, P)
+    g = tl.arange(0, G_PAD)
+    gm = g < G
+    qd = q.to(DT)
+    ok0 = ps + kk < pe
+    ids = tl.load(page_ids_ptr + ps + kk, mask=ok0, other=0)
+    base, ntok, unit = _u_meta(page_ids_ptr, page_off_ptr, page_ntok_ptr, page_unit_ptr, ids, ok0)
+    kraw, ksc, klo, vraw, vsc, vlo = _u_raw(arena8, arena16, base, ntok, B, D, P, VG, PPI)
+    ok1 = ps + PPI + kk < pe
+    ids1 = tl.load(page_ids_ptr + ps + PPI + kk, mask=ok1, other=0)
+    base1, ntok1, unit1 = _u_meta(page_ids_ptr, page_off_ptr, page_ntok_ptr, page_unit_ptr, ids1,
+                                  ok1)  # fmt: skip
+    ids2 = tl.load(page_ids_ptr + ps + 2 * PPI + kk, mask=ps + 2 * PPI + kk < pe, other=0)
+    for i in range(ps, pe, PPI):
+        ck, cks, ckl, cv, cvs, cvl = kraw, ksc, klo, vraw, vsc, vlo
+        cur_ids, cur_ntok, cur_unit = ids, ntok, unit
+        ids, ntok, unit = ids1, ntok1, unit1
+        kraw, ksc, klo, vraw, vsc, vlo = _u_raw(arena8, arena16, base1, ntok1, B, D, P, VG, PPI)
+        ids1 = ids2
+        ok1 = i + 2 * PPI + kk < pe
+        base1, ntok1, unit1 = _u_meta(page_ids_ptr, page_off_ptr, page_ntok_ptr, page_unit_ptr,
+                                      ids1, ok1)  # fmt: skip
+        ids2 = tl.load(page_ids_ptr + i + 3 * PPI + kk, mask=i + 3 * PPI + kk < pe, other=0)
+        # K = code * scale + lo per (channel, page); one dot over the PPI pages
+        code = _unpack_il(ck, B).to(tl.float32)  # [D, PPI, P]
+        k = code * cks.to(tl.float32)[:, :, None] + ckl.to(tl.float32)[:, :, None]
+        s = tl.dot(qd, tl.reshape(k, (D, PPI * P)).to(DT)) * qk_scale  # [G_PAD, PPI*P]
+        tm = tl.reshape(t[None, :] < cur_ntok[:, None], (PPI * P,))
+        s = tl.where(tm[None, :], s, float("-inf"))
+        vc = tl.reshape(_unpack_il(cv, B).to(tl.float32), (PPI, P, NG, VG))
+        v = vc * cvs.to(tl.float32)[:, :, :, None] + cvl.to(tl.float32)[:, :, :, None]
+        v = tl.reshape(v, (PPI * P, D))
+        m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
+        if MASS:
+            single = cur_unit >= 0  # [PPI]: one log2-sum-exp2 per (page, head)
+            psum = tl.sum(tl.reshape(p, (G_PAD, PPI, P)), 2)
+            row0 = cur_ids * P
+            tl.store(score_ptr + row0[None, :] * G + g[:, None], m[:, None] + tl.log2(psum),
+                     mask=gm[:, None] & (single & (cur_ntok > 0))[None, :])  # fmt: skip
+            rows = tl.reshape(row0[:, None] + t[None, :], (PPI * P,))
+            multi = tl.reshape((~single)[:, None] & (t[None, :] < cur_ntok[:, None]), (PPI * P,))
+            tl.store(score_ptr + rows[None, :] * G + g[:, None], s,
+                     mask=gm[:, None] & multi[None, :])  # fmt: skip
+    return m, l_i, acc
