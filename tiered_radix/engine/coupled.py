@@ -66,6 +66,7 @@ class CoupledStack:
         write_once: bool,
         parts: tuple[str, ...] = ("k", "v"),
         max_tokens: int | None = None,
+        keep_data: bool = True,
     ) -> None:
         self.tiers, self.layout, self.write_once, self.parts = tiers, layout, write_once, parts
         self.n_layers, self.n_heads, self.head_dim = n_layers, n_heads, head_dim
@@ -73,7 +74,11 @@ class CoupledStack:
         self.n_tokens, self.routed_units = [0] * n_layers, [0] * n_layers
         self.capacity = 0  # units per (layer, head)
         lh = (n_layers, n_heads)
-        self.full = {p: torch.empty(*lh, 0, head_dim, dtype=dtype, device=device) for p in parts}
+        self.keep_data = keep_data  # False: tiers and byte counts only (rows live elsewhere)
+        self.full = {
+            p: torch.empty(*lh, 0, head_dim, dtype=dtype, device=device)
+            for p in (parts if keep_data else ())
+        }
         self.tier = torch.zeros(*lh, 0, dtype=torch.long, device=device)
         self.stores: dict[int, CopyStore] = {}
         w = layout.size
@@ -90,8 +95,9 @@ class CoupledStack:
                         f"pick a group that divides the window ({w}) and head_dim ({head_dim})"
                     )
             self.stores[j] = CopyStore(
-                codec, n_heads, w, head_dim, device, write_once, n_layers=n_layers
-            )
+                codec, n_heads, w, head_dim, device, write_once, n_layers=n_layers,
+                keep_data=keep_data,
+            )  # fmt: skip
         full = 2 * len(parts) * w * head_dim
         ev = tiers.evict
         self.unit_bytes = [
@@ -128,10 +134,11 @@ class CoupledStack:
             s.grow(cap)
         self.capacity = cap
 
-    def append(self, li: int, rows: dict[str, Tensor]) -> None:
-        """Append ``rows[part][H, t, d]`` to layer ``li`` (new tokens are full)."""
+    def append(self, li: int, rows: dict[str, Tensor], n: int | None = None) -> None:
+        """Append ``rows[part][H, t, d]`` to layer ``li`` (new tokens are full); without data
+        (``keep_data=False``) ``rows`` is empty and ``n`` counts the tokens."""
         t0 = self.n_tokens[li]
-        t = t0 + next(iter(rows.values())).shape[1]
+        t = t0 + (n if n is not None else next(iter(rows.values())).shape[1])
         self._reserve(t)
         for p, x in self.full.items():
             x[li, :, t0:t] = rows[p].to(self.dtype)

@@ -85,7 +85,9 @@ def part_codecs(
 
 class CopyStore:
     """Copies of one quantized tier's units, for one layer (``n_layers=None``: masks
-    ``[H, U]``) or all layers (masks ``[L, H, U]``). ``parts`` maps "k"/"v" to codecs."""
+    ``[H, U]``) or all layers (masks ``[L, H, U]``). ``parts`` maps "k"/"v" to codecs.
+    ``keep_data=False`` keeps the masks and byte counts only (the codes live elsewhere, e.g. in
+    the SGLang pool): writes mark units present, reads return no parts."""
 
     def __init__(
         self,
@@ -97,8 +99,10 @@ class CopyStore:
         write_once: bool,
         *,
         n_layers: int | None = None,
+        keep_data: bool = True,
     ) -> None:
         self.parts, self.window, self.head_dim = parts, window, head_dim
+        self.keep_data = keep_data
         self.n_heads, self.device, self.write_once = n_heads, device, write_once
         self.lead = (n_heads,) if n_layers is None else (n_layers, n_heads)
         self.unit_nbytes = sum(c.nbytes(window, head_dim) for c in parts.values())
@@ -128,7 +132,7 @@ class CopyStore:
         w, d, dim = self.window, self.head_dim, len(self.lead)
         self.present = torch.cat([self.present, self.present.new_zeros(extra)], dim)
         self.write_count = torch.cat([self.write_count, self.write_count.new_zeros(extra)], dim)
-        for name, c in self.parts.items():
+        for name, c in self.parts.items() if self.keep_data else ():
             q = c.encode(torch.zeros(1, w, d, device=self.device))  # shapes of one unit
             new = [t.new_zeros(*extra, *t.shape[1:]) for t in (q.codes, q.scale, q.lo)]
             old = self.data.get(name)
@@ -158,7 +162,7 @@ class CopyStore:
             name: self._decode(
                 name, [t.narrow(len(self.lead), 0, n_units) for t in self.data[name]]
             )
-            for name in self.parts
+            for name in self.data
         }
 
     def drop(self, mask: Tensor) -> None:
@@ -182,7 +186,7 @@ class CopyStore:
     def write_at(self, idx: Tensor, blocks: dict[str, Tensor]) -> None:
         """Quantize ``blocks[part][n, W, d]`` into the units at flat indices ``idx[n]`` (see
         :meth:`flat_index`; distinct). The caller checks write-once."""
-        for name, c in self.parts.items():
+        for name, c in self.parts.items() if self.keep_data else ():
             x = blocks[name]
             q = c.encode(x if x.dtype in (torch.bfloat16, torch.float16) else x.float())
             for store, new in zip(self.data[name], (q.codes, q.scale, q.lo), strict=True):
@@ -195,7 +199,7 @@ class CopyStore:
     def read_at(self, idx: Tensor) -> dict[str, Tensor]:
         """float32 ``[n, W, d]`` per part: ``dequantize`` of the copies at flat ``idx[n]``."""
         out = {}
-        for name in self.parts:
+        for name in self.data:
             ts = [t.view(-1, *t.shape[len(self.lead) + 1 :]) for t in self.data[name]]
             out[name] = self._decode(name, [t.index_select(0, idx) for t in ts])
         return out

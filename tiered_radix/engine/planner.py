@@ -4,7 +4,8 @@ Layers holding the same number of tokens (all of them, except mid-step) are plan
 ``[G, H, U]`` tensors, so the number of device ops does not grow with the layer count and the
 rank path never waits for the device. Order: forced masks (protected units, rules, units
 already evicted) and the bytes the forced-full units hold; then the budget left after those is
-spread over (layer, head) (see :mod:`.routing`); then allocation: rank allocation over
+spread over (layer, head) (see :mod:`.routing`; a tensor-parallel rank gathers the forced
+bytes and spread totals of all heads, see :mod:`.shard`); then allocation: rank allocation over
 ``allocate.by`` (one call for a group of layers), or rate-distortion per layer and head (coupled
 units: one RD over the units; RDKV: V tokens over ``v_share`` of the head's share, then K
 channels over the kept tokens with the rest).
@@ -129,6 +130,17 @@ def _costs(store, g: _Group) -> Tensor:
     return cost.expand(len(g.layers), store.n_heads, g.n_units, -1) if cost.dim() == 1 else cost
 
 
+def _all_heads(shard, forced: Tensor, totals: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``forced`` float64 and ``totals`` ``[L, H_local]`` -> ``[L, H_total]``, every rank's heads
+    in rank order: one all-gather of both stacked (float64 holds the float32 totals exactly).
+    Every rank then derives the budget left and the shares as one engine over all heads does."""
+    if shard.world == 1:
+        return forced, totals
+    parts = forced[None] if totals is None else torch.stack([forced, totals.double()])
+    full = shard.gather_heads(parts, 2)
+    return full[0], None if totals is None else full[1]
+
+
 def plan_route(store) -> Plan:
     pol, dev, st = store.policy, store.device, store.stack
     groups = _groups(store)
@@ -145,10 +157,13 @@ def plan_route(store) -> Plan:
             ],
             groups,
         )
-    budget = total_budget(store.budget, st.n_tokens, store.n_heads, store.head_dim)
+    forced, totals = _all_heads(store.shard, forced, totals)  # [L, H_total]
+    budget = total_budget(store.budget, st.n_tokens, store.shard.heads_total, store.head_dim)
     rest = budget - forced.sum()  # float64 0-d, on device
     shares = (
-        store.shares if totals is None else spread_shares(pol.spread, *totals.shape, totals, dev)
+        store.shares
+        if totals is None
+        else store.shard.local(spread_shares(pol.spread, *totals.shape, totals, dev), 1)
     )
     head_budget = torch.floor(shares * rest.clamp(min=0.0))  # float64 [L, H]
     units = [st.n_units(li) for li in range(store.n_layers)]

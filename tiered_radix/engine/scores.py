@@ -128,17 +128,35 @@ class ScoreEvaluator:
             if getattr(signals, name) is not None:
                 self._observed[layer][name] = getattr(signals, name).float()
         for node in self._cumulative:
-            channel = self._uses(node.args[0], CHANNEL)
-            layout = UnitLayout("channel" if channel else "token", 1, cache.head_dim)
-            if any(
-                getattr(signals, n) is None and self._uses(node.args[0], (n,)) for n in OBSERVED
-            ):
-                continue  # accumulate only what this step observed
-            x = self._eval(node.args[0], _Ctx(layer, cache, layout, not channel))
-            decay = _const(node.kwarg("decay", Num(1.0)))
-            x = torch.broadcast_to(x.float(), (self.n_heads, x.shape[-1]))
-            buf = self._buffer(node, x.shape[-1], x.device)[layer, :, : x.shape[-1]]
-            buf.mul_(decay).add_(x)
+            self._update_node(node, layer, signals, cache)
+
+    def _update_node(self, node: Call, layer: int, signals: Signals, cache: CacheState) -> None:
+        channel = self._uses(node.args[0], CHANNEL)
+        layout = UnitLayout("channel" if channel else "token", 1, cache.head_dim)
+        if any(getattr(signals, n) is None and self._uses(node.args[0], (n,)) for n in OBSERVED):
+            return  # accumulate only what this step observed
+        x = self._eval(node.args[0], _Ctx(layer, cache, layout, not channel))
+        decay = _const(node.kwarg("decay", Num(1.0)))
+        x = torch.broadcast_to(x.float(), (self.n_heads, x.shape[-1]))
+        buf = self._buffer(node, x.shape[-1], x.device)[layer, :, : x.shape[-1]]
+        buf.mul_(decay).add_(x)
+
+    def update_attn(self, attn: Tensor) -> None:
+        """:meth:`update` of every layer with ``Signals(attn=attn[l])``, ``attn [L, H, T]``
+        (one decode step's attention mass of all layers): ``cumulative(attn, ...)`` advances in
+        one batched op; any other accumulated expression takes the per-layer path."""
+        L, H, t = attn.shape
+        assert (L, H) == (self.n_layers, self.n_heads), (attn.shape, self.n_layers)
+        attn = attn.float()
+        for li in range(L):
+            self._observed[li]["attn"] = attn[li]
+        for node in self._cumulative:
+            if node.args[0] == Name("attn"):
+                decay = _const(node.kwarg("decay", Num(1.0)))
+                self._buffer(node, t, attn.device)[:, :, :t].mul_(decay).add_(attn)
+                continue
+            for li in range(L):
+                self._update_node(node, li, Signals(attn=attn[li]), self._cache(li, None))
 
     def evaluate(
         self, layer: int, expr: Expr, part: UnitLayout, *, cache: CacheState | None = None

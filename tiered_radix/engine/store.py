@@ -10,7 +10,9 @@ has ``over_budget=True`` (forced content alone exceeded the budget; see ``routin
 Coupled policies keep one tier per (head, window|token) unit (:mod:`.coupled`); decoupled ones
 (RDKV: V per token, K per channel) keep V tokens like coupled token units and K in
 :mod:`.decoupled`. Transitions report V units (K channels are re-encoded at each routing).
-Tier maps are device tensors, stacked over layers (:class:`~.coupled.CoupledStack`); ``plan()``
+With ``reader=`` the store keeps tiers, scores and byte counts only and reads rows through the
+callback (the SGLang pool holds them; ``append_tokens`` counts new tokens). Tier maps are device
+tensors, stacked over layers (:class:`~.coupled.CoupledStack`); ``plan()``
 (scores -> tiers) is separate from ``apply()`` (moving data) so each can be timed
 (``bench/routing_step.py``). A rank-allocation ``route()`` waits for the device once (to learn
 how many units move); the step's record (transitions, bytes) is read from the device lazily.
@@ -18,6 +20,7 @@ how many units move); the step's record (transitions, bytes) is read from the de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +34,7 @@ from .events import EventLog, StepEvents, Transitions
 from .planner import Plan, plan_route
 from .routing import EngineConfigError, TierSet, per_layer, spread_shares, total_budget
 from .scores import ScoreEvaluator
+from .shard import HeadShard, check_shardable
 from .signals import CacheState, Signals
 from .units import UnitLayout
 
@@ -59,6 +63,8 @@ class TierStore:
         device: str | torch.device = "cpu",
         max_tokens: int | None = None,
         budget_override: Budget | None = None,
+        reader: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
+        shard: HeadShard | None = None,
     ) -> None:
         self.policy, self.n_layers, self.n_heads, self.head_dim = (
             policy,
@@ -67,6 +73,13 @@ class TierStore:
             head_dim,
         )
         self.device, self.dtype = torch.device(device), dtype
+        self.shard = shard or HeadShard.single(n_heads)
+        if self.shard.heads_local != n_heads:
+            raise ValueError(
+                f"the store holds n_heads={n_heads} heads but its shard gives this rank "
+                f"{self.shard.heads_local} ({self.shard.heads_total} over {self.shard.world})"
+            )
+        check_shardable(policy, self.shard)
         self.budget = budget_override or policy.budget
         self.tier_set = TierSet.of(policy)
         self.coupled = policy.coupled
@@ -78,6 +91,9 @@ class TierStore:
                 "for both otherwise"
             )
         parts = ("k", "v") if self.coupled else ("v",)
+        if reader is not None and not self.coupled:
+            raise EngineConfigError("a store without its own rows (reader=) needs coupled units")
+        self.reader = reader
         self.stack = CoupledStack(
             self.tier_set,
             self.layout,
@@ -89,6 +105,7 @@ class TierStore:
             policy.ledger.write_once,
             parts,
             max_tokens,
+            keep_data=reader is None,
         )
         self.layers = [_Layer(self.stack.layer(li)) for li in range(n_layers)]
         if not self.coupled:
@@ -101,7 +118,9 @@ class TierStore:
         self.shares = (  # float64 [L, H] budget shares, fixed unless proportional to scores
             None
             if policy.spread.kind == "proportional"
-            else spread_shares(policy.spread, n_layers, n_heads, None, self.device)
+            else self.shard.local(
+                spread_shares(policy.spread, n_layers, self.shard.heads_total, None, self.device), 1
+            )
         )
         self.scores = ScoreEvaluator(policy, n_layers, n_heads, cache=self._cache_state)
         self.events = EventLog()
@@ -121,19 +140,35 @@ class TierStore:
         if self.layers[layer].k is not None:
             self.layers[layer].k.append(k)
 
+    def append_tokens(self, layer: int, n: int) -> None:
+        """Count ``n`` new full tokens of ``layer`` whose rows live with the ``reader``."""
+        assert self.reader is not None, "append_tokens is for stores built with reader="
+        self.stack.append(layer, {}, n)
+
     def observe(self, layer: int, signals: Signals) -> None:
         """Record one layer's signals and advance cumulative scores (once per step)."""
         self.scores.update(layer, signals)
 
+    def observe_attn(self, attn: Tensor) -> None:
+        """Every layer's decode-step attention mass at once: ``attn [L, H, T]`` float32 (all
+        layers hold ``T`` tokens); the same as ``observe(l, Signals(attn=attn[l]))`` per layer."""
+        t = self.stack.n_tokens
+        if len(set(t)) != 1 or attn.shape[2] != t[0]:
+            raise ValueError(
+                f"observe_attn needs [L, H, T={t[0]}] over equal layers, got {list(attn.shape)}"
+            )
+        self.scores.update_attn(attn)
+
     def schedule_due(self, decode_step: int) -> bool:
         """After decode step ``decode_step`` (0-based): route every N steps (after steps N-1,
-        2N-1, ...) or when bytes reach the ``on_pressure`` fraction of the budget."""
+        2N-1, ...) or when bytes reach the ``on_pressure`` fraction of the budget (bytes of all
+        ranks: one all-reduce when sharded, so every rank decides the same)."""
         s = self.policy.schedule
         if s.every is not None and (decode_step + 1) % s.every == 0:
             return True
-        return (
-            s.on_pressure is not None and self.bytes_used() >= s.on_pressure * self.budget_bytes()
-        )
+        if s.on_pressure is None:
+            return False
+        return int(self.shard.sum(self._bytes())) >= s.on_pressure * self.budget_bytes()
 
     def after_prefill(self) -> Transitions | None:
         """Route once if the policy's schedule says ``after_prefill``; else None."""
@@ -158,6 +193,8 @@ class TierStore:
             self.tier_set.names, ev, m.index, m.shape, m.src, m.dst, m.wrote
         )
         used, budget = self._bytes(), self.budget_bytes()
+        if self.shard.world > 1:  # the record is the whole model's, the same on every rank
+            used = self.shard.sum(used)
         self.events.record(
             StepEvents(
                 self.step, reason, out, used, budget, over_budget=plan.over | (used > budget)
@@ -173,7 +210,10 @@ class TierStore:
     # -- reading -------------------------------------------------------------------------
     def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """What attention reads: float32 ``k_hat, v_hat [H, T, d]`` (full rows, dequantized
-        copies, a dropped K channel as 0) and ``kept`` bool ``[H, T]``; evicted rows are NaN."""
+        copies, a dropped K channel as 0) and ``kept`` bool ``[H, T]``; evicted rows are NaN.
+        A store built with ``reader=`` asks it (the rows live in an external pool)."""
+        if self.reader is not None:
+            return self.reader(layer)
         lay = self.layers[layer]
         rows, kept = lay.v.view()
         k = rows["k"] if lay.k is None else lay.k.view(kept)
@@ -191,7 +231,8 @@ class TierStore:
         return self.stack.n_tokens[layer]
 
     def bytes_used(self) -> int:
-        """Exact bytes: full rows, codes with fp16 scale/lo, ledger copies kept."""
+        """Exact bytes: full rows, codes with fp16 scale/lo, ledger copies kept (of this
+        rank's heads when sharded; a routing step's record holds all ranks')."""
         return int(self._bytes())
 
     def _bytes(self) -> Tensor:
@@ -204,7 +245,8 @@ class TierStore:
         return total
 
     def budget_bytes(self) -> int:
-        return total_budget(self.budget, self.stack.n_tokens, self.n_heads, self.head_dim)
+        """The whole model's budget (all ranks' heads when sharded)."""
+        return total_budget(self.budget, self.stack.n_tokens, self.shard.heads_total, self.head_dim)
 
     def tiers(self, layer: int) -> Tensor:
         """int64 ``[H, U]`` engine tier index per unit (V tokens for decoupled policies)."""

@@ -1,0 +1,94 @@
+"""A TierStore without its own rows (``reader=``, as the SGLang pool uses it) decides exactly
+what a store holding the rows decides, for every coupled shipped policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_store import FILES, signals
+
+from tiered_radix import load_policy
+from tiered_radix.engine.routing import EngineConfigError
+from tiered_radix.engine.signals import Signals
+from tiered_radix.engine.store import TierStore
+
+COUPLED = [p for p in FILES if load_policy(str(p)).coupled]
+
+
+@pytest.mark.parametrize("path", COUPLED, ids=lambda p: p.stem)
+def test_reader_store_routes_like_the_data_store(path):
+    policy = load_policy(str(path))
+    L, H, d, T, steps = 2, 2, 16, 150, 40
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(L, H, T + steps, d, generator=g)
+    v = torch.randn(L, H, T + steps, d, generator=g)
+    full = TierStore(policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32)
+    bare = TierStore(
+        policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32, reader=full.view
+    )
+    assert bare.stack.full == {} and all(not s.data for s in bare.stack.stores.values())
+
+    def feed(t0: int, t1: int, prefill: bool) -> None:
+        for li in range(L):
+            full.append(li, k[li, :, t0:t1], v[li, :, t0:t1])
+            bare.append_tokens(li, t1 - t0)
+            _, _, kept = full.view(li)
+            sig = signals(torch.Generator().manual_seed(t1 * 7 + li), kept, d, prefill)
+            full.observe(li, sig)
+            bare.observe(li, sig)
+
+    feed(0, T, True)
+    pairs = [(full.after_prefill(), bare.after_prefill())]
+    for step in range(steps):
+        feed(T + step, T + step + 1, False)
+        if full.schedule_due(step):
+            pairs.append((full.route(f"step {step}"), bare.route(f"step {step}")))
+    for a, b in pairs:
+        if a is None:
+            assert b is None
+            continue
+        for name in ("layer", "head", "unit", "src", "dst", "ledger_write"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for li in range(L):
+        assert torch.equal(full.tiers(li), bare.tiers(li))
+    assert full.bytes_used() == bare.bytes_used() and full.occupancy() == bare.occupancy()
+    if len(policy.tiers) > 1:  # something moved
+        assert sum(len(a) for a, _ in pairs if a is not None) > 0
+
+
+def test_reader_store_refuses_separate_k_and_v_units():
+    with pytest.raises(EngineConfigError, match="coupled"):
+        TierStore(load_policy("rdkv"), n_layers=1, n_heads=1, head_dim=16, reader=lambda li: None)
+
+
+@pytest.mark.parametrize("path", COUPLED, ids=lambda p: p.stem)
+def test_observe_attn_of_all_layers_equals_per_layer_observe(path):
+    """One decode step's attention for every layer at once (the SGLang decode path) advances
+    scores exactly as one observe per layer does."""
+    policy = load_policy(str(path))
+    L, H, d, T = 3, 2, 16, 120
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(L, H, T + 20, d, generator=g), torch.randn(L, H, T + 20, d, generator=g)
+    stores = [TierStore(policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32)
+              for _ in range(2)]  # fmt: skip
+    for s in stores:
+        for li in range(L):
+            s.append(li, k[li, :, :T], v[li, :, :T])
+            s.observe(li, signals(torch.Generator().manual_seed(li), s.view(li)[2], d, True))
+        s.after_prefill()
+    for step in range(20):
+        t = T + step + 1
+        attn = torch.rand(L, H, t, generator=g)
+        for s in stores:
+            for li in range(L):
+                s.append(li, k[li, :, t - 1 : t], v[li, :, t - 1 : t])
+        for li in range(L):
+            stores[0].observe(li, Signals(attn=attn[li]))
+        stores[1].observe_attn(attn)
+        if stores[0].schedule_due(step):
+            for s in stores:
+                s.route(f"step {step}")
+    for li in range(L):
+        assert torch.equal(stores[0].tiers(li), stores[1].tiers(li))
+    for node, buf in stores[0].scores._state.items():
+        assert torch.equal(buf, stores[1].scores._state[node])
