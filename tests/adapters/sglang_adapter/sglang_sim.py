@@ -2,21 +2,33 @@
 
 A helper module (not a conftest) so its name cannot collide with tests/conftest.py.
 
-Test modules skip themselves when sglang is missing (``pytest.importorskip``); nothing here
-imports sglang until a fixture runs. K/V are a deterministic function of (layer, token, position)
-so any two requests with the same prefix write the same values and references are easy to build.
+Test modules import SGLang through ``require`` (skips when sglang is missing; fails instead when
+``TIERED_RADIX_REQUIRE_SGLANG=1``, as CI sets it); nothing else here imports sglang until a fixture
+runs. K/V are a deterministic function of (layer, token, position) so any two requests with the
+same prefix write the same values and references are easy to build.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import importlib
+import os
+from types import ModuleType, SimpleNamespace
 
+import pytest
 import torch
 
 SKIP_REASON = (
-    "sglang is not importable: these tests need the SGLang venv "
-    "(shared/notes/sglang-0.5.17.md, 'Tested recipe'; docs/sglang.md)"
+    "sglang is not importable: install it with docs/sglang.md, 'Running the tests' "
+    "(set TIERED_RADIX_REQUIRE_SGLANG=1 to fail instead of skipping)"
 )
+
+
+def require(module: str) -> ModuleType:
+    """Import an SGLang module for a test module: skip without sglang, unless CI asks to fail."""
+    if os.environ.get("TIERED_RADIX_REQUIRE_SGLANG") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=SKIP_REASON)
+
 
 # qevict's shape at test size: windows of 4 tokens, INT2 in groups of 4, write-once ledger.
 POLICY = """
@@ -39,17 +51,29 @@ ledger: write_once
 class Sim:
     """Start, extend, finish and abort requests the way the scheduler drives the cache."""
 
-    def __init__(self, *, layers=2, heads=2, head_dim=8, pages=40, blocks=None, vocab=100):
+    def __init__(
+        self,
+        *,
+        layers=2,
+        heads=2,
+        head_dim=8,
+        pages=40,
+        blocks=None,
+        vocab=100,
+        policy=POLICY,
+        context=512,
+    ):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         from tiered_radix.adapters.sglang.pool import TieredKVPool
         from tiered_radix.adapters.sglang.radix import TieredRadixCache
+        from tiered_radix.adapters.sglang.reps import Layout
         from tiered_radix.policy import compile_text
 
-        self.policy = compile_text(POLICY)
-        self.W, self.L, self.H, self.d = 4, layers, heads, head_dim
+        self.policy = compile_text(policy)
+        self.W, self.L, self.H, self.d = Layout.of(self.policy).window, layers, heads, head_dim
         size = pages * self.W
         self.pool = TieredKVPool(
             size,
@@ -65,12 +89,12 @@ class Sim:
         self.alloc = PagedTokenToKVPoolAllocator(
             size, self.W, torch.bfloat16, "cpu", self.pool, need_sort=False
         )
-        self.r2t = ReqToTokenPool(16, 512, "cpu", False)
+        self.r2t = ReqToTokenPool(16, context, "cpu", False)
         params = CacheInitParams(False, self.r2t, self.alloc, self.W)
         self.cache = TieredRadixCache(params, policy=self.policy)
         g = torch.Generator().manual_seed(0)
         self.emb = torch.randn(2, layers, vocab, heads, head_dim, generator=g)
-        self.pos = torch.randn(2, layers, 512, heads, head_dim, generator=g)
+        self.pos = torch.randn(2, layers, context, heads, head_dim, generator=g)
         self.reqs: dict[str, SimpleNamespace] = {}
 
     def kv(self, layer: int, tokens: list[int], start: int = 0) -> tuple[torch.Tensor, ...]:
@@ -79,8 +103,8 @@ class Sim:
         p = torch.arange(start, start + len(tokens))
         return tuple(self.emb[i, layer, t] + self.pos[i, layer, p] for i in (0, 1))
 
-    def start(self, rid: str, tokens: list[int]) -> SimpleNamespace:
-        """Match the prefix, borrow it, allocate and write the rest (a prefill)."""
+    def match(self, rid: str, tokens: list[int]) -> SimpleNamespace:
+        """Match the prefix in the tree and lock it; the request's row maps the matched slots."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -100,9 +124,14 @@ class Sim:
             prefix_len=n,
         )
         self.r2t.req_to_token[req.req_pool_idx, :n] = m.device_indices.int()
-        self.cache.open_view(req, n)
+        return req
+
+    def start(self, rid: str, tokens: list[int]) -> SimpleNamespace:
+        """Match the prefix, borrow it, allocate and write the rest (a prefill)."""
+        req = self.match(rid, tokens)
+        self.cache.open_view(req, req.prefix_len)
         self.reqs[rid] = req
-        self._write(req, tokens[n:], n)
+        self._write(req, tokens[req.prefix_len :], req.prefix_len)
         return req
 
     def extend(self, rid: str, tokens: list[int]) -> None:

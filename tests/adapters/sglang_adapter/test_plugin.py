@@ -7,15 +7,17 @@ import dataclasses
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
-from sglang_sim import SKIP_REASON
+from sglang_sim import require
 
-pytest.importorskip("sglang.srt.server_args", reason=SKIP_REASON)
+require("sglang.srt.server_args")
 
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
 
 from tiered_radix.adapters.sglang import config, plugin  # noqa: E402
+from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.policy import PolicyError, load_policy  # noqa: E402
 
 ARGV = ["--model-path", "dummy", "--attention-backend", "triton"]
@@ -105,9 +107,9 @@ def test_backends_are_registered(baseline):
 
     assert get_radix_cache_factory("tiered") is plugin.tree_cache_factory
     factory = ATTENTION_BACKENDS[plugin.ATTENTION_BACKEND]
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("the CPU message is what is tested here")
-    with pytest.raises(plugin.TieredBackendError, match="needs a CUDA GPU"):
-        factory(None)
+    runner = SimpleNamespace(server_args=SimpleNamespace(tp_size=2), token_to_kv_pool=None)
+    with pytest.raises(plugin.TieredBackendError, match="--tp > 1"):
+        factory(runner)
+    runner.server_args.tp_size = 1
+    with pytest.raises(PoolConfigError, match="needs a TieredKVPool"):
+        factory(runner)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_sim import SKIP_REASON, Sim
+from sglang_sim import Sim, require
 
-pytest.importorskip("sglang.srt.mem_cache.memory_pool", reason=SKIP_REASON)
+require("sglang.srt.mem_cache.memory_pool")
 
 from tiered_radix.adapters.sglang.pool import PoolFullError, TieredKVPool  # noqa: E402
 from tiered_radix.adapters.sglang.reps import (  # noqa: E402
@@ -105,7 +105,9 @@ def test_bytes_used_and_kv_size_from_first_principles(sim):
     _, w, _ = written(sim, list(range(1, 13)))  # 3 windows x 2 heads x 2 layers at full
     W, d, H = sim.W, sim.d, sim.H
     row = 2 * W * d * 2  # K and V rows of one head-window in bf16
-    q = 2 * (W * d * 2 // 8 + 4 * (W * d // 4))  # K and V codes + fp16 scale/lo per group of 4
+    # one ledger page: K and V each hold codes (8 B), fp16 scales and lows (16 B each), every
+    # section padded to 16 bytes (the decode kernel's page format)
+    q = 2 * (16 + 16 + 16)
     assert sim.pool.bytes_used() == sim.L * 3 * H * row
     sim.pool.move(0, torch.tensor([0]), w[:1], torch.tensor([S_FULL]), torch.tensor([S_Q]))
     assert sim.pool.bytes_used() == (sim.L * 3 * H - 1) * row + q

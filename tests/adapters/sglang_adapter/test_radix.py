@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang_sim import SKIP_REASON, Sim
+from sglang_sim import Sim, require
 
-pytest.importorskip("sglang.srt.mem_cache.radix_cache", reason=SKIP_REASON)
+require("sglang.srt.mem_cache.radix_cache")
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 

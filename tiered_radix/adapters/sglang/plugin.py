@@ -6,8 +6,9 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
 - ``ServerArgs.add_cli_args`` (AFTER): the flags ``--kv-policy`` and ``--kv-budget``;
 - ``ServerArgs.from_cli_args`` (AROUND): validates the policy (a :class:`PolicyError` prints
   ``file:line:col`` and exits with status 2, no traceback), selects ``--radix-cache-backend
-  tiered``, ``--page-size W`` and ``--attention-backend tiered_triton``, and exports the values to
-  the processes SGLang spawns (:mod:`.config`);
+  tiered``, ``--page-size W`` and ``--attention-backend tiered_triton`` (and turns CUDA graphs
+  and the overlap scheduler off), and exports the values to the processes SGLang spawns
+  (:mod:`.config`);
 - ``ServerArgs.__init__`` (AROUND): the same for ``sglang.Engine(..., kv_policy=...)``, where a
   bad policy raises :class:`PolicyError`;
 - ``DefaultPoolConfigurator._compute_cell_size`` (AFTER) and
@@ -69,7 +70,17 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
         if given.get(key) not in (None, value):
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"--kv-policy {cfg.policy_arg} needs {flag} {value}, got {given[key]}")
-    return want
+    return want | FORCED
+
+
+# The tiered backend's per-request gathers and routing run on the host between layers: no CUDA
+# graphs, and no overlap scheduler (its next-batch preparation would race the views).
+FORCED = {
+    "disable_cuda_graph": True,
+    "disable_prefill_cuda_graph": True,
+    "disable_decode_cuda_graph": True,
+    "disable_overlap_schedule": True,
+}
 
 
 def from_cli_args(original, cls, args):
@@ -142,17 +153,14 @@ def tree_cache_factory(ctx):
 
 
 def attention_backend_factory(runner):
-    import torch
+    from .backend import TieredAttnBackend
 
-    if not torch.cuda.is_available():
+    if runner.server_args.tp_size > 1:
         raise TieredBackendError(
-            "the tiered attention backend (tiered_triton) needs a CUDA GPU; this machine has "
-            "none. Launch without --kv-policy to serve with SGLang's own cache."
+            "the tiered attention backend does not support --tp > 1 yet: ranks would route "
+            "independently (docs/sglang.md, 'What remains')"
         )
-    raise TieredBackendError(
-        "the tiered attention backend (tiered_triton) is not implemented in this version "
-        "(docs/sglang.md, 'What remains'); the pool, radix cache and plugin are"
-    )
+    return TieredAttnBackend(runner)
 
 
 def register() -> None:

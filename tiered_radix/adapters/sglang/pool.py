@@ -7,11 +7,16 @@ so SGLang's page ``p`` is logical window ``p`` and slot ``s`` is token ``s % W``
 Storage per layer (``F`` row blocks and ``Qn`` ledger blocks, index 0 of each is a NaN trap):
 
 - ``rows_k[l], rows_v[l]``: ``dtype [F + 1, W, d]``: the ``FULL`` and ``R`` representations;
-- ``q_k[l], q_v[l]``: packed ledger copies (:class:`~tiered_radix.engine.ledger.PartCodec` of the
-  policy's quantized tier): codes ``uint8``, scale and lo ``fp16``, ``[Qn + 1, ...]``;
+- ``pages[l]``: uint8 ``[Qn + 1, page_bytes]`` ledger copies at the policy's quantized tier, each
+  one TriZone page (``kernels/layout.py``: K per channel over the window, V per token in groups),
+  the same codes as the engine's :class:`~tiered_radix.engine.ledger.PartCodec`, so the decode
+  kernel reads them in place;
 - ``block[l]``: int64 ``[3, H, NW]`` block id of each representation (``reps.FULL/Q/R``), 0 none;
 - ``ref[l]``: int32 ``[3, H, NW]`` holders per representation; a block is freed at 0;
 - ``owner[l]``: int8 ``[H, NW]`` the owner's state (``reps.S_*``), -1 for a window nobody owns.
+
+``block`` and ``owner`` are views of all-layer tensors ``block_all [L, 3, H, NW]`` and
+``owner_all [L, H, NW]``, so the attention backend gathers every layer at once.
 
 Sizing: :mod:`.sizing`.
 """
@@ -22,12 +27,20 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
-from tiered_radix.engine.codecs import QuantizedTensor
-from tiered_radix.engine.ledger import part_codecs
+from tiered_radix.kernels.layout import (
+    pack_uniform_pages,
+    uniform_page_nbytes,
+    unpack_uniform_pages,
+)
 from tiered_radix.policy.model import Budget, Policy
 
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R
 from .sizing import PoolBlocks, plan_blocks
+
+
+def _check(ok: Tensor, what: str) -> None:
+    """An invariant of the pool, checked on the device without a host sync."""
+    torch._assert_async(ok, what)
 
 
 class PoolFullError(RuntimeError):
@@ -65,6 +78,8 @@ class TieredKVPool(MHATokenToKVPool):
                 f"got {page_size}"
             )
         self.policy, self.budget = policy, budget or policy.budget
+        self.prepared: tuple | None = None  # prepare_write's (loc, dest, keep, layers)
+        self.v_group = min(self.layout.v_group, head_dim)  # as the engine's V codec groups
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
@@ -86,31 +101,21 @@ class TieredKVPool(MHATokenToKVPool):
         L, H, d, W = self.layer_num, self.head_num, self.head_dim, self.layout.window
         F, Qn, dev = self.blocks.full, self.blocks.quant, self.device
         self.n_windows = self.size // W + 1
-        self.rows_k = [
-            torch.full((F + 1, W, d), torch.nan, dtype=self.dtype, device=dev) for _ in range(L)
-        ]
-        self.rows_v = [torch.full_like(x, torch.nan) for x in self.rows_k]
-        self.codec = {}
-        self.q_k, self.q_v = [], []
+        self.rows_k_all = torch.full((L, F + 1, W, d), torch.nan, dtype=self.dtype, device=dev)
+        self.rows_v_all = torch.full_like(self.rows_k_all, torch.nan)
+        self.rows_k, self.rows_v = list(self.rows_k_all.unbind(0)), list(self.rows_v_all.unbind(0))
+        self.pages, self.page_bytes, self.pages_all = [], 0, None
         if self.layout.quant is not None:
             q = self.layout.quant
-            kc, vc = part_codecs(q.bits, q.group, q.axis, W, d)
-            self.codec = {"k": kc, "v": vc}
-            for store, c in ((self.q_k, kc), (self.q_v, vc)):
-                one = c.encode(torch.zeros(1, W, d, device=dev))
-                for _ in range(L):
-                    store.append(
-                        [t.new_zeros(Qn + 1, *t.shape[1:]) for t in (one.codes, one.scale, one.lo)]
-                    )
-        self.block = [
-            torch.zeros(3, H, self.n_windows, dtype=torch.long, device=dev) for _ in range(L)
-        ]
-        self.ref = [
-            torch.zeros(3, H, self.n_windows, dtype=torch.int32, device=dev) for _ in range(L)
-        ]
-        self.owner = [
-            torch.full((H, self.n_windows), -1, dtype=torch.int8, device=dev) for _ in range(L)
-        ]
+            self.page_bytes = uniform_page_nbytes(q.bits, W, d, self.v_group)
+            self.pages_all = torch.zeros(L, Qn + 1, self.page_bytes, dtype=torch.uint8, device=dev)
+            self.pages = list(self.pages_all.unbind(0))
+        self.block_all = torch.zeros(L, 3, H, self.n_windows, dtype=torch.long, device=dev)
+        self.block = list(self.block_all.unbind(0))
+        self.ref_all = torch.zeros(L, 3, H, self.n_windows, dtype=torch.int32, device=dev)
+        self.ref = list(self.ref_all.unbind(0))
+        self.owner_all = torch.full((L, H, self.n_windows), -1, dtype=torch.int8, device=dev)
+        self.owner = list(self.owner_all.unbind(0))
         self.free_rows = [list(range(F, 0, -1)) for _ in range(L)]
         self.free_q = [list(range(Qn, 0, -1)) for _ in range(L)]
         self.k_buffer = self.v_buffer = None  # no per-slot rows: stock backends cannot read us
@@ -121,15 +126,15 @@ class TieredKVPool(MHATokenToKVPool):
             ]
         )
         self._holds = s.to(dev)  # bool [state, kind]
+        self._kinds = torch.tensor([FULL, Q, R], device=dev)
 
     def _clear_buffers(self) -> None:
-        del self.rows_k, self.rows_v, self.q_k, self.q_v
+        del self.rows_k, self.rows_v, self.pages, self.rows_k_all, self.rows_v_all, self.pages_all
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
-        """Bytes of the physical storage (row blocks, ledger codes/scales/lo), K and V."""
-        k = sum(x.nbytes for x in self.rows_k) + sum(t.nbytes for s in self.q_k for t in s)
-        v = sum(x.nbytes for x in self.rows_v) + sum(t.nbytes for s in self.q_v for t in s)
-        return k, v
+        """Bytes of the physical storage: row blocks, and ledger pages (counted with K)."""
+        pages = 0 if self.pages_all is None else self.pages_all.nbytes
+        return self.rows_k_all.nbytes + pages, self.rows_v_all.nbytes
 
     def _no_dense(self, *_args, **_kw):
         raise PoolConfigError(
@@ -154,37 +159,78 @@ class TieredKVPool(MHATokenToKVPool):
         **_kw,
     ) -> None:
         """Write ``cache_k, cache_v [n, H, d]`` at slots ``loc [n]``; a window's first write
-        allocates its ``FULL`` blocks for every head, owned (state full) by the slots' owner."""
+        allocates its ``FULL`` blocks for every head, owned (state full) by the slots' owner.
+        For the slots given to :meth:`prepare_write` (the same tensor) that is two
+        ``index_copy_`` per layer at row indices computed there for every layer."""
         li = layer_id_override if layer_id_override is not None else layer.layer_id
         li -= self.start_layer
-        W = self.layout.window
-        loc = loc.long()
-        keep = loc >= W  # window 0 is the padding page
-        loc, cache_k, cache_v = loc[keep], cache_k[keep], cache_v[keep]
-        win, off = loc // W, loc % W
-        new = torch.unique(win[self.owner[li][0, win] < 0])
-        if new.numel():
-            h, w = torch.meshgrid(
-                torch.arange(self.head_num, device=self.device), new, indexing="ij"
-            )
-            self.block[li][FULL, h, w] = self._take(self.free_rows[li], h.numel(), "row").view(
-                h.shape
-            )
-            self.ref[li][FULL, h, w] = 1
-            self.owner[li][:, new] = S_FULL
-        assert bool((self.owner[li][:, win] == S_FULL).all()), "write into a routed window"
-        b = self.block[li][FULL][:, win]  # [H, n]
-        self.rows_k[li][b, off] = cache_k.transpose(0, 1).to(self.dtype)
-        self.rows_v[li][b, off] = cache_v.transpose(0, 1).to(self.dtype)
+        if self.prepared is None or loc is not self.prepared[0] or li not in self.prepared[3]:
+            self.prepare_write(loc, layers=[li])
+        _, dest, keep, _ = self.prepared
+        d = self.head_dim
+        if keep is not None:
+            cache_k, cache_v = cache_k.index_select(0, keep), cache_v.index_select(0, keep)
+        k = cache_k.transpose(0, 1).reshape(-1, d).to(self.dtype)  # [H * n, d]
+        v = cache_v.transpose(0, 1).reshape(-1, d).to(self.dtype)
+        self.rows_k[li].view(-1, d).index_copy_(0, dest[li], k)
+        self.rows_v[li].view(-1, d).index_copy_(0, dest[li], v)
 
-    def _take(self, free: list[int], n: int, what: str) -> Tensor:
-        if n > len(free):
-            raise PoolFullError(
-                f"tiered pool: {n} {what} blocks needed, {len(free)} free; lower the load, "
-                "raise the budget, or let routing demote more before the next prefill"
-            )
-        out = [free.pop() for _ in range(n)]
+    def prepare_write(self, loc: Tensor, layers: list[int] | None = None) -> None:
+        """Before a forward whose new tokens go to slots ``loc [n]``: drop padding slots (window
+        0), open the windows in ``layers`` (default: all) and compute each layer's row index of
+        every (head, token), so :meth:`set_kv_buffer` with this ``loc`` only copies rows. One
+        host sync (padding), one more where windows open. Undone by :meth:`end_step`."""
+        W = self.layout.window
+        lo = loc.long() if isinstance(loc, Tensor) else loc.loc.long()  # or a KVWriteLoc
+        keep = (lo >= W).nonzero().squeeze(1)
+        keep, lo = (None, lo) if keep.numel() == lo.numel() else (keep, lo[keep])
+        win = lo // W
+        self.open_windows(win, layers)
+        ly = list(range(self.layer_num)) if layers is None else layers
+        _check((self.owner_all[ly][:, :, win] == S_FULL).all(), "a write into a routed window")
+        dest = torch.zeros(self.layer_num, self.head_num * lo.numel(), dtype=torch.long,
+                           device=self.device)  # fmt: skip
+        blocks = self.block_all[ly][:, FULL][:, :, win]  # [len(ly), H, n]
+        dest[ly] = (blocks * W + lo % W).flatten(1)
+        self.prepared = (loc, dest, keep, frozenset(ly))
+
+    def end_step(self) -> None:
+        """Forget :meth:`prepare_write`'s slots: later writes prepare their own."""
+        self.prepared = None
+
+    def open_windows(self, win: Tensor, layers: list[int] | None = None) -> None:
+        """Give the windows among ``win`` that nobody owns their ``FULL`` blocks (every head),
+        owned at state full, in ``layers`` (default: all; the backend opens a decode step's new
+        windows in every layer before the forward, so their block ids are known up front).
+        Which windows are new is read from the first of ``layers``: a window is opened in all
+        layers of a forward, and given back in all of them. One host sync (which are new)."""
+        layers = list(range(self.layer_num)) if layers is None else layers
+        new = torch.unique(win[self.owner[layers[0]][0, win] < 0])
+        if not new.numel():
+            return
+        n = self.head_num * new.numel()
+        blocks = self._take(self.free_rows, {li: n for li in layers}, "row")
+        lt = torch.tensor(layers, device=self.device)[:, None, None]
+        h = torch.arange(self.head_num, device=self.device)[None, :, None]
+        self.block_all[lt, FULL, h, new] = blocks.view(len(layers), self.head_num, -1)
+        self.ref_all[lt, FULL, h, new] = 1
+        self.owner_all[lt, h, new] = S_FULL
+
+    def _take(self, free: list[list[int]], counts: dict[int, int], what: str) -> Tensor:
+        """``counts[l]`` blocks off layer ``l``'s free list, in ``counts``' order: int64 ``[n]``
+        (one host-to-device copy)."""
+        for li, n in counts.items():
+            if n > len(free[li]):
+                raise PoolFullError(
+                    f"tiered pool: {n} {what} blocks needed in layer {li}, {len(free[li])} free; "
+                    "lower the load, raise the budget, or let routing demote more before the "
+                    "next prefill"
+                )
+        out = [free[li].pop() for li, n in counts.items() for _ in range(n)]
         return torch.tensor(out, dtype=torch.long, device=self.device)
+
+    def _layer_ids(self, li: int | Tensor, like: Tensor) -> Tensor:
+        return li.long() if isinstance(li, Tensor) else torch.full_like(like, li, dtype=torch.long)
 
     # -- reading ---------------------------------------------------------------------------
     def read(self, layer_id: int, windows: Tensor, state: Tensor | None = None):
@@ -199,101 +245,121 @@ class TieredKVPool(MHATokenToKVPool):
         kept = (state != S_EVICT).repeat_interleave(W, dim=1)
         return k.reshape(H, n * W, d), v.reshape(H, n * W, d), kept
 
-    def _rows_of(self, li: int, h: Tensor, w: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-        """float32 ``[m, W, d]`` K and V of pairs ``(h, w)`` as read in ``state [m]``."""
-        W, d = self.layout.window, self.head_dim
-        k = torch.full((h.numel(), W, d), torch.nan, device=self.device)
-        v = torch.full_like(k, torch.nan)
-        for st, kind in ((S_FULL, FULL), (S_R, R)):
-            m = state == st
-            b = self.block[li][kind, h[m], w[m]]
-            k[m], v[m] = self.rows_k[li][b].float(), self.rows_v[li][b].float()
-        m = state == S_Q
-        if bool(m.any()):
-            b = self.block[li][Q, h[m], w[m]]
-            k[m], v[m] = self._decode(self.q_k[li], "k", b), self._decode(self.q_v[li], "v", b)
+    def _rows_of(self, li: int | Tensor, h: Tensor, w: Tensor, state: Tensor):
+        """float32 ``k, v [m, W, d]`` of pairs ``(h, w)`` of layers ``li`` (one, or ``[m]``) as
+        read in ``state [m]``: rows of the state's block (block 0, the NaN trap, for states
+        without rows), ``dequantize(Q)`` where quantized. No host sync."""
+        ly = self._layer_ids(li, h)
+        blk = self.block_all[ly, :, h, w]  # [m, 3]
+        state = state.long()
+        b = torch.where(state == S_FULL, blk[:, FULL], torch.where(state == S_R, blk[:, R], 0))
+        k, v = self.rows_k_all[ly, b].float(), self.rows_v_all[ly, b].float()
+        if self.layout.quant is not None:
+            kq, vq = self._unpage(ly, blk[:, Q])
+            q = (state == S_Q)[:, None, None]
+            k, v = torch.where(q, kq, k), torch.where(q, vq, v)
         return k, v
 
-    def _decode(self, store: list[Tensor], part: str, b: Tensor) -> Tensor:
-        c = self.codec[part]
-        n = self.layout.window if c.along_tokens else self.head_dim
-        return c.decode(QuantizedTensor(*(t[b] for t in store), c.bits, c.group, n))
+    def _unpage(self, ly: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """float32 ``k, v [m, W, d]``: ``dequantize`` of ledger pages ``b [m]`` of layers
+        ``ly [m]``."""
+        lay = self.layout
+        return unpack_uniform_pages(
+            self.pages_all[ly, b], lay.quant.bits, lay.window, self.head_dim, self.v_group
+        )
 
     # -- holders ---------------------------------------------------------------------------
+    # Pairs are (layer, head, window); ``li`` is one layer for all pairs or a per-pair tensor.
+    # Pairs of one call are unique. Invariants are device-side asserts (no host sync).
     def holds(self, state: Tensor, kind: int) -> Tensor:
         return self._holds[state.long(), kind]
 
-    def acquire(self, li: int, h: Tensor, w: Tensor, state: Tensor) -> None:
+    def _per_kind(self, li, h: Tensor, w: Tensor, state: Tensor):
+        """``[m, 3]`` index tensors over (pair, representation kind) and which the state holds."""
+        ly = self._layer_ids(li, h)
+        m = h.numel()
+        return (
+            ly[:, None].expand(m, 3),
+            self._kinds[None].expand(m, 3),
+            h[:, None].expand(m, 3),
+            w[:, None].expand(m, 3),
+        ), self._holds[state.long()]
+
+    def acquire(self, li: int | Tensor, h: Tensor, w: Tensor, state: Tensor) -> None:
         """One more holder of the representations of ``state [m]`` (they must exist)."""
-        for kind in (FULL, Q, R):
-            m = self.holds(state, kind)
-            assert bool((self.block[li][kind, h[m], w[m]] > 0).all()), "acquire of a missing rep"
-            self.ref[li][kind, h[m], w[m]] += 1
+        idx, hold = self._per_kind(li, h, w, state)
+        _check(((self.block_all[idx] > 0) | ~hold).all(), "acquire of a missing representation")
+        self.ref_all.index_put_(idx, hold.int(), accumulate=True)
 
-    def release(self, li: int, h: Tensor, w: Tensor, state: Tensor) -> None:
-        """One holder fewer; representations nobody holds are freed (rows NaN-poisoned)."""
-        for kind in (FULL, Q, R):
-            m = self.holds(state, kind)
-            hm, wm = h[m], w[m]
-            self.ref[li][kind, hm, wm] -= 1
-            gone = self.ref[li][kind, hm, wm] == 0
-            b = self.block[li][kind, hm[gone], wm[gone]]
-            assert bool((self.ref[li][kind] >= 0).all()), "refcount below zero"
-            if kind == Q:
-                self.free_q[li].extend(b.tolist())
-            else:
-                self.rows_k[li][b] = torch.nan
-                self.rows_v[li][b] = torch.nan
-                self.free_rows[li].extend(b.tolist())
-            self.block[li][kind, hm[gone], wm[gone]] = 0
+    def release(self, li: int | Tensor, h: Tensor, w: Tensor, state: Tensor) -> None:
+        """One holder fewer; representations nobody holds are freed (rows NaN-poisoned). Two
+        host syncs (which blocks were freed, to give them back to the free lists)."""
+        idx, hold = self._per_kind(li, h, w, state)
+        self.ref_all.index_put_(idx, -hold.int(), accumulate=True)
+        ref = self.ref_all[idx]
+        _check((ref >= 0).all(), "refcount below zero")
+        gone = (hold & (ref == 0)).flatten().nonzero().squeeze(1)  # host sync
+        if not gone.numel():
+            return
+        ly, kind, hh, ww = (x.flatten()[gone] for x in idx)
+        b = self.block_all[ly, kind, hh, ww]
+        self.block_all[ly, kind, hh, ww] = 0
+        row = torch.where(kind == Q, 0, b)  # ledger pages are not poisoned: block 0 is the trap
+        self.rows_k_all[ly, row] = torch.nan
+        self.rows_v_all[ly, row] = torch.nan
+        for li_, k_, b_ in zip(*torch.stack([ly, kind, b]).tolist(), strict=True):  # host sync
+            (self.free_q if k_ == Q else self.free_rows)[li_].append(b_)
 
-    def move(self, li: int, h: Tensor, w: Tensor, old: Tensor, new: Tensor) -> None:
+    def move(self, li: int | Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor) -> None:
         """One holder of pairs ``(h, w) [m]`` (unique) goes from state ``old`` to ``new``:
         missing representations are made (``Q`` from what the holder reads now, write-once;
-        ``R`` from ``Q``), then the holder's references move."""
-        ch = old != new
-        h, w, old, new = h[ch], w[ch], old[ch], new[ch]
-        assert not bool((old == S_EVICT).any()), "an evicted window cannot come back"
-        for kind in (Q, R):
-            need = self.holds(new, kind) & (self.block[li][kind, h, w] == 0)
-            if bool(need.any()):
-                self._make(li, kind, h[need], w[need], old[need])
-        self.acquire(li, h, w, new)
-        self.release(li, h, w, old)
+        ``R`` from ``Q``), then the holder's references move. Pairs whose state stays are
+        no-ops. A few host syncs whatever the number of layers."""
+        ly = self._layer_ids(li, h)
+        old, new = old.long(), new.long()
+        _check(((old != S_EVICT) | (new == S_EVICT)).all(), "an evicted window cannot come back")
+        for kind in (Q, R):  # Q first: R is made from Q
+            need = self._holds[new, kind] & (self.block_all[ly, kind, h, w] == 0)
+            per_layer = torch.bincount(ly[need], minlength=self.layer_num).tolist()  # host sync
+            if any(per_layer):
+                i = need.nonzero().squeeze(1)
+                i = i[torch.sort(ly[i], stable=True).indices]  # blocks are taken layer by layer
+                self._make(kind, ly[i], h[i], w[i], old[i], per_layer)
+        self.acquire(ly, h, w, new)
+        self.release(ly, h, w, old)
 
-    def _make(self, li: int, kind: int, h: Tensor, w: Tensor, src: Tensor) -> None:
+    def _make(self, kind: int, ly: Tensor, h: Tensor, w: Tensor, src: Tensor, per_layer) -> None:
+        """Write representation ``kind`` of pairs sorted by layer (``per_layer[l]`` of each)."""
+        counts = {li: n for li, n in enumerate(per_layer) if n}
         if kind == Q:
-            k, v = self._rows_of(li, h, w, src)
-            b = self._take(self.free_q[li], h.numel(), "ledger")
-            for store, part, x in ((self.q_k[li], "k", k), (self.q_v[li], "v", v)):
-                q = self.codec[part].encode(x)
-                for t, new in zip(store, (q.codes, q.scale, q.lo), strict=True):
-                    t[b] = new
+            k, v = self._rows_of(ly, h, w, src)
+            b = self._take(self.free_q, counts, "ledger")
+            bits, g = self.layout.quant.bits, self.v_group
+            self.pages_all[ly, b] = pack_uniform_pages(k, v, bits, g)
         else:  # R: dequantize(Q), which the holder has or is about to acquire
-            qb = self.block[li][Q, h, w]
-            assert bool((qb > 0).all()), "restoring a window without a ledger copy"
-            b = self._take(self.free_rows[li], h.numel(), "row")
-            self.rows_k[li][b] = self._decode(self.q_k[li], "k", qb).to(self.dtype)
-            self.rows_v[li][b] = self._decode(self.q_v[li], "v", qb).to(self.dtype)
-        self.block[li][kind, h, w] = b
+            qb = self.block_all[ly, Q, h, w]
+            _check((qb > 0).all(), "restoring a window without a ledger copy")
+            b = self._take(self.free_rows, counts, "row")
+            k, v = self._unpage(ly, qb)
+            self.rows_k_all[ly, b] = k.to(self.dtype)
+            self.rows_v_all[ly, b] = v.to(self.dtype)
+        self.block_all[ly, kind, h, w] = b
 
     def release_pages(self, pages: Tensor) -> None:
         """The allocator freed ``pages`` (= windows): their owner lets go in every layer."""
         pages = torch.unique(pages.long())
-        for li in range(self.layer_num):
-            st = self.owner[li][:, pages]
-            owned = st >= 0
-            h = torch.arange(self.head_num, device=self.device)[:, None].expand_as(st)
-            w = pages[None].expand_as(st)
-            self.release(li, h[owned], w[owned], st[owned].long())
-            self.owner[li][:, pages] = -1
+        st = self.owner_all[:, :, pages].long()  # [L, H, n]
+        L, H, n = st.shape
+        ly = torch.arange(L, device=self.device)[:, None, None].expand(L, H, n)
+        h = torch.arange(H, device=self.device)[None, :, None].expand(L, H, n)
+        st = torch.where(st >= 0, st, S_EVICT)  # nobody owns it: holds nothing
+        self.release(ly.flatten(), h.flatten(), pages.expand(L, H, n).flatten(), st.flatten())
+        self.owner_all[:, :, pages] = -1
 
     # -- accounting ------------------------------------------------------------------------
     def bytes_used(self) -> int:
-        """Bytes of allocated blocks (rows: K+V of one head-window; ledger: packed K+V)."""
+        """Bytes of allocated blocks (rows: K+V of one head-window; ledger: one page)."""
         F, Qn = self.blocks.full, self.blocks.quant
         rows = sum(F - len(f) for f in self.free_rows)
         q = sum(Qn - len(f) for f in self.free_q)
-        row_b = 2 * self.rows_k[0][0].nbytes
-        q_b = sum(t[0].nbytes for t in (*self.q_k[0], *self.q_v[0])) if self.q_k else 0
-        return rows * row_b + q * q_b
+        return rows * 2 * self.rows_k[0][0].nbytes + q * self.page_bytes

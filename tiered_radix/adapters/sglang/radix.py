@@ -37,12 +37,12 @@ from .reps import Layout, PoolConfigError
 @dataclass
 class RequestView:
     """One request's windows: ``windows`` int64 ``[n]`` in sequence order, ``borrowed`` bool
-    ``[n]`` (read through the request's own references), ``state[l]`` int8 ``[H, n]`` (the
-    request's state of borrowed windows; owned windows read ``pool.owner``)."""
+    ``[n]`` (read through the request's own references), ``state`` int8 ``[L, H, n]`` (the
+    request's state of borrowed windows; owned windows read ``pool.owner_all``)."""
 
     windows: Tensor
     borrowed: Tensor
-    state: list[Tensor]
+    state: Tensor
 
 
 class TieredRadixCache(RadixCache):
@@ -56,6 +56,13 @@ class TieredRadixCache(RadixCache):
             raise PoolConfigError(f"the tiered radix cache needs a TieredKVPool, got {type(pool)}")
         self.pool, self.layout, self.policy = pool, Layout.of(policy), policy
         self.views: dict[str, RequestView] = {}
+        n_tiers = len(self.layout.engine_tiers)
+        self._next = torch.tensor(  # [holder state, engine tier] -> the holder's next state
+            [[self.layout.next_state(st, t) for t in range(n_tiers)] for st in range(4)],
+            dtype=torch.long,
+            device=pool.device,
+        )
+        pool.tree = self  # the attention backend (same scheduler process) finds the views here
         self._attach(self.token_to_kv_pool_allocator)
 
     def _attach(self, alloc) -> None:
@@ -88,14 +95,10 @@ class TieredRadixCache(RadixCache):
         """Borrow the matched prefix (``req_to_token[req, :prefix_len]``, page aligned)."""
         assert prefix_len % self.layout.window == 0
         w = self._windows(req, 0, prefix_len)
-        states = []
-        for li in range(self.pool.layer_num):
-            st = self.pool.owner[li][:, w]
-            assert bool((st >= 0).all()), "borrowing a window nobody owns"
-            h, ww = self._pairs(w)
-            self.pool.acquire(li, h.flatten(), ww.flatten(), st.flatten().long())
-            states.append(st.clone())
-        view = RequestView(w, torch.ones_like(w, dtype=torch.bool), states)
+        st = self.pool.owner_all[:, :, w]  # [L, H, n]
+        torch._assert_async((st >= 0).all(), "borrowing a window nobody owns")
+        self.pool.acquire(*self._triples(w), st.flatten())
+        view = RequestView(w, torch.ones_like(w, dtype=torch.bool), st)
         self.views[req.rid] = view
         return view
 
@@ -104,15 +107,22 @@ class TieredRadixCache(RadixCache):
         view = self.views[req.rid]
         W, n = self.layout.window, view.windows.numel()
         new = self._windows(req, n * W, n_tokens)
+        if not new.numel():  # most decode steps: the last window is not full yet
+            return view
         H = self.pool.head_num
         view.windows = torch.cat([view.windows, new])
         view.borrowed = torch.cat([view.borrowed, torch.zeros_like(new, dtype=torch.bool)])
-        view.state = [torch.cat([s, s.new_full((H, new.numel()), -1)], 1) for s in view.state]
+        L = self.pool.layer_num
+        view.state = torch.cat([view.state, view.state.new_full((L, H, new.numel()), -1)], 2)
         return view
 
-    def _pairs(self, w: Tensor) -> tuple[Tensor, Tensor]:
-        h = torch.arange(self.pool.head_num, device=self.pool.device)[:, None]
-        return h.expand(-1, w.numel()), w[None].expand(self.pool.head_num, -1)
+    def _triples(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Flat (layer, head, window) of every layer and head of windows ``w [n]``: ``[L*H*n]``
+        each, in ``[L, H, n]`` order."""
+        L, H, n, dev = self.pool.layer_num, self.pool.head_num, w.numel(), self.pool.device
+        ly = torch.arange(L, device=dev)[:, None, None].expand(L, H, n)
+        h = torch.arange(H, device=dev)[None, :, None].expand(L, H, n)
+        return ly.flatten(), h.flatten(), w.expand(L, H, n).flatten()
 
     def states(self, rid: str, layer_id: int) -> Tensor:
         """int8 ``[H, n]``: how request ``rid`` reads each of its windows in ``layer_id``."""
@@ -120,28 +130,28 @@ class TieredRadixCache(RadixCache):
         li = layer_id - self.pool.start_layer
         return torch.where(view.borrowed, view.state[li], self.pool.owner[li][:, view.windows])
 
+    def states_all(self, rid: str) -> Tensor:
+        """int8 ``[L, H, n]``: :meth:`states` of every layer."""
+        view = self.views[rid]
+        return torch.where(view.borrowed, view.state, self.pool.owner_all[:, :, view.windows])
+
     def read(self, rid: str, layer_id: int) -> tuple[Tensor, Tensor, Tensor]:
         """What request ``rid`` attends to: float32 ``k, v [H, n*W, d]``, ``kept [H, n*W]``."""
         return self.pool.read(layer_id, self.views[rid].windows, self.states(rid, layer_id))
 
     def route(self, rid: str, transitions: Transitions) -> None:
         """Apply the tier engine's transitions (unit ``u`` = the request's ``u``-th window)."""
-        view = self.views[rid]
-        for li in torch.unique(transitions.layer).tolist():
-            m = transitions.layer == li
-            h = transitions.head[m].to(self.pool.device)
-            u = transitions.unit[m].to(self.pool.device)
-            dst = transitions.dst[m].tolist()
-            old = self.states(rid, li)[h, u]
-            new = torch.tensor(
-                [self.layout.next_state(int(o), d) for o, d in zip(old.tolist(), dst, strict=True)],
-                dtype=old.dtype,
-                device=old.device,
-            )
-            self.pool.move(li, h, view.windows[u], old.long(), new.long())
-            b = view.borrowed[u]
-            view.state[li][h[b], u[b]] = new[b]
-            self.pool.owner[li][h[~b], view.windows[u[~b]]] = new[~b]
+        view, dev = self.views[rid], self.pool.device
+        ly, h, u = (x.to(dev) for x in (transitions.layer, transitions.head, transitions.unit))
+        if not ly.numel():
+            return
+        w = view.windows[u]
+        old = self.states_all(rid)[ly, h, u]
+        new = self._next[old.long(), transitions.dst.to(dev)].to(old.dtype)
+        self.pool.move(ly, h, w, old, new)
+        b = view.borrowed[u]
+        view.state[ly, h, u] = torch.where(b, new, view.state[ly, h, u])
+        self.pool.owner_all[ly, h, w] = torch.where(b, self.pool.owner_all[ly, h, w], new)
 
     def close_view(self, rid: str) -> None:
         """Release the request's borrowed references (owned windows stay with their owner)."""
@@ -149,9 +159,7 @@ class TieredRadixCache(RadixCache):
         if view is None:
             return
         w = view.windows[view.borrowed]
-        for li, st in enumerate(view.state):
-            h, ww = self._pairs(w)
-            self.pool.release(li, h.flatten(), ww.flatten(), st[:, view.borrowed].flatten().long())
+        self.pool.release(*self._triples(w), view.state[:, :, view.borrowed].flatten())
 
     # -- SGLang entry points ---------------------------------------------------------------
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
@@ -167,11 +175,9 @@ class TieredRadixCache(RadixCache):
         now = self._windows(req, 0, view.windows.numel() * self.layout.window)
         moved = (now != view.windows) & ~view.borrowed
         if bool(moved.any()):
-            for li in range(self.pool.layer_num):
-                st = self.pool.owner[li][:, now[moved]]
-                h, ww = self._pairs(now[moved])
-                self.pool.acquire(li, h.flatten(), ww.flatten(), st.flatten().long())
-                view.state[li][:, moved] = st
+            st = self.pool.owner_all[:, :, now[moved]]
+            self.pool.acquire(*self._triples(now[moved]), st.flatten())
+            view.state[:, :, moved] = st
             view.windows, view.borrowed = now, view.borrowed | moved
 
     def reset(self) -> None:

@@ -44,6 +44,7 @@ class Layout:
     engine_tiers: tuple[str, ...]  # engine tier names (index 0 is full precision)
     quant_index: int | None  # engine index of the quantized tier
     evict_index: int | None
+    v_group: int  # V values per quantization group (along d); K's group is the window
 
     @classmethod
     def of(cls, policy: Policy) -> Layout:
@@ -64,13 +65,29 @@ class Layout:
         qi = tiers.first_quantized
         quant = tiers.tiers[qi].action if qi is not None else None
         window = policy.v.size if policy.v.kind == "window" else 1
-        return cls(window, quant, policy.ledger.write_once, tiers.names, qi, tiers.evict)
+        v_group = 0
+        if quant is not None:
+            if quant.axis != "kivi" or quant.group < window:
+                raise PoolConfigError(
+                    f"policy '{policy.name}': the tiered SGLang pool stores ledger copies as "
+                    "decode-kernel pages (K per channel over the whole window, V per token): use "
+                    f"quantize(bits={quant.bits}, group>={window}, axis=kivi) (got "
+                    f"group={quant.group}, axis={quant.axis})"
+                )
+            v_group = quant.group
+        return cls(window, quant, policy.ledger.write_once, tiers.names, qi, tiers.evict, v_group)
 
     def reps(self, state: int) -> tuple[int, ...]:
         """Representations a holder in ``state`` keeps (write-once: ``R`` keeps its ``Q``)."""
         if state == S_R and self.write_once:
             return (R, Q)
         return STATE_REPS[state]
+
+    def state_tiers(self) -> tuple[int, ...]:
+        """The engine tier of a unit read in state ``S_FULL, S_Q, S_R, S_EVICT`` (restored rows
+        are full; 0 for a state this layout never produces)."""
+        ev = self.evict_index if self.evict_index is not None else 0
+        return (0, self.quant_index or 0, 0, ev)
 
     def next_state(self, state: int, engine_tier: int) -> int:
         """The holder's state after the engine moves its unit to ``engine_tier``."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiered_radix.engine.ledger import part_codecs
+from tiered_radix.kernels.layout import uniform_page_nbytes
 from tiered_radix.policy.model import Budget, Policy, RankAllocation
 
 from .reps import Layout
@@ -49,8 +49,9 @@ def plan_blocks(
         else 0.0
     )
     share = max(share, MIN_FULL_SHARE)
-    kc, vc = part_codecs(lay.quant.bits, lay.quant.group, lay.quant.axis, lay.window, head_dim)
-    q_bytes = kc.nbytes(lay.window, head_dim) + vc.nbytes(lay.window, head_dim)
+    q_bytes = uniform_page_nbytes(
+        lay.quant.bits, lay.window, head_dim, min(lay.v_group, head_dim)
+    )  # one ledger page
     return PoolBlocks(
         max(1, int(share * phys // row_bytes)), max(1, int((1 - share) * phys // q_bytes))
     )

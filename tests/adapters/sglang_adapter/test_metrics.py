@@ -1,0 +1,179 @@
+"""Prometheus metrics of the tiered backend: with SGLang's ``--enable-metrics`` (server args
+published, ``$PROMETHEUS_MULTIPROC_DIR`` set) the series that ``/metrics`` would serve, read back
+through a ``MultiProcessCollector`` as SGLang's HTTP server does, equal the pool's own state and
+the transitions the routings applied; counters never go down; updates are rate-limited; without
+metrics nothing is created."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+from sglang_sim import POLICY, require
+
+require("sglang.srt.observability.metrics_collector")
+prometheus_client = require("prometheus_client")
+
+from prometheus_client import CollectorRegistry, multiprocess, values  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from sglang.srt.runtime_context import get_context  # noqa: E402
+from test_backend import Harness  # noqa: E402
+
+from tiered_radix.adapters.sglang import metrics  # noqa: E402
+
+ROUTING_POLICY = POLICY.replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
+LABELS = {"model_name": "tiny", "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+
+
+@pytest.fixture
+def prom(tmp_path, monkeypatch):
+    """A fresh multiprocess directory and value store, and a fresh default registry: each test
+    sees only its own series, as a new server would."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+    monkeypatch.setattr(prometheus_client, "REGISTRY", CollectorRegistry())
+    return tmp_path
+
+
+def serve(monkeypatch, enable: bool | None) -> None:
+    """Publish server args as SGLang's scheduler does (``None``: none published)."""
+    args = None
+    if enable is not None:
+        args = SimpleNamespace(enable_metrics=enable, served_model_name="tiny",
+                               disaggregation_mode="null", extra_metric_labels=None)  # fmt: skip
+    monkeypatch.setattr(get_context(), "_server_args", args)
+
+
+def scrape(path) -> dict[tuple[str, tuple], float]:
+    """What ``/metrics`` serves: ``{(sample name, sorted extra labels): value}`` of our series."""
+    reg = CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(path))
+    out = {}
+    for fam in text_string_to_metric_families(prometheus_client.generate_latest(reg).decode()):
+        for s in fam.samples:
+            if s.name.startswith(metrics.P):
+                extra = {k: v for k, v in s.labels.items() if k not in LABELS}
+                assert {k: s.labels[k] for k in LABELS} == LABELS, s
+                out[s.name, tuple(sorted(extra.items()))] = s.value
+    return out
+
+
+def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
+    """The series from the pool itself (python counts over its tables and free lists) and the
+    transitions recorded at the radix tree; ``peak`` and ``requests`` from the backend."""
+    pool, alloc, snap = h.sim.pool, h.sim.alloc, h.backend.stats()
+    own = pool.owner_all.flatten().tolist()
+    names = ("full", "quantized", "restored", "evicted")
+    blk = pool.block_all.transpose(0, 1).flatten(1).tolist()  # [kind FULL, Q, R][...]
+    tokens = alloc.size - alloc.available_size()
+    row_bytes = 2 * pool.layout.window * pool.head_dim * 2  # K and V, bf16
+    rows_used = sum(pool.blocks.full - len(f) for f in pool.free_rows)
+    ledger_used = sum(pool.blocks.quant - len(f) for f in pool.free_q)
+    P = metrics.P
+    out = {
+        (P + "kv_bytes", ()): rows_used * row_bytes + ledger_used * pool.page_bytes,
+        (P + "kv_peak_bytes", ()): snap["peak_bytes"],
+        (P + "kv_bf16_bytes", ()): tokens * 2 * 2 * h.sim.L * h.sim.H * h.sim.d,
+        (P + "kv_tokens", ()): tokens,
+        (P + "row_blocks_free", ()): sum(len(f) for f in pool.free_rows),
+        (P + "ledger_blocks_free", ()): sum(len(f) for f in pool.free_q),
+        (P + "requests", ()): len(h.backend.sessions),
+        (P + "routes_total", ()): moves["routes"],
+        (P + "promotions_total", ()): moves["promote"],
+        (P + "demotions_total", ()): moves["demote"],
+        (P + "evictions_total", ()): moves["evict"],
+        (P + "ledger_writes_total", ()): moves["ledger"],
+        (P + "kernel_decode_steps_total", ()): 0,
+    }
+    out |= {(P + "units", (("state", s),)): own.count(i) for i, s in enumerate(names)}
+    for kind, row in zip(("full", "ledger", "restored"), blk, strict=True):
+        out[P + "blocks", (("kind", kind),)] = sum(b > 0 for b in row)
+    assert out[P + "blocks", (("kind", "ledger"),)] == ledger_used  # tables agree with the lists
+    full, restored = (
+        out[P + "blocks", (("kind", "full"),)],
+        out[P + "blocks", (("kind", "restored"),)],
+    )
+    assert full + restored == rows_used
+    return out
+
+
+def record(h: Harness) -> Counter:
+    """Count, at the radix tree, every transition a routing applies (one by one, not through
+    the backend's counters)."""
+    moves, route = Counter(), h.sim.cache.route
+
+    def routed(rid, transitions):
+        moves["routes"] += 1
+        for t in transitions[:]:
+            moves[t.kind] += 1
+            moves["ledger"] += t.ledger_write
+        route(rid, transitions)
+
+    h.sim.cache.route = routed
+    return moves
+
+
+def test_series_equal_the_pool_and_the_transitions(prom, monkeypatch):
+    serve(monkeypatch, True)
+    monkeypatch.setattr(metrics, "METRICS_EVERY_S", 0.0)  # every forward exports
+    h = Harness(policy=ROUTING_POLICY)
+    moves = record(h)
+    a = h.start("a", list(range(1, 39)))
+    h.step([a], [a.origin_input_ids], extend=True)
+    assert h.backend.counters.metrics is not None
+    got = scrape(prom)
+    assert got == expected(h, moves)
+    assert got[metrics.P + "demotions_total", ()] > 0  # the prefill's routing demoted units
+    before = got
+    for t in range(4):  # a routes every 2 decode steps
+        h.step([a], [[50 + t]], extend=False)
+        got = scrape(prom)
+        assert got == expected(h, moves), t
+        assert all(v >= before[k] for k, v in got.items() if k[0].endswith("_total")), t
+        before = got
+    h.finish(a)  # the tree keeps a's windows at the states a left them
+    b = h.start("b", a.tokens + [90, 91, 92])  # a second turn: borrows a's windows
+    c = h.start("c", list(range(20, 40)))
+    assert b.prefix_len > 0
+    h.step([b, c], [b.origin_input_ids[b.prefix_len :], c.origin_input_ids], extend=True)
+    for t in range(4):
+        h.step([b, c], [[60 + t], [70 + t]], extend=False)
+        got = scrape(prom)
+        assert got == expected(h, moves), t
+        assert all(v >= before[k] for k, v in got.items() if k[0].endswith("_total")), t
+        before = got
+    assert moves["routes"] >= 8 and moves["promote"] > 0 and got[metrics.P + "requests", ()] == 2
+    units = {k[1][0][1]: v for k, v in got.items() if k[0] == metrics.P + "units"}
+    assert units["full"] > 0 and units["quantized"] > 0 and units["evicted"] > 0
+
+
+def test_updates_are_rate_limited(prom, monkeypatch):
+    serve(monkeypatch, True)
+    monkeypatch.setattr(metrics, "METRICS_EVERY_S", 3600.0)
+    h = Harness(policy=ROUTING_POLICY)
+    moves = record(h)
+    a = h.start("a", list(range(1, 39)))
+    h.step([a], [a.origin_input_ids], extend=True)  # the first publish exports
+    first = scrape(prom)
+    assert first == expected(h, moves)
+    for t in range(3):
+        h.step([a], [[50 + t]], extend=False)
+    assert moves["routes"] > 1  # the state moved on...
+    assert scrape(prom) == first  # ...but no update within the interval
+    h.backend.counters.metrics.last -= 3600.0
+    h.step([a], [[60]], extend=False)
+    assert scrape(prom) == expected(h, moves)
+
+
+@pytest.mark.parametrize("enable", [None, False])
+def test_nothing_is_created_without_metrics(prom, monkeypatch, enable):
+    serve(monkeypatch, enable)
+    h = Harness(policy=ROUTING_POLICY)
+    a = h.start("a", list(range(1, 39)))
+    h.step([a], [a.origin_input_ids], extend=True)
+    h.step([a], [[50]], extend=False)
+    assert h.backend.counters.metrics_checked and h.backend.counters.metrics is None
+    assert list(prom.iterdir()) == []  # no value files
+    names = {m.name for m in prometheus_client.REGISTRY.collect()}
+    assert not any(n.startswith(metrics.P) for n in names)

@@ -1,0 +1,132 @@
+"""End to end on a GPU: ``sglang.launch_server --kv-policy P`` serves a real model; a multi-turn
+chat hits the radix cache with tiers active; a needle question at ~2.7K tokens is answered.
+
+Needs a CUDA GPU, SGLang 0.5.17 and a model folder in ``$TR_MODEL_PATH`` (on the GPU machine:
+``/tmp/models/qwen2.5-0.5b`` after ``../shared/gpu/stage.py --model qwen2.5-0.5b``). Policies:
+``$TR_E2E_POLICIES`` (comma separated; default every shipped policy). Results (answers, cache
+hits, the backend's tier counters) go to ``$TR_E2E_OUT`` (default ``e2e-results``) as JSON.
+
+Budgets: the checks of answer quality run at ``--kv-budget 50%`` for tiered policies (at 10%
+a conversation of a few hundred tokens keeps only its protected sinks and recent window); the
+full-KV policy must answer everything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (runs on the GPU machine)", allow_module_level=True)
+pytest.importorskip("sglang", reason="needs SGLang 0.5.17")
+MODEL = os.environ.get("TR_MODEL_PATH", "")
+if not Path(MODEL, "config.json").exists():
+    pytest.skip("set TR_MODEL_PATH to a Hugging Face model folder", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+from multiturn_chat import chat  # noqa: E402
+
+SHIPPED = sorted(p.stem for p in (ROOT / "policies").glob("*.yaml"))
+POLICIES = [p for p in os.environ.get("TR_E2E_POLICIES", ",".join(SHIPPED)).split(",") if p]
+OUT = Path(os.environ.get("TR_E2E_OUT", "e2e-results"))
+PORT = 31000
+NEEDLE = "The secret passphrase is tangerine-42."
+FILLER = (
+    "The committee met on Tuesday to review the quarterly budget, the parking rules and the "
+    "schedule for the spring cleaning of the archive rooms. "
+)
+
+
+def _get(url: str, timeout: float = 5.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status
+    except OSError:
+        return 0
+
+
+def launch(policy: str, budget: str | None, log: Path) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL, "--port", str(PORT),
+        "--enable-cache-report", "--mem-fraction-static", "0.5", "--context-length", "8192",
+        "--kv-policy", policy,
+    ]  # fmt: skip
+    if budget:
+        cmd += ["--kv-budget", budget]
+    env = dict(os.environ, TIERED_RADIX_STATS=str(log.with_suffix(".stats.json")))
+    log = log.resolve()
+    f = open(log, "w")  # noqa: SIM115 - closed with the process
+    # cwd outside the checkout: `python -m` puts cwd first on sys.path, and the source tree's
+    # tiered_radix has no `kernels` subpackage (setuptools maps it from the top-level kernels/)
+    return subprocess.Popen(
+        cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=log.parent.resolve()
+    )
+
+
+def wait_healthy(proc: subprocess.Popen, log: Path, limit: float = 300) -> None:
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if _get(f"http://127.0.0.1:{PORT}/health") == 200:
+            return
+        time.sleep(2)
+    raise AssertionError(f"server not healthy after {limit}s:\n{log.read_text()[-3000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_serves_multiturn_and_needle(policy):
+    if policy == "rdkv":
+        pytest.xfail("the SGLang pool does not store separate K/V units (RDKV) yet")
+    OUT.mkdir(parents=True, exist_ok=True)
+    budget = None if policy == "full" else "50%"
+    log = OUT / f"{policy}.log"
+    proc = launch(policy, budget, log)
+    try:
+        wait_healthy(proc, log)
+        t0 = time.time()
+        rows = chat(f"http://127.0.0.1:{PORT}/v1", max_tokens=40)
+        hay = FILLER * 100
+        cut = len(hay) // 3
+        question = hay[:cut] + NEEDLE + " " + hay[cut:] + "\nWhat is the secret passphrase?"
+        needle = chat(f"http://127.0.0.1:{PORT}/v1", turns=(question,), max_tokens=24)[0]
+        elapsed = time.time() - t0
+    finally:
+        stop(proc)
+    stats_file = log.with_suffix(".stats.json")
+    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    result = {
+        "policy": policy, "budget": budget, "turns": rows, "needle": needle, "stats": stats,
+        "seconds": elapsed,
+    }  # fmt: skip
+    (OUT / f"{policy}.json").write_text(json.dumps(result, indent=1))
+    assert all(r["answer"].strip() for r in rows), rows
+    assert all(r["cached"] > 0 for r in rows[1:]), "later turns must hit the radix cache"
+    assert needle["prompt"] > 2500
+    if policy == "full":
+        assert "tangerine" in needle["answer"].lower(), needle
+        assert "miso" in rows[-1]["answer"].lower(), rows[-1]
+        return
+    assert stats.get("routes", 0) > 0, "the policy never routed"
+    tiers = [p for p in ("demote", "evict") if stats.get(p, 0) > 0]
+    assert tiers, f"no demotion or eviction happened: {stats}"
+    assert "tangerine" in needle["answer"].lower(), needle

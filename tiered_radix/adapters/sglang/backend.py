@@ -1,0 +1,297 @@
+"""``TieredAttnBackend`` (``--attention-backend tiered_triton``): attention over a
+:class:`~.pool.TieredKVPool`, the scores the policy reads, and routing at the policy's schedule.
+
+Per forward batch (:meth:`TieredAttnBackend.init_forward_metadata`, out of the layers):
+
+- a request the backend has not seen *opens a view* (:meth:`~.radix.TieredRadixCache.open_view`:
+  it borrows its matched prefix at the states the tree holds) and gets a :class:`Session`: a
+  :class:`~tiered_radix.engine.store.TierStore` built with ``reader=`` (tiers, scores and byte
+  counts only; its rows are the pool's) whose tiers start at the borrowed states;
+- every request's view grows to its new length (:meth:`~.radix.TieredRadixCache.sync_view`).
+
+Per layer (:meth:`forward_extend`, :meth:`forward_decode`): the new K/V go to the pool; each
+request attends over what its view reads (``read``: full rows, ``dequantize(ledger copy)`` rows,
+evicted rows masked) with :func:`~tiered_radix.adapters.transformers.attention.attend`, which
+also returns the signals (``attn``; on extend ``colmass``/``obs_attn``/``qnorm`` when the policy
+reads them), fed to the request's store. After the last layer, requests whose schedule is due
+route: the store plans, and :meth:`~.radix.TieredRadixCache.route` moves the pool's blocks.
+
+Extend routes after every chunk when the policy says ``after_prefill`` (as the transformers
+adapter does); decode steps count per request. Extend gathers rows per request and layer in
+PyTorch (float32); decode runs the TriZone kernel over the pool's pages and rows in place
+(:mod:`.trizone`) where it can read the pool, else the same PyTorch path. CUDA graphs and the
+overlap scheduler are off (the plugin sets them). Tensor parallelism is not supported (ranks
+would route independently).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from tiered_radix.adapters.transformers.attention import attend
+from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_reads
+from tiered_radix.engine.store import TierStore
+from tiered_radix.kernels import decode
+
+from . import trizone
+from .pool import TieredKVPool
+from .reps import S_Q, S_R, PoolConfigError
+from .stats import BackendStats, log
+
+CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}  # float32 scores per attention block
+DECODE_ENV = "TIERED_RADIX_DECODE"  # "kernel" (default where supported) or "gather"
+
+
+@dataclass
+class Session:
+    """One request's tier engine: its store, and its step counters."""
+
+    store: TierStore
+    prefills: int = 0
+    decode_steps: int = 0
+
+
+@dataclass
+class _Req:
+    """One request of the current batch: rows ``[start, start + tq)`` of q, ``seq`` tokens."""
+
+    rid: str
+    session: Session
+    start: int
+    tq: int
+    seq: int
+
+
+class TieredAttnBackend(AttentionBackend):
+    """Raises:
+    PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`."""
+
+    def __init__(self, runner) -> None:
+        super().__init__()
+        pool = runner.token_to_kv_pool
+        if not isinstance(pool, TieredKVPool):
+            raise PoolConfigError(f"tiered_triton needs a TieredKVPool, got {type(pool).__name__}")
+        self.pool, self.policy, self.budget = pool, pool.policy, pool.budget
+        self.layers = pool.layer_num
+        self.last_layer = pool.start_layer + pool.layer_num - 1
+        self.prefill_needs = frozenset(policy_reads(self.policy) & set(PREFILL_SIGNALS))
+        self.sessions: dict[str, Session] = {}
+        self.batch: list[_Req] = []
+        self.extend = False
+        self.counters = BackendStats()
+        self.kernel = self._use_kernel()
+        self.kernel_error: str | None = None
+        self.dbatch: trizone.DecodeBatch | None = None
+        self.host_s: dict[str, float] = defaultdict(float)  # host seconds per phase, see stats()
+
+    @contextmanager
+    def _timed(self, phase: str):
+        """Host time of a phase (no device sync: on the GPU, the time to issue its work)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host_s[phase] += time.perf_counter() - t0
+
+    def _use_kernel(self) -> bool:
+        """Decode with the TriZone kernel where it can read the pool (and Triton can run)."""
+        want = os.environ.get(DECODE_ENV, "kernel")
+        if want not in ("kernel", "gather"):
+            raise PoolConfigError(f"${DECODE_ENV}={want!r}: use 'kernel' or 'gather'")
+        runs = self.pool.device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+        return want == "kernel" and runs and trizone.supported(self.pool)
+
+    # -- per batch -------------------------------------------------------------------------
+    @property
+    def tree(self):
+        tree = getattr(self.pool, "tree", None)
+        if tree is None:
+            raise PoolConfigError("tiered_triton needs --radix-cache-backend tiered")
+        return tree
+
+    def init_forward_metadata(self, fb) -> None:
+        with self._timed("metadata"):
+            self._metadata(fb)
+        if self.batch:
+            self.host_s["extend_batches" if self.extend else "decode_steps"] += 1
+
+    def _metadata(self, fb) -> None:
+        mode = fb.forward_mode
+        self.batch, self.dbatch = [], None
+        if mode.is_idle():
+            return
+        if not (mode.is_extend() or mode.is_decode()) or mode.is_target_verify():
+            raise NotImplementedError(f"tiered_triton: forward mode {mode} is not supported")
+        self.extend = mode.is_extend()
+        if fb.rids is None:
+            raise NotImplementedError("tiered_triton: a forward batch without request ids")
+        tree = self.tree
+        seqs = fb.seq_lens_cpu.tolist()
+        pools = fb.req_pool_indices.tolist()
+        if self.extend:
+            prefix, new = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
+        else:
+            prefix, new = [s - 1 for s in seqs], [1] * len(seqs)
+        start = 0
+        for rid, idx, seq, pre, tq in zip(fb.rids, pools, seqs, prefix, new, strict=True):
+            req = SimpleNamespace(rid=rid, req_pool_idx=idx)
+            if rid not in tree.views:  # a new request, or one retracted and scheduled again
+                if not self.extend:
+                    raise AssertionError(f"decode of request {rid} without a view")
+                self.sessions[rid] = self._open(tree, req, pre)
+            tree.sync_view(req, seq)
+            sess = self.sessions[rid]
+            grown = seq - sess.store.n_tokens(0)
+            for li in range(self.layers):
+                sess.store.append_tokens(li, grown)
+            self.batch.append(_Req(rid, sess, start, tq, seq))
+            start += tq
+        for rid in [r for r in self.sessions if r not in tree.views]:
+            del self.sessions[rid]  # finished or aborted: the tree closed its view
+        self.pool.end_step()
+        self.pool.prepare_write(fb.out_cache_loc)  # open new windows, find rows in every layer
+
+    def _open(self, tree, req, prefix_len: int) -> Session:
+        """Borrow the matched prefix; the store's tiers start at the borrowed states."""
+        view = tree.open_view(req, prefix_len)
+        store = TierStore(
+            self.policy, n_layers=self.layers, n_heads=self.pool.head_num,
+            head_dim=self.pool.head_dim, dtype=self.pool.dtype, device=self.pool.device,
+            budget_override=self.budget, reader=lambda li: self._read(req.rid, li),
+        )  # fmt: skip
+        n = view.windows.numel()
+        if n:
+            lay, st = self.pool.layout, store.stack
+            for li in range(self.layers):
+                store.append_tokens(li, prefix_len)
+            states = view.state.long()  # [L, H, n]
+            tier = torch.tensor(lay.state_tiers(), dtype=torch.long, device=store.device)
+            st.tier[:, :, :n] = tier[states]
+            for copies in st.stores.values():
+                has = (states == S_Q) | ((states == S_R) & lay.write_once)
+                copies.present[:, :, :n] = has
+                copies.write_count[:, :, :n] = has.int()
+            st.routed_units = [n] * self.layers
+        return Session(store)
+
+    def _read(self, rid: str, li: int):
+        k, v, kept = self.tree.read(rid, li + self.pool.start_layer)
+        t = self.sessions[rid].store.n_tokens(li)
+        return k[:, :t], v[:, :t], kept[:, :t]
+
+    # -- per layer -------------------------------------------------------------------------
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True, **_kw):
+        return self._forward(q, k, v, layer, fb, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache: bool = True, **_kw):
+        return self._forward(q, k, v, layer, fb, save_kv_cache)
+
+    def _forward(self, q, k, v, layer, fb, save_kv_cache: bool):
+        if getattr(layer, "logit_cap", 0) or (getattr(layer, "sliding_window_size", -1) or -1) > 0:
+            raise NotImplementedError("tiered_triton: logit caps and sliding windows unsupported")
+        if save_kv_cache and k is not None:
+            with self._timed("write"):
+                self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+        hq, dv = layer.tp_q_head_num, layer.v_head_dim
+        q3 = q.reshape(-1, hq, layer.qk_head_dim)
+        li = layer.layer_id - self.pool.start_layer
+        if self.kernel and not self.extend:
+            try:
+                with self._timed("decode_kernel"):
+                    out = self._decode_kernel(q3, layer, li)
+            except Exception as err:  # e.g. a Triton compile error on this GPU: keep serving
+                if li != 0 or self.counters.kernel_steps:
+                    raise  # a later layer or step: outputs of this step are already mixed
+                log.exception("tiered-radix: decode kernel failed; using the PyTorch path")
+                self.kernel, self.kernel_error = False, repr(err)[:500]
+                out = self._gather(q3, layer, li, dv)
+            else:
+                self.counters.kernel_steps += li == 0
+        else:
+            with self._timed("extend_attend" if self.extend else "decode_gather"):
+                out = self._gather(q3, layer, li, dv)
+        if layer.layer_id == self.last_layer:
+            if self.dbatch is not None and self.kernel:
+                with self._timed("observe"):
+                    self._observe_decode()
+            with self._timed("route"):
+                self._route_due()
+        return out.reshape(-1, hq * dv)
+
+    def _gather(self, q3, layer, li: int, dv: int):
+        """Attention over each request's rows as read from the pool (PyTorch, float32)."""
+        out = q3.new_empty(q3.shape[0], q3.shape[1], dv)
+        need = self.prefill_needs if self.extend else frozenset()
+        for r in self.batch:
+            kk, vv, kept = self._read(r.rid, li)
+            qi = q3[r.start : r.start + r.tq].transpose(0, 1)
+            o, signals = attend(
+                qi, kk, vv, kept, float(layer.scaling), need=need,
+                chunk_elems=CHUNK_ELEMS.get(q3.device.type, 1 << 22),
+            )  # fmt: skip
+            out[r.start : r.start + r.tq] = o.transpose(0, 1).to(out.dtype)
+            r.session.store.observe(li, signals)
+        return out
+
+    def _decode_kernel(self, q3, layer, li: int):
+        """One decode token per request: the TriZone kernel over the pool's pages and rows,
+        with the per-window attention mass as the ``attn`` signal."""
+        if self.dbatch is None:
+            views = [self.tree.views[r.rid] for r in self.batch]
+            with self._timed("decode_lists"):
+                self.dbatch = trizone.build(
+                    self.pool, views, [r.seq for r in self.batch], q3.shape[1]
+                )
+        db = self.dbatch
+        out = decode.run(
+            q3.to(self.pool.dtype).contiguous(), db.layouts[li], db.plan, mass=db.mass[li],
+            sm_scale=float(layer.scaling),
+        )  # fmt: skip
+        return out.to(q3.dtype)
+
+    def _observe_decode(self) -> None:
+        """After the last layer: every layer's per-window mass to each request's engine."""
+        attn = trizone.window_attn(self.dbatch, self.pool.layout.window)
+        for b, r in enumerate(self.batch):
+            r.session.store.observe_attn(attn[:, b, :, : r.seq])
+
+    # -- routing ---------------------------------------------------------------------------
+    def _route_due(self) -> None:
+        alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
+        self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
+        routed = False
+        for r in self.batch:
+            s = r.session
+            if self.extend:
+                s.prefills += 1
+                due, why = self.policy.schedule.after_prefill, f"after prefill {s.prefills}"
+            else:
+                step, s.decode_steps = s.decode_steps, s.decode_steps + 1
+                due, why = s.store.schedule_due(step), f"decode step {step}"
+            if due:
+                moves = s.store.route(why)
+                self.tree.route(r.rid, moves)
+                self.counters.routed(moves)
+                routed = True
+        self.counters.publish(self.stats, routed)
+
+    def stats(self) -> dict:
+        """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and
+        ``host_s``: host seconds spent issuing each phase since startup (``metadata``, ``write``,
+        ``decode_kernel`` (including ``decode_lists``, the step's index lists), ``decode_gather``,
+        ``extend_attend``, ``observe``, ``route``) and the ``decode_steps``/``extend_batches``
+        counts they divide by. On the GPU a phase's time is what it costs the host to launch it
+        (plus any host sync in it): where their sum per step nears the step time, the step is
+        launch-bound."""
+        decode = "kernel" if self.kernel else "gather"
+        out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
+        out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
+        return out

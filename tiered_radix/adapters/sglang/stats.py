@@ -1,0 +1,121 @@
+"""What the tiered backend reports: transitions so far, pool bytes and blocks, units per state,
+the peak.
+
+Written to the server log every :data:`LOG_EVERY_S` seconds (``tiered-radix: {...}``), when
+``$TIERED_RADIX_STATS`` names a file rewritten there as JSON after every routing (the GPU test
+and the benchmark read it), and with SGLang's ``--enable-metrics`` exported as Prometheus series
+every :data:`~.metrics.METRICS_EVERY_S` seconds (:mod:`.metrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .metrics import BLOCK_KINDS, TierMetrics, from_server_args
+from .reps import FULL, STATE_NAMES, Q, R
+
+log = logging.getLogger("tiered_radix.adapters.sglang.backend")
+LOG_EVERY_S = 30.0
+STATS_ENV = "TIERED_RADIX_STATS"
+
+
+@dataclass
+class BackendStats:
+    """Counters since startup. ``peak_bytes``: the most pool bytes held at the end of a forward
+    (before its routing), ``peak_tokens`` the tokens the allocator held then (running requests
+    and the radix tree's cache, in whole windows: what a plain bf16 pool would hold)."""
+
+    demote: int = 0
+    promote: int = 0
+    evict: int = 0
+    ledger_writes: int = 0
+    routes: int = 0
+    peak_bytes: int = 0
+    peak_tokens: int = 0
+    kernel_steps: int = 0  # decode steps run by the TriZone kernel
+    tokens_held: int = 0  # at the end of the last forward
+    last_log: float = field(default_factory=time.monotonic)
+    metrics: TierMetrics | None = None  # made at the first publish, with --enable-metrics
+    metrics_checked: bool = False
+
+    def forward_done(self, pool, tokens: int) -> None:
+        self.tokens_held = tokens
+        used = pool.bytes_used()
+        if used > self.peak_bytes:
+            self.peak_bytes, self.peak_tokens = used, tokens
+
+    def routed(self, moves) -> None:
+        self.routes += 1
+        for kind, n in moves.counts().items():
+            setattr(self, kind, getattr(self, kind) + n)
+        self.ledger_writes += int(moves.ledger_write.sum())
+
+    def snapshot(self, pool, requests: int, decode: str, kernel_error: str | None) -> dict:
+        """Pool bytes and blocks in use, transitions so far and the peak (a bf16 pool would
+        hold ``peak_tokens * bf16_bytes_per_token``; ``bf16_bytes_held`` for the tokens held
+        now). ``units``: (layer, head, window) units per owner state; ``blocks``: blocks in use
+        per representation. One device-to-host copy (of 7 numbers)."""
+        per_token = 2 * 2 * pool.layer_num * pool.head_num * pool.head_dim
+        units, blocks = occupancy(pool)
+        return {
+            "requests": requests,
+            "pool_bytes_used": pool.bytes_used(),
+            "tokens_held": self.tokens_held,
+            "bf16_bytes_held": self.tokens_held * per_token,
+            "units": units,
+            "blocks": blocks,
+            "row_blocks_free": sum(len(f) for f in pool.free_rows),
+            "ledger_blocks_free": sum(len(f) for f in pool.free_q),
+            "routes": self.routes,
+            "demote": self.demote,
+            "promote": self.promote,
+            "evict": self.evict,
+            "ledger_writes": self.ledger_writes,
+            "peak_bytes": self.peak_bytes,
+            "peak_tokens": self.peak_tokens,
+            "bf16_bytes_per_token": per_token,
+            "decode": decode,
+            "kernel_steps": self.kernel_steps,
+            "kernel_error": kernel_error,
+        }
+
+    def publish(self, snapshot, routed: bool) -> None:
+        """After a forward: rewrite the stats file after a routing, update the Prometheus series
+        at most every :data:`~.metrics.METRICS_EVERY_S` and log at most every
+        :data:`LOG_EVERY_S`. ``snapshot()`` (one host sync) runs only when one of them is due."""
+        if not self.metrics_checked:
+            self.metrics_checked = True
+            self.metrics = from_server_args()
+        now = time.monotonic()
+        path = os.environ.get(STATS_ENV) if routed else None
+        export = self.metrics is not None and self.metrics.due(now)
+        log_due = now - self.last_log >= LOG_EVERY_S
+        if not (path or export or log_due):
+            return
+        snap = snapshot()
+        if path:
+            with open(path, "w") as f:
+                json.dump(snap, f)
+        if export:
+            self.metrics.update(snap, now)
+        if log_due:
+            self.last_log = now
+            log.info("tiered-radix: %s", snap)
+
+
+def occupancy(pool) -> tuple[dict[str, int], dict[str, int]]:
+    """Units per owner state (``reps.STATE_NAMES``; windows nobody owns are not counted) and
+    blocks in use per representation (``full``, ``restored`` rows, ``ledger`` pages), summed
+    over layers and heads. No host sync but the one copy of the 7 counts."""
+    own, blk = pool.owner_all, pool.block_all  # int8 [L, H, NW], int64 [L, 3, H, NW]
+    n = [(own == s).sum() for s in range(len(STATE_NAMES))]
+    n += [(blk[:, k] > 0).sum() for k in (FULL, R, Q)]
+    c = torch.stack(n).tolist()
+    units, blocks = zip(STATE_NAMES, c[:4], strict=True), zip(BLOCK_KINDS, c[4:], strict=True)
+    return dict(units), dict(blocks)

@@ -1,0 +1,155 @@
+"""The decode batch's TriZone index lists, built from the pool's blocks for every layer at once.
+
+The TriZone decode kernel (``kernels/decode.py``) reads one layer of a batch from three zones; the
+pool's storage maps onto two of them without copying anything:
+
+- zone A (quantized pages): the ledger pages ``pool.pages[l]`` of windows a request reads in state
+  quantized; page ``i`` is at byte ``block * page_bytes`` of the layer's page store;
+- zone B (full rows): the row blocks of windows read full or restored. ``rows_k[l]`` is
+  ``[F + 1, W, d]``; seen as a ``[(F + 1) * W, H, d]`` pool whose head stride is 0, token ``t`` of
+  block ``b`` is slot ``b * W + t`` for every head, so each (request, head) lists its own slots;
+- zone C (fresh rows) stays empty: new tokens are written to their window's ``FULL`` block.
+
+Evicted windows are in no list. Units for the side output are ``h * N + j`` (head ``h``, the
+request's window ``j``, ``N`` the batch's most windows), so ``mass [B, H * N]`` gives the
+attention mass per (head, window): the per-window ``attn`` signal, put on the window's first token
+(window scores sum their tokens, so they see the same value).
+
+Lists for all layers are built with a handful of batched ops (one host sync for the sizes) and
+sliced per layer: index pointers hold global offsets into shared slot and page tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tiered_radix.kernels import decode
+from tiered_radix.kernels.layout import K_BITS, V_BITS, TriZoneLayout, k_sections
+
+from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Q, R
+
+PAGE_SIZES = (16, 32, 64)
+HEAD_DIMS = (64, 128)
+
+
+@dataclass
+class DecodeBatch:
+    """One decode step: a layout per layer, the shared plan, the side output per layer
+    (float32 ``[L, B, H * N]``), ``n`` windows per request and ``N = max(n)``."""
+
+    layouts: list[TriZoneLayout]
+    plan: decode.DecodePlan
+    mass: Tensor
+    n: list[int]
+    n_max: int
+
+
+def supported(pool) -> bool:
+    """Whether the kernel can read this pool (page size and head dim it is compiled for)."""
+    return pool.layout.window in PAGE_SIZES and pool.head_dim in HEAD_DIMS
+
+
+def _k_table(bits: int | None, d: int, page_size: int, lists: int, dev) -> Tensor:
+    rows = []
+    for vb in V_BITS:
+        n = [d if b == vb and vb == bits else 0 for b in K_BITS]
+        rows.append(n + k_sections(n, page_size) + [0])
+    return torch.tensor(rows, dtype=torch.int32, device=dev).repeat(lists, 1)
+
+
+def build(pool, views, seqs: list[int], num_q_heads: int, version: int = 1) -> DecodeBatch:
+    """Index lists of every layer for requests with ``views`` (``RequestView``) and lengths
+    ``seqs``; ``num_q_heads`` query heads (GQA over ``pool.head_num``)."""
+    L, H, W, d, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.head_dim, pool.device
+    B = len(views)
+    n = [int(v.windows.numel()) for v in views]
+    N = max(n)
+    # every request's windows side by side, then scattered to [B, N] (padding: window 0)
+    flat = torch.cat([v.windows for v in views])
+    mine = torch.cat([v.state for v in views], 2)  # [L, H, sum n]
+    borrowed = torch.cat([v.borrowed for v in views])
+    counts, total = torch.tensor(n, device=dev), sum(n)
+    shift = torch.arange(B, device=dev) * N - (counts.cumsum(0) - counts)
+    pos = torch.arange(total, device=dev) + shift.repeat_interleave(counts, output_size=total)
+    win = torch.zeros(B * N, dtype=torch.long, device=dev).index_copy_(0, pos, flat).view(B, N)
+    read = torch.where(borrowed, mine, pool.owner_all[:, :, flat])  # [L, H, sum n]
+    st = torch.full((L, H, B * N), S_EVICT, dtype=torch.int8, device=dev)
+    st = st.index_copy_(2, pos, read).view(L, H, B, N).transpose(1, 2)  # [L, B, H, N]
+    blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4)  # [L, 3, B, H, N]
+    j = torch.arange(N, device=dev)
+    ntok = (torch.tensor(seqs, device=dev)[:, None] - j * W).clamp(0, W)  # [B, N]
+    unit = (torch.arange(H, device=dev)[:, None] * N + j).expand(L, B, H, N)
+
+    rows = (st == S_FULL) | (st == S_R)
+    rowblk = torch.where(st == S_FULL, blk[:, FULL], blk[:, R])
+    i = torch.arange(W, device=dev)
+    tok = rows[..., None] & (i < ntok[None, :, None, :, None])  # [L, B, H, N, W]
+    slots = (rowblk[..., None] * W + i)[tok].to(torch.int32)
+    units = unit[..., None].expand_as(tok)[tok].to(torch.int32)
+    full_ptr = _indptr(tok.sum((-1, -2)).flatten())
+
+    quant = pool.layout.quant
+    qm = st == S_Q
+    pages = blk[:, Q][qm]
+    n_pages = pages.numel()
+    per_list = torch.zeros(L, B, H, 4, dtype=torch.long, device=dev)
+    if quant is not None:
+        per_list[..., V_BITS.index(quant.bits)] = qm.sum(-1)
+    page_ptr = _indptr(per_list.flatten())
+    page_unit = unit[qm].to(torch.int32)
+    k_table = _k_table(quant.bits if quant else None, d, W, B * H, dev)
+    common = dict(
+        fresh_indptr=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+        fresh_slots=torch.zeros(0, dtype=torch.int32, device=dev),
+        fresh_units=torch.zeros(0, dtype=torch.int32, device=dev),
+        full_slots=slots, full_units=units,
+        page_off=pages * pool.page_bytes, page_ntok=torch.full_like(page_unit, W),
+        page_units=page_unit[:, None].expand(n_pages, W).contiguous(), page_unit=page_unit,
+        page_ids=torch.arange(n_pages, dtype=torch.int32, device=dev), k_table=k_table,
+        perm=torch.arange(d, dtype=torch.int32, device=dev).repeat(B * H, 1),
+        batch=B, num_kv_heads=H, head_dim=d, page_size=W, v_group=pool.v_group or 8,
+        max_units=H * N, v_bits_present=(quant.bits,) if quant and n_pages else (),
+        k_bits_present=(quant.bits,) if quant and n_pages else (), k_uniform=True,
+        bytes_kv=0, bytes_side=0,
+    )  # fmt: skip
+    empty = torch.zeros(16, dtype=torch.uint8, device=dev)
+    layouts = []
+    for li in range(L):
+        rk, rv = pool.rows_k[li], pool.rows_v[li]
+        shape, stride = (rk.shape[0] * W, H, d), (d, 0, 1)
+        layouts.append(
+            TriZoneLayout(
+                k_pool=rk.as_strided(shape, stride),
+                v_pool=rv.as_strided(shape, stride),
+                full_indptr=full_ptr[li * B * H : (li + 1) * B * H + 1],
+                page_indptr=page_ptr[li * B * H * 4 : (li + 1) * B * H * 4 + 1],
+                arena=pool.pages[li].view(-1) if pool.pages else empty,
+                **common,
+            )  # fmt: skip
+        )
+    bits = (quant.bits,) if quant else ()
+    plan = decode.plan(
+        layouts[0], num_q_heads=num_q_heads, side_output=True, v_bits=bits, k_bits=bits,
+        max_rows=max(seqs), version=version,
+    )  # fmt: skip
+    mass = torch.zeros(L, B, H * N, dtype=torch.float32, device=dev)
+    return DecodeBatch(layouts, plan, mass, n, N)
+
+
+def _indptr(counts: Tensor) -> Tensor:
+    out = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    out[1:] = counts.cumsum(0)
+    return out
+
+
+def window_attn(batch: DecodeBatch, window: int) -> Tensor:
+    """float32 ``[L, B, H, N * W]``: each request's mass per (head, window) of every layer at the
+    window's first token (request ``b`` uses its first ``seq_b`` tokens)."""
+    L, B, HN = batch.mass.shape
+    H = HN // batch.n_max
+    out = batch.mass.new_zeros(L, B, H, batch.n_max * window)
+    out[..., ::window] = batch.mass.view(L, B, H, batch.n_max)
+    return out
