@@ -10,6 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_llama import VOCAB, tiny_llama  # noqa: E402
+
 from tiered_radix.adapters.transformers import (  # noqa: E402
     AdapterError,
     ChatSession,
@@ -20,23 +22,11 @@ from tiered_radix.adapters.transformers import (  # noqa: E402
 from tiered_radix.engine.colmass_ref import column_mass_ref  # noqa: E402
 
 POLICIES = sorted(Path(__file__).parents[2].joinpath("policies").glob("*.yaml"))
-VOCAB = 101
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    m = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharpen attention so masking mistakes move the logits
-        for layer in m.model.layers:
-            layer.self_attn.q_proj.weight.mul_(6.0)
-            layer.self_attn.k_proj.weight.mul_(6.0)
-    return m
+    return tiny_llama()
 
 
 def tokens(n: int, seed: int) -> list[int]:

@@ -165,3 +165,46 @@ def test_cli_input_errors_exit_2(argv, message, tmp_path, capsys):
     assert main(["eval", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / RESULTS).exists()
+
+
+class SharedOracle(OracleEngine):
+    """The oracle with a shared prefill: one ``prefill`` per single-turn sample."""
+
+    def prefill(self, prompt, policies):
+        self.calls.append(("*", "prefill", len(policies)))
+        return prompt
+
+    def decode(self, prefill, policy, max_new_tokens, answers=()):
+        self.calls.append((policy.name, "decode", len(answers)))
+        return self._answer(prefill, policy)
+
+
+def test_shared_prefill_once_per_single_turn_sample(tmp_path):
+    engine = SharedOracle()
+    grid = _grid(tasks=("niah_single", "multiturn"), stop_when_answered=True)
+    records = run_grid(engine, grid, tmp_path, progress=False)
+    kinds = [c[1] for c in engine.calls]
+    assert kinds.count("prefill") == 2  # niah_single's 2 samples; multiturn chats instead
+    assert kinds.count("decode") == 2 * 5 and kinds.count("chat") == 2 * 5
+    assert all(c[2] == 1 for c in engine.calls if c[1] == "decode")  # answers passed on
+    plain = run_grid(OracleEngine(), _grid(tasks=("niah_single", "multiturn")), tmp_path / "p",
+                     progress=False)  # fmt: skip
+    strip = [{k: v for k, v in r.items() if k not in ("key", "seconds")} for r in records]
+    assert strip == [{k: v for k, v in r.items() if k not in ("key", "seconds")} for r in plain]
+
+
+def test_single_tier_policy_runs_once(tmp_path):
+    grid = _grid(policies=(load_policy("kivi"), load_policy("h2o")), tasks=("niah_single",))
+    records = run_grid(OracleEngine(), grid, tmp_path, progress=False)
+    configs = {(r["policy"], r["budget"]) for r in records}
+    assert configs == {("full", "100%"), ("kivi", "100%"), ("h2o", "10%"), ("h2o", "20%")}
+
+
+def test_deadline_stops_before_the_next_sample(tmp_path, monkeypatch):
+    import tiered_radix.eval.runner as runner
+
+    clock = iter([0.0, 0.0, 100.0, 100.0, 100.0])
+    monkeypatch.setattr(runner.time, "monotonic", lambda: next(clock))
+    records = run_grid(OracleEngine(), _grid(tasks=("niah_single",), samples=3), tmp_path,
+                       progress=False, deadline=50.0)  # fmt: skip
+    assert {r["index"] for r in records} == {0, 1} and len(records) == 2 * 5

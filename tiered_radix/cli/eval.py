@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 from ..policy import PolicyError, load_policy
@@ -33,6 +34,9 @@ def parse_length(text: str) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="transformers", choices=["transformers", "sglang"])
     p.add_argument("--model", default="smollm2-135m", help="registry name or model folder")
+    p.add_argument(
+        "--model-path", default=None, metavar="DIR", help="a Hugging Face folder (beats --model)"
+    )
     p.add_argument(
         "--policies",
         nargs="+",
@@ -58,6 +62,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-new-tokens", type=int, default=None, help="cap on every task's answer length"
     )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="start no new sample after this many minutes (counted from launch); reports are "
+        "still written from what finished",
+    )
+    p.add_argument(
+        "--attention",
+        choices=["exact", "fast"],
+        default=None,
+        help="exact: the adapter's float32 attention (default on CPU); fast: sdpa prefill and "
+        "batched-matmul decode (default on CUDA)",
+    )
+    p.add_argument(
+        "--no-shared-prefill",
+        dest="shared_prefill",
+        action="store_false",
+        help="prefill every (policy, budget) separately instead of once per sample",
+    )
+    p.add_argument(
+        "--stop-when-answered",
+        action="store_true",
+        help="end a decode once the text holds every answer string (scores cannot change)",
+    )
+    p.add_argument(
+        "--no-diagnostics", dest="diagnostics", action="store_false", help="skip FMM/LIR/churn"
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument(
@@ -67,6 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    start = time.monotonic()
     from ..eval import EngineError, Grid, TaskError, TransformersEngine, expand_tasks, run_grid
     from ..eval.report import build_report, markdown_report, markdown_table, write_json
 
@@ -85,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
         budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
         policies = [load_policy(p) for p in args.policies]
         configs_check(budgets)
+        if args.model_path is not None and not Path(args.model_path).is_dir():
+            raise UsageError(f"--model-path {args.model_path!r} is not a folder")
+        if args.max_minutes is not None and args.max_minutes <= 0:
+            raise UsageError(f"--max-minutes must be positive, got {args.max_minutes}")
     except (UsageError, TaskError, PolicyError) as e:
         print(f"tiered-radix eval: {e}", file=sys.stderr)
         return 2
@@ -93,7 +130,13 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        engine = TransformersEngine(args.model, device=args.device, dtype=args.dtype)
+        engine = TransformersEngine(
+            args.model_path or args.model,
+            device=args.device,
+            dtype=args.dtype,
+            attention=args.attention,
+            diagnostics=args.diagnostics,
+        )
     except EngineError as e:
         print(f"tiered-radix eval: {e}", file=sys.stderr)
         return 2
@@ -105,11 +148,21 @@ def run(args: argparse.Namespace) -> int:
         args.samples,
         args.seed,
         args.max_new_tokens,
+        args.shared_prefill,
+        args.stop_when_answered,
     )
-    records = run_grid(engine, grid, args.out)
+    deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
+    records = run_grid(engine, grid, args.out, deadline=deadline)
+    n_samples = len({(r["task"], r["length"], r["index"]) for r in records})
     meta = {
         "engine": engine.name,
-        "model": args.model,
+        "model": args.model_path or args.model,
+        "attention": "fast" if getattr(engine, "fast", False) else "exact",
+        "shared_prefill": args.shared_prefill,
+        "stop_when_answered": args.stop_when_answered,
+        "max_minutes": args.max_minutes,
+        "samples_run": n_samples,
+        "wall_minutes": round((time.monotonic() - start) / 60, 2),
         "adapter_hash": getattr(engine, "adapter_hash", None),
         "device": args.device,
         "dtype": args.dtype,
@@ -126,9 +179,13 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     write_json(report, out / "report.json")
     (out / "report.md").write_text(markdown_report(report))
-    from ..eval.plot import write_plots
-
-    plots = write_plots(report, out)
+    try:
+        from ..eval.plot import write_plots
+    except ImportError as e:  # matplotlib missing (e.g. a GPU image): the tables still stand
+        print(f"tiered-radix eval: no plots ({e}); run `tiered-radix eval` again to plot")
+        plots = []
+    else:
+        plots = write_plots(report, out)
     print(markdown_table(report))
     print(
         f"\nwrote {out}/results.jsonl, report.json, report.md, {', '.join(p.name for p in plots)}"

@@ -3,6 +3,10 @@
 An engine generates greedily under a compiled :class:`Policy` (whose budget the runner has
 already set) and returns the text plus flat, JSON-ready statistics. Only the transformers
 engine exists; SGLang is refused by the CLI until its adapter lands.
+
+An engine may also offer a shared prefill (:class:`SharedPrefill`): ``prefill`` once per
+single-turn sample, then ``decode`` it under each (policy, budget); the runner uses it when the
+engine has it. The transformers engine's version is in :mod:`.prefill` / :mod:`.seeded`.
 """
 
 from __future__ import annotations
@@ -44,6 +48,19 @@ class Engine(Protocol):
         """Answer ``turns`` in one session (later turns reuse the cached prefix)."""
 
 
+class SharedPrefill(Protocol):
+    """An engine that can decode many policies from one prompt prefill."""
+
+    def prefill(self, prompt: str, policies: Sequence[Policy]) -> Any:
+        """Prefill ``prompt`` once, computing every signal one of ``policies`` reads."""
+
+    def decode(
+        self, prefill: Any, policy: Policy, max_new_tokens: int, answers: Sequence[str] = ()
+    ) -> Reply:
+        """Answer from ``prefill`` under ``policy``; with ``answers``, the engine may stop as
+        soon as the text contains every one (the string-match score cannot change after)."""
+
+
 def flatten_stats(obj: Any, prefix: str = "") -> dict[str, Any]:
     """Numbers and strings of a stats object (dataclass, mapping or plain object), flattened to
     ``"a.b"`` keys; numeric arrays and tensors become their mean; anything else is dropped."""
@@ -75,11 +92,27 @@ def flatten_stats(obj: Any, prefix: str = "") -> dict[str, Any]:
 
 class TransformersEngine:
     """The Hugging Face transformers adapter (``tiered_radix.adapters.transformers``), on CPU in
-    float32 unless told otherwise. ``model``: a registry name (fetched offline) or a folder."""
+    float32 unless told otherwise. ``model``: a registry name (fetched offline) or a folder.
+
+    ``attention``: ``"exact"`` (the adapter's own attention: a shared-prefill run equals an
+    independent one token for token) or ``"fast"`` (sdpa prefill, batched-matmul decode; the
+    same math up to rounding); default fast on CUDA, exact elsewhere. ``diagnostics``: measure
+    FMM/LIR/churn in shared-prefill runs. ``variant`` names the numerics in cell keys.
+    """
 
     name = "transformers"
 
-    def __init__(self, model: str, *, device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention: str | None = None,
+        diagnostics: bool = True,
+    ) -> None:
+        if attention not in (None, "exact", "fast"):
+            raise EngineError(f"attention must be 'exact' or 'fast', got {attention!r}")
         try:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -103,6 +136,11 @@ class TransformersEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
         self.hf_model.to(device).eval()
+        self.fast = (attention or ("fast" if str(device).startswith("cuda") else "exact")) == "fast"
+        self.variant = "fast" if self.fast else ""
+        self.diagnostics = diagnostics
+        self._float_keys = None
+        self.eos = adapter.stop_ids(self.hf_model, self.tokenizer)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -122,6 +160,45 @@ class TransformersEngine:
             turn = session.ask(user)
             replies.append(Reply(turn.text, _turn_stats(turn)))
         return replies
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The first turn's ids exactly as ``ChatSession.ask`` builds them."""
+        tok = self.tokenizer
+        if not tok.chat_template:
+            return tok(f"User: {prompt}\nAssistant:", add_special_tokens=True)["input_ids"]
+        user = [{"role": "user", "content": prompt}]
+        x = tok.apply_chat_template(user, add_generation_prompt=True)
+        return list(x["input_ids"] if hasattr(x, "keys") else x)
+
+    def prefill(self, prompt: str, policies: Sequence[Policy]):
+        from ..adapters.transformers.cache import policy_reads
+        from .prefill import PREFILL_SIGNALS, capture
+
+        need = frozenset(n for p in policies for n in policy_reads(p)) & PREFILL_SIGNALS
+        return capture(self.hf_model, self.prompt_ids(prompt), need, fast=self.fast)
+
+    def decode(
+        self, prefill, policy: Policy, max_new_tokens: int, answers: Sequence[str] = ()
+    ) -> Reply:
+        from .probes import DecodeProbe
+        from .scoring import score
+        from .seeded import run_seeded
+
+        tok = self.tokenizer
+
+        def done(ids: list[int]) -> bool:
+            return bool(answers) and score(tok.decode(ids, skip_special_tokens=True), answers) == 1
+
+        probe = None
+        if self.diagnostics:  # float32 prompt keys, made once per prefill
+            if self._float_keys is None or self._float_keys[0] is not prefill:
+                self._float_keys = (prefill, [k.float() for k in prefill.keys])
+            probe = DecodeProbe(self._float_keys[1], max_new_tokens + 1)
+        ids, _, stats = run_seeded(
+            self.hf_model, prefill, policy, max_new_tokens, self.eos,
+            fast=self.fast, probe=probe, done=done if answers else None,
+        )  # fmt: skip
+        return Reply(tok.decode(ids, skip_special_tokens=True).strip(), stats)
 
 
 def _source_hash(folder: Path) -> str:

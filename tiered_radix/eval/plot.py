@@ -1,7 +1,8 @@
 """PNG plots of an evaluation report (matplotlib, Agg backend).
 
-- ``score_vs_budget.png``: one panel per task (lengths pooled by mean), one line per policy,
-  full KV as a dashed line;
+- ``score_vs_budget.png``: one panel per task (lengths pooled by mean), one line per policy
+  over the *measured* KV bytes (% of full precision; the budget label where a run reported no
+  bytes), 95% intervals as error bars when one length ran, full KV as a dashed line;
 - ``needle_heatmap.png``: needle depth x length score per (policy, budget), when the ``needle``
   sweep ran;
 - ``diagnostics.png``: FMM / LIR / churn per (policy, budget), when the engine reported them.
@@ -35,19 +36,26 @@ def _score_vs_budget(report: dict, path: Path) -> Path:
     tasks = list(dict.fromkeys(r["task"] for r in report["rows"]))
     fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.4), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=False):
-        series: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        series: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
         for r in report["rows"]:
             if r["task"] == task and r["score"] is not None:
-                series[r["policy"]][r["budget"]].append(r["score"])
+                series[r["policy"]][r["budget"]].append(r)
         for policy, by_budget in series.items():
             if policy == "full":
-                full = sum(sum(v) / len(v) for v in by_budget.values()) / len(by_budget)
+                full = _mean([_mean([r["score"] for r in v]) for v in by_budget.values()])
                 ax.axhline(full, color="black", ls="--", lw=1, label="full KV")
                 continue
             labels = sorted(by_budget, key=budget_order)
-            ys = [sum(by_budget[b]) / len(by_budget[b]) for b in labels]
-            ax.plot([budget_order(b) for b in labels], ys, marker="o", label=policy)
-        ax.set(title=task, xlabel="budget (% of full KV bytes)", ylabel="score (%)", ylim=(-3, 103))
+            rows = [by_budget[b] for b in labels]
+            xs = [_x(rs, b) for rs, b in zip(rows, labels, strict=True)]
+            ys = [_mean([r["score"] for r in rs]) for rs in rows]
+            err = None
+            if all(len(rs) == 1 and rs[0]["ci_low"] is not None for rs in rows):
+                err = [[y - rs[0]["ci_low"] for y, rs in zip(ys, rows, strict=True)],
+                       [rs[0]["ci_high"] - y for y, rs in zip(ys, rows, strict=True)]]  # fmt: skip
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=policy)
+        ax.set(title=task, xlabel="KV bytes (% of full precision)", ylabel="score (%)",
+               ylim=(-3, 103))  # fmt: skip
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{report['meta'].get('model')}: score vs KV budget")
@@ -55,6 +63,15 @@ def _score_vs_budget(report: dict, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def _x(rows: list[dict], label: str) -> float:
+    fr = [r["bytes_fraction"] for r in rows if r.get("bytes_fraction") is not None]
+    return 100 * _mean(fr) if fr else budget_order(label)
 
 
 def _heatmap(report: dict, path: Path) -> Path:

@@ -6,6 +6,13 @@ short still has every configuration on its first samples. Each finished cell is 
 ``results.jsonl`` at once; a rerun with the same grid skips the cells already there (keyed by
 model, policy name and content hash, budget, task, length, sample, seed and token cap) and
 retries cells that failed.
+
+Shared prefill: when the engine has ``prefill``/``decode`` (:class:`~.engines.SharedPrefill`)
+and ``Grid.shared_prefill`` is on, a single-turn sample is prefilled once and every
+configuration decodes from it (multi-turn samples run each configuration from scratch). A policy
+with a single tier (``kivi``: every unit int2) cannot trade bytes for anything, so it runs once,
+at its own budget, whatever ``budgets`` says. ``deadline`` (a ``time.monotonic()`` value) stops
+the run before the next *sample* once passed: every configuration has the same samples.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from ..policy import Policy, load_policy
 from ..policy.model import Budget
 from .engines import Engine
 from .scoring import score
-from .tasks import Sample, make_samples
+from .tasks import DEPTHS, Sample, make_sample
 
 RESULTS = "results.jsonl"
 
@@ -41,6 +48,8 @@ class Grid:
     samples: int
     seed: int = 0
     max_new_tokens: int | None = None
+    shared_prefill: bool = True
+    stop_when_answered: bool = False  # end a decode once every answer string is in the text
 
 
 def budget_label(budget: Budget) -> str:
@@ -58,7 +67,8 @@ def configurations(grid: Grid) -> list[tuple[Policy, str]]:
     for policy in grid.policies:
         if policy.name == full.name:
             continue
-        for label in grid.budgets or (budget_label(policy.budget),):
+        own = (budget_label(policy.budget),)
+        for label in own if len(policy.tiers) == 1 else grid.budgets or own:
             out.append((dataclasses.replace(policy, budget=parse_budget(label)), label))
     return out
 
@@ -78,6 +88,9 @@ def cell_key(engine: Engine, policy: Policy, label: str, s: Sample, grid: Grid) 
         grid.seed,
         grid.max_new_tokens,
     ]
+    variant = getattr(engine, "variant", "")  # numerics other than the adapter's own
+    parts += [variant] if variant else []
+    parts += ["stop-when-answered"] if grid.stop_when_answered else []
     return json.dumps(parts)
 
 
@@ -94,15 +107,17 @@ def load_results(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def run_cell(engine: Engine, policy: Policy, label: str, s: Sample, cap: int | None) -> dict:
-    """Generate and score one sample under one configuration; never raises for engine errors."""
-    max_new = min(s.max_new_tokens, cap) if cap else s.max_new_tokens
-    rec: dict[str, Any] = {
-        "engine": engine.name,
-        "model": engine.model,
-        "policy": policy.name,
-        "budget": label,
-        "reference": policy.name == "full",
+def sample_fields(
+    s: Sample, *, engine: str, model: str, policy: str, budget: str, reference: bool, max_new: int
+) -> dict[str, Any]:
+    """The fields every results.jsonl row carries about its configuration and sample (the
+    kvpress runner writes its rows with the same function)."""
+    return {
+        "engine": engine,
+        "model": model,
+        "policy": policy,
+        "budget": budget,
+        "reference": reference,
         "task": s.task,
         "length": s.length,
         "index": s.index,
@@ -112,9 +127,32 @@ def run_cell(engine: Engine, policy: Policy, label: str, s: Sample, cap: int | N
         "metric": s.metric,
         "max_new_tokens": max_new,
     }
+
+
+def run_cell(
+    engine: Engine,
+    policy: Policy,
+    label: str,
+    s: Sample,
+    cap: int | None,
+    prefill: Any = None,
+    stop_when_answered: bool = False,
+) -> dict:
+    """Generate and score one sample under one configuration; never raises for engine errors.
+    ``prefill``: the sample's shared prefill (an exception if it failed), or None."""
+    max_new = min(s.max_new_tokens, cap) if cap else s.max_new_tokens
+    rec = sample_fields(
+        s, engine=engine.name, model=engine.model, policy=policy.name, budget=label,
+        reference=policy.name == "full", max_new=max_new,
+    )  # fmt: skip
     t0 = time.perf_counter()
     try:
-        if len(s.turns) == 1:
+        if isinstance(prefill, Exception):
+            raise prefill
+        if prefill is not None:
+            answers = s.answers if stop_when_answered else ()
+            replies = [engine.decode(prefill, policy, max_new, answers)]
+        elif len(s.turns) == 1:
             replies = [engine.generate(s.turns[0], policy, max_new)]
         else:
             replies = engine.chat(s.turns, policy, max_new)
@@ -131,39 +169,69 @@ def run_cell(engine: Engine, policy: Policy, label: str, s: Sample, cap: int | N
 
 def cells(grid: Grid, engine: Engine) -> Iterator[tuple[Policy, str, Sample]]:
     configs = configurations(grid)
-    for task in grid.tasks:
-        for length in grid.lengths:
-            for s in make_samples(task, length, grid.samples, engine.count_tokens, grid.seed):
-                for policy, label in configs:
-                    yield policy, label, s
+    for s in samples(grid, engine):
+        for policy, label in configs:
+            yield policy, label, s
+
+
+def samples(grid: Grid, engine: Engine) -> Iterator[Sample]:
+    """Round-robin over (task, length): sample 0 of each, then sample 1 of each, ... so a run
+    stopped by its deadline has about as many samples of every task and length."""
+    pairs = [(task, length) for task in grid.tasks for length in grid.lengths]
+    per = {t: grid.samples * (len(DEPTHS) if t == "needle" else 1) for t in grid.tasks}
+    for i in range(max(per.values(), default=0)):  # built lazily: long prompts take a while
+        for task, length in pairs:
+            if i < per[task]:
+                yield make_sample(task, length, i, engine.count_tokens, grid.seed)
 
 
 def run_grid(
-    engine: Engine, grid: Grid, out: str | Path, *, progress: bool = True
+    engine: Engine,
+    grid: Grid,
+    out: str | Path,
+    *,
+    progress: bool = True,
+    deadline: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every cell of ``grid`` not yet in ``out/results.jsonl``; return the grid's records.
+    """Run every cell of ``grid`` not yet in ``out/results.jsonl``; return the grid's records
+    (those of the samples reached before ``deadline``, if given).
 
     Cells whose engine call raised are recorded with an ``error`` field (and no ``score``).
     """
     path = Path(out) / RESULTS
     path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["key"]: r for r in load_results(path) if "error" not in r}
-    todo: list[tuple[Policy, str, Sample]] = list(cells(grid, engine))
+    configs = configurations(grid)
+    n = sum(grid.samples * (len(DEPTHS) if t == "needle" else 1) for t in grid.tasks)
+    shared = grid.shared_prefill and hasattr(engine, "prefill") and hasattr(engine, "decode")
     records: list[dict[str, Any]] = []
-    bar = tqdm(todo, desc="eval", unit="cell", disable=not progress)
-    with open(path, "a") as f:
-        for policy, label, s in bar:
-            key = cell_key(engine, policy, label, s, grid)
-            if key in done:
-                records.append(done[key])
-                continue
-            bar.set_postfix_str(f"{policy.name}@{label} {s.key}")
-            rec = {
-                "key": key,
-                "seed": grid.seed,
-                **run_cell(engine, policy, label, s, grid.max_new_tokens),
-            }
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-            records.append(rec)
+    total = n * len(grid.lengths) * len(configs)
+    bar = tqdm(total=total, desc="eval", unit="cell", disable=not progress)
+    with bar, open(path, "a") as f:
+        for s in samples(grid, engine):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            prefill = None
+            for policy, label in configs:
+                bar.update(1)
+                key = cell_key(engine, policy, label, s, grid)
+                if key in done:
+                    records.append(done[key])
+                    continue
+                bar.set_postfix_str(f"{policy.name}@{label} {s.key}")
+                if shared and prefill is None and len(s.turns) == 1:
+                    prefill = _prefill(engine, s, [p for p, _ in configs])
+                cap, stop = grid.max_new_tokens, grid.stop_when_answered
+                rec = {"key": key, "seed": grid.seed,
+                       **run_cell(engine, policy, label, s, cap, prefill, stop)}  # fmt: skip
+                f.write(json.dumps(rec) + "\n")
+                f.flush()
+                records.append(rec)
     return records
+
+
+def _prefill(engine, s: Sample, policies: list[Policy]):
+    try:
+        return engine.prefill(s.turns[0], policies)
+    except Exception as e:  # noqa: BLE001  (recorded in each of the sample's cells)
+        return e

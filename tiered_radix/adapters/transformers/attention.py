@@ -125,13 +125,21 @@ def register() -> None:
 
 
 @contextmanager
-def tiered_attention_on(model) -> Iterator[None]:
-    """Run ``model`` with :func:`tiered_attention` inside the block; restore its previous
-    implementation afterwards."""
-    register()
+def attention_implementation(model, name: str) -> Iterator[None]:
+    """Run ``model`` with the registered attention function ``name`` inside the block; restore
+    its previous implementation afterwards."""
     previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
+    model.set_attn_implementation(name)
     try:
         yield
     finally:
         model.set_attn_implementation(previous)
+
+
+@contextmanager
+def tiered_attention_on(model) -> Iterator[None]:
+    """Run ``model`` with :func:`tiered_attention` inside the block (see
+    :func:`attention_implementation`)."""
+    register()
+    with attention_implementation(model, ATTN_NAME):
+        yield
