@@ -3,11 +3,8 @@
 # Run on the GPU machine after staging (../shared/gpu/README.md), from the repo root:
 #   bash bench/run_gpu.sh [quick]
 set -uo pipefail
-# Our package, installed (not on the path as source: tiered_radix.kernels is a package-dir mapping),
-# plus lark, which the GPU image lacks (carried as a wheel in .whl/).
-python3 -m pip install -q --no-index --no-deps --target /tmp/trsite .whl/lark-*.whl
-python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/trsite . || exit 1
-export PYTHONPATH=/tmp/site:/tmp/trsite PYTHONUNBUFFERED=1
+# Our package, installed (not on the path as source: tiered_radix.kernels is a package-dir mapping)
+. bench/gpu_install.sh || exit 1
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
 mode=${1:-full}

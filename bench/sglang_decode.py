@@ -1,0 +1,149 @@
+"""Decode time per output token and peak KV bytes at ~30K context: plain SGLang vs a tiered policy.
+
+Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`` at a time:
+
+- ``plain``: SGLang 0.5.17 with its Triton attention backend, bf16 KV, CUDA graphs on;
+- ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), chunked prefill of
+  ``--chunk`` tokens so routing runs between chunks.
+
+Per batch size: prompts of ``--context`` random tokens (distinct per request) are prefilled once
+(one new token) and stay in the radix cache; then the same prompts are generated again with
+``ignore_eos``, ``--short`` and ``--long`` new tokens. Both calls match the cached prompt (the
+tiered run reads it at the tiers its first request left), so they are decode only, and the decode
+time per output token is (t_long - t_short) / (long - short). Peak KV bytes of the tiered run come
+from the backend's stats file (most pool bytes held after a forward, over the whole run); the
+bf16 baseline holds ``2 * 2 * L * H_kv * d`` bytes for each token the allocator held then
+(running requests and prompts cached in the radix tree, as plain SGLang's pool would). Writes
+``sglang_decode.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import tempfile
+import time
+from pathlib import Path
+
+
+def timed(engine, prompts: list[list[int]], n: int) -> float:
+    params = {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}
+    t0 = time.perf_counter()
+    out = engine.generate(input_ids=prompts, sampling_params=params)
+    dt = time.perf_counter() - t0
+    got = [o["meta_info"]["completion_tokens"] for o in out]
+    assert all(g == n for g in got), got
+    return dt
+
+
+def _host_s(stats: Path) -> dict:
+    """The backend's host seconds per phase so far (the stats file, rewritten at each routing:
+    up to one routing interval stale)."""
+    return json.loads(stats.read_text()).get("host_s", {}) if stats.exists() else {}
+
+
+def _per_step(before: dict, after: dict) -> dict:
+    """Host milliseconds per decode step of each phase between two reads of the stats file
+    (extend batches in between, e.g. the long call's first token, are included)."""
+    steps = after.get("decode_steps", 0) - before.get("decode_steps", 0)
+    if steps <= 0:
+        return {}
+    skip = ("decode_steps", "extend_batches")
+    return {
+        k: round(1e3 * (v - before.get(k, 0.0)) / steps, 3)
+        for k, v in after.items()
+        if k not in skip
+    } | {"decode_steps": steps}
+
+
+def run(kind: str, a, vocab: int = 30000) -> dict:
+    import sglang
+
+    stats = Path(tempfile.mkdtemp()) / "stats.json"
+    os.environ["TIERED_RADIX_STATS"] = str(stats)
+    kw = dict(model_path=a.model, mem_fraction_static=0.6, context_length=a.context + 512,
+              attention_backend="triton", log_level="error")  # fmt: skip
+    if kind == "tiered":
+        kw.update(kv_policy=a.policy, chunked_prefill_size=a.chunk)
+        kw.pop("attention_backend")
+        if a.budget:
+            kw["kv_budget"] = a.budget
+    t0 = time.perf_counter()
+    engine = sglang.Engine(**kw)
+    startup = time.perf_counter() - t0
+    rng = random.Random(0)
+    rows = []
+    try:
+        # compile every kernel variant first: pages (quantized windows) appear only past the
+        # protected tokens, and the first routing of a long prompt has them
+        warm = [[rng.randrange(100, vocab) for _ in range(4000)]]
+        timed(engine, warm, 1)
+        timed(engine, warm, 40)
+        for bs in a.batch:
+            prompts = [[rng.randrange(100, vocab) for _ in range(a.context)] for _ in range(bs)]
+            t_prefill = timed(engine, prompts, 1)  # prefill; the prompts stay cached
+            short = timed(engine, prompts, a.short)
+            before = _host_s(stats)
+            long = timed(engine, prompts, a.long)
+            per_tok = (long - short) / (a.long - a.short)
+            rows.append({"batch": bs, "t_prefill_s": t_prefill, "t_short_s": short,
+                         "t_long_s": long, "decode_ms_per_token": 1e3 * per_tok})  # fmt: skip
+            if kind == "tiered":
+                rows[-1]["host_ms_per_decode_step"] = _per_step(before, _host_s(stats))
+            print(kind, rows[-1], flush=True)
+    finally:
+        engine.shutdown()
+    out = {"kind": kind, "startup_s": startup, "rows": rows, "engine_kwargs": kw}
+    if stats.exists():
+        out["tiered_stats"] = json.loads(stats.read_text())
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="/tmp/models/qwen2.5-0.5b")
+    p.add_argument("--policy", default="qevict")
+    p.add_argument("--budget", default=None)
+    p.add_argument("--context", type=int, default=30000)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--short", type=int, default=8)
+    p.add_argument("--long", type=int, default=40)
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--kinds", nargs="+", default=["plain", "tiered"])
+    p.add_argument("--out", default="bench/results")
+    a = p.parse_args()
+    import torch
+
+    res = {
+        "command": "python bench/sglang_decode.py " + " ".join(os.sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "python": platform.python_version(), "args": vars(a), "runs": [],
+    }  # fmt: skip
+    import sglang
+
+    res["sglang"] = sglang.__version__
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    for kind in a.kinds:
+        try:
+            res["runs"].append(run(kind, a))
+        except Exception as e:  # record the failure, keep the other kind's numbers
+            res["runs"].append({"kind": kind, "error": repr(e)[:2000]})
+            print(kind, "FAILED", repr(e)[:2000], flush=True)
+        Path(a.out, "sglang_decode.json").write_text(json.dumps(res, indent=1))
+    by = {r["kind"]: r for r in res["runs"] if "rows" in r}
+    if {"plain", "tiered"} <= by.keys():
+        for pr, tr in zip(by["plain"]["rows"], by["tiered"]["rows"], strict=False):
+            tr["ratio_vs_plain"] = tr["decode_ms_per_token"] / pr["decode_ms_per_token"]
+        st = by["tiered"].get("tiered_stats", {})
+        if st.get("peak_tokens"):
+            bf16 = st["peak_tokens"] * st["bf16_bytes_per_token"]
+            res["peak_kv_fraction_of_bf16"] = st["peak_bytes"] / bf16
+    Path(a.out, "sglang_decode.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
