@@ -5,6 +5,9 @@ Needs a CUDA GPU, SGLang 0.5.17 and a model folder in ``$TR_MODEL_PATH`` (on the
 ``/tmp/models/qwen2.5-0.5b`` after ``../shared/gpu/stage.py --model qwen2.5-0.5b``). Policies:
 ``$TR_E2E_POLICIES`` (comma separated; default every shipped policy). Results (answers, cache
 hits, the backend's tier counters) go to ``$TR_E2E_OUT`` (default ``e2e-results``) as JSON.
+``$TR_E2E_TP=2`` serves with ``--tp 2`` (two GPUs) and checks that both ranks routed the same
+requests at the same steps over the same whole-model byte counts (the ``tp`` digest of each
+rank's stats file).
 
 Budgets: the checks of answer quality run at ``--kv-budget 50%`` for tiered policies (at 10%
 a conversation of a few hundred tokens keeps only its protected sinks and recent window); the
@@ -39,6 +42,9 @@ from multiturn_chat import chat  # noqa: E402
 SHIPPED = sorted(p.stem for p in (ROOT / "policies").glob("*.yaml"))
 POLICIES = [p for p in os.environ.get("TR_E2E_POLICIES", ",".join(SHIPPED)).split(",") if p]
 OUT = Path(os.environ.get("TR_E2E_OUT", "e2e-results"))
+TP = int(os.environ.get("TR_E2E_TP", "1"))
+if TP > torch.cuda.device_count():
+    pytest.skip(f"TR_E2E_TP={TP} needs {TP} GPUs", allow_module_level=True)
 PORT = 31000
 NEEDLE = "The secret passphrase is tangerine-42."
 FILLER = (
@@ -59,7 +65,7 @@ def launch(policy: str, budget: str | None, log: Path) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL, "--port", str(PORT),
         "--enable-cache-report", "--mem-fraction-static", "0.5", "--context-length", "8192",
-        "--kv-policy", policy,
+        "--kv-policy", policy, "--tp", str(TP),
     ]  # fmt: skip
     if budget:
         cmd += ["--kv-budget", budget]
@@ -99,7 +105,7 @@ def test_serves_multiturn_and_needle(policy):
         pytest.xfail("the SGLang pool does not store separate K/V units (RDKV) yet")
     OUT.mkdir(parents=True, exist_ok=True)
     budget = None if policy == "full" else "50%"
-    log = OUT / f"{policy}.log"
+    log = OUT / (f"{policy}.log" if TP == 1 else f"{policy}.tp{TP}.log")
     proc = launch(policy, budget, log)
     try:
         wait_healthy(proc, log)
@@ -112,13 +118,21 @@ def test_serves_multiturn_and_needle(policy):
         elapsed = time.time() - t0
     finally:
         stop(proc)
-    stats_file = log.with_suffix(".stats.json")
-    stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}
+    files = [log.with_suffix(".stats.json")]
+    if TP > 1:
+        files = [log.with_suffix(f".stats.rank{r}.json") for r in range(TP)]
+    ranks = [json.loads(f.read_text()) if f.exists() else {} for f in files]
+    stats = ranks[0]
     result = {
-        "policy": policy, "budget": budget, "turns": rows, "needle": needle, "stats": stats,
-        "seconds": elapsed,
+        "policy": policy, "budget": budget, "tp": TP, "turns": rows, "needle": needle,
+        "stats": stats if TP == 1 else ranks, "seconds": elapsed,
     }  # fmt: skip
-    (OUT / f"{policy}.json").write_text(json.dumps(result, indent=1))
+    (OUT / log.with_suffix(".json").name).write_text(json.dumps(result, indent=1))
+    if TP > 1 and policy != "full":
+        tp = [r.get("tp", {}) for r in ranks]
+        assert all(t.get("routes", 0) > 0 for t in tp), tp
+        assert len({t["digest"] for t in tp}) == 1, f"ranks routed differently: {tp}"
+        assert len({t["routes"] for t in tp}) == 1, tp
     assert all(r["answer"].strip() for r in rows), rows
     assert all(r["cached"] > 0 for r in rows[1:]), "later turns must hit the radix cache"
     assert needle["prompt"] > 2500

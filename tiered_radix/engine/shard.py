@@ -113,16 +113,10 @@ class HeadShard:
         return torch.cat(parts, dim)
 
 
-def check_shardable(policy: Policy, shard: HeadShard) -> None:
-    """Reject what a shard cannot compute locally: ``sum_heads``/``mean_heads``/``max_heads``
-    reduce over every KV head inside score expressions (evaluated per step, per layer).
-
-    Raises:
-        EngineConfigError: ``shard.world > 1`` and the policy uses a ``*_heads`` function.
-    """
-    if shard.world == 1:
-        return
-    used = sorted(
+def heads_functions(policy: Policy) -> list[str]:
+    """The ``sum_heads``/``mean_heads``/``max_heads`` calls in ``policy``'s score expressions,
+    sorted: they reduce over every KV head (per step, per layer), which no shard holds."""
+    return sorted(
         {
             n.fn
             for e in _policy_exprs(policy)
@@ -130,6 +124,15 @@ def check_shardable(policy: Policy, shard: HeadShard) -> None:
             if isinstance(n, Call) and n.fn.endswith("_heads")
         }
     )
+
+
+def check_shardable(policy: Policy, shard: HeadShard) -> None:
+    """Reject what a shard cannot compute locally (:func:`heads_functions`).
+
+    Raises:
+        EngineConfigError: ``shard.world > 1`` and the policy uses a ``*_heads`` function.
+    """
+    used = heads_functions(policy) if shard.world > 1 else []
     if used:
         raise EngineConfigError(
             f"{', '.join(used)} reduce over all KV heads, which a tensor-parallel rank does not "

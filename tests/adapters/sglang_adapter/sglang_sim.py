@@ -62,6 +62,7 @@ class Sim:
         vocab=100,
         policy=POLICY,
         context=512,
+        kv_heads: slice | None = None,
     ):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -73,6 +74,9 @@ class Sim:
         from tiered_radix.policy import compile_text
 
         self.policy = compile_text(policy)
+        # kv_heads: a tensor-parallel rank's slice of the model's ``heads`` (the pool holds it)
+        kv_heads = kv_heads or slice(0, heads)
+        heads_total, heads = heads, kv_heads.stop - kv_heads.start
         self.W, self.L, self.H, self.d = Layout.of(self.policy).window, layers, heads, head_dim
         size = pages * self.W
         self.pool = TieredKVPool(
@@ -93,8 +97,9 @@ class Sim:
         params = CacheInitParams(False, self.r2t, self.alloc, self.W)
         self.cache = TieredRadixCache(params, policy=self.policy)
         g = torch.Generator().manual_seed(0)
-        self.emb = torch.randn(2, layers, vocab, heads, head_dim, generator=g)
-        self.pos = torch.randn(2, layers, context, heads, head_dim, generator=g)
+        emb = torch.randn(2, layers, vocab, heads_total, head_dim, generator=g)
+        pos = torch.randn(2, layers, context, heads_total, head_dim, generator=g)
+        self.emb, self.pos = emb[..., kv_heads, :], pos[..., kv_heads, :]
         self.reqs: dict[str, SimpleNamespace] = {}
 
     def kv(self, layer: int, tokens: list[int], start: int = 0) -> tuple[torch.Tensor, ...]:

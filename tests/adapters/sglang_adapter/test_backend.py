@@ -42,14 +42,17 @@ class Mode:
 class Harness:
     """A scheduler stand-in: allocates slots, builds forward batches, runs every layer."""
 
-    def __init__(self, **sim) -> None:
+    def __init__(self, q_heads: slice = slice(0, HQ), tp_group=None, **sim) -> None:
+        """``q_heads`` of the model's ``HQ`` query heads (a tensor-parallel rank's slice, with
+        ``kv_heads=`` for the Sim and SGLang's ``tp_group`` stand-in)."""
         self.sim = Sim(**({"pages": 60} | sim))
-        runner = SimpleNamespace(token_to_kv_pool=self.sim.pool)
+        runner = SimpleNamespace(token_to_kv_pool=self.sim.pool, tp_group=tp_group)
         self.backend = TieredAttnBackend(runner)
         g = torch.Generator().manual_seed(11)
-        self.wq = torch.randn(self.sim.L, 100, HQ, self.sim.d, generator=g)
+        self.wq = torch.randn(self.sim.L, 100, HQ, self.sim.d, generator=g)[:, :, q_heads]
+        self.hq = self.wq.shape[2]
         self.layers = [
-            SimpleNamespace(layer_id=li, tp_q_head_num=HQ, qk_head_dim=self.sim.d,
+            SimpleNamespace(layer_id=li, tp_q_head_num=self.hq, qk_head_dim=self.sim.d,
                             v_head_dim=self.sim.d, scaling=self.sim.d**-0.5, logit_cap=0,
                             sliding_window_size=-1)
             for li in range(self.sim.L)
@@ -88,7 +91,7 @@ class Harness:
                 ks.append(k)
                 vs.append(v)
                 qs.append(self.wq[li, torch.tensor(toks)] + 0.1 * p)  # noqa: B023
-            q = torch.cat(qs).reshape(-1, HQ * sim.d).bfloat16().float()  # as a bf16 model's
+            q = torch.cat(qs).reshape(-1, self.hq * sim.d).bfloat16().float()  # as a bf16 model's
             outs.append(self.backend.forward_extend(q, torch.cat(ks), torch.cat(vs), layer, fb))
         return outs
 
@@ -119,7 +122,7 @@ def reference(h: Harness, tokens: list[int], prompt: int, steps_out: list[list[t
             q = (h.wq[li, torch.tensor(tokens[a:b])] + 0.1 * a).bfloat16().float().transpose(0, 1)
             need = h.backend.prefill_needs if step == 0 else frozenset()
             o, sig = attend(q, kk, vv, kept, sim.d**-0.5, need=need)
-            got = steps_out[step][li].reshape(b - a, HQ, sim.d).transpose(0, 1).float()
+            got = steps_out[step][li].reshape(b - a, h.hq, sim.d).transpose(0, 1).float()
             assert torch.allclose(got, o, atol=2e-2, rtol=2e-2), (step, li)
             store.observe(li, sig)
         if step == 0:

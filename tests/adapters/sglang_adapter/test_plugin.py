@@ -107,9 +107,37 @@ def test_backends_are_registered(baseline):
 
     assert get_radix_cache_factory("tiered") is plugin.tree_cache_factory
     factory = ATTENTION_BACKENDS[plugin.ATTENTION_BACKEND]
-    runner = SimpleNamespace(server_args=SimpleNamespace(tp_size=2), token_to_kv_pool=None)
-    with pytest.raises(plugin.TieredBackendError, match="--tp > 1"):
-        factory(runner)
-    runner.server_args.tp_size = 1
-    with pytest.raises(PoolConfigError, match="needs a TieredKVPool"):
-        factory(runner)
+    heads = SimpleNamespace(get_total_num_kv_heads=lambda: 2)
+    runner = SimpleNamespace(
+        server_args=SimpleNamespace(tp_size=4), model_config=heads, token_to_kv_pool=None
+    )
+    with pytest.raises(plugin.TieredBackendError, match="does not split the model's 2 KV heads"):
+        factory(runner)  # SGLang would replicate heads: refused
+    for tp in (1, 2):
+        runner.server_args.tp_size = tp
+        with pytest.raises(PoolConfigError, match="needs a TieredKVPool"):
+            factory(runner)
+
+
+HEADS_POLICY = """
+policy: all-heads
+budget: 20%
+units: window(size=32)
+scores:
+  heat: mean_heads(cumulative(attn))
+tiers: {full: keep(bf16), evicted: evict}
+allocate: {method: rank, by: heat}
+schedule: after_prefill
+"""
+
+
+def test_tensor_parallel_needs_per_head_scores(baseline, tmp_path):
+    """--tp N: scores that reduce over all KV heads, or DP attention, stop the launch."""
+    ServerArgs(model_path="dummy", kv_policy="qevict", tp_size=2)  # per-head scores: fine
+    heads = tmp_path / "heads.yaml"
+    heads.write_text(HEADS_POLICY)
+    ServerArgs(model_path="dummy", kv_policy=str(heads))  # fine on one rank
+    with pytest.raises(ValueError, match="mean_heads reduce over all KV heads"):
+        ServerArgs(model_path="dummy", kv_policy=str(heads), tp_size=2)
+    with pytest.raises(ValueError, match="dp-attention"):
+        ServerArgs(model_path="dummy", kv_policy="qevict", tp_size=2, enable_dp_attention=True)

@@ -20,12 +20,17 @@ Extend routes after every chunk when the policy says ``after_prefill`` (as the t
 adapter does); decode steps count per request. Extend gathers rows per request and layer in
 PyTorch (float32); decode runs the TriZone kernel over the pool's pages and rows in place
 (:mod:`.trizone`) where it can read the pool, else the same PyTorch path. CUDA graphs and the
-overlap scheduler are off (the plugin sets them). Tensor parallelism is not supported (ranks
-would route independently).
+overlap scheduler are off (the plugin sets them).
+
+Tensor parallelism (``--tp N``): each rank's pool holds its ``H / N`` KV heads and each request's
+store is built with that rank's :class:`~tiered_radix.engine.shard.HeadShard` over SGLang's TP
+group, so every rank plans over all ``H`` heads (one all-gather per routing step) and applies the
+slice of its own heads: ranks decide the same tiers as one engine over all heads.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections import defaultdict
@@ -38,6 +43,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from tiered_radix.adapters.transformers.attention import attend
 from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_reads
+from tiered_radix.engine.shard import HeadShard
 from tiered_radix.engine.store import TierStore
 from tiered_radix.kernels import decode
 
@@ -48,6 +54,17 @@ from .stats import BackendStats, log
 
 CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}  # float32 scores per attention block
 DECODE_ENV = "TIERED_RADIX_DECODE"  # "kernel" (default where supported) or "gather"
+
+
+def tp_shard(runner, heads_local: int) -> HeadShard | None:
+    """This rank's KV heads under ``--tp N`` (``runner.tp_group``, SGLang's GroupCoordinator:
+    collectives on its device group); ``None`` without tensor parallelism."""
+    group = getattr(runner, "tp_group", None)
+    if group is None or group.world_size == 1:
+        return None
+    return HeadShard(
+        group.rank_in_group, group.world_size, heads_local * group.world_size, group.device_group
+    )
 
 
 @dataclass
@@ -91,6 +108,10 @@ class TieredAttnBackend(AttentionBackend):
         self.kernel_error: str | None = None
         self.dbatch: trizone.DecodeBatch | None = None
         self.host_s: dict[str, float] = defaultdict(float)  # host seconds per phase, see stats()
+        self.shard = tp_shard(runner, pool.head_num)
+        if self.shard is not None:
+            self.counters.rank = self.shard.rank
+            self.tp_digest, self.tp_routes, self._tp_pending = hashlib.sha256(), 0, []
 
     @contextmanager
     def _timed(self, phase: str):
@@ -166,6 +187,7 @@ class TieredAttnBackend(AttentionBackend):
             self.policy, n_layers=self.layers, n_heads=self.pool.head_num,
             head_dim=self.pool.head_dim, dtype=self.pool.dtype, device=self.pool.device,
             budget_override=self.budget, reader=lambda li: self._read(req.rid, li),
+            shard=self.shard,
         )  # fmt: skip
         n = view.windows.numel()
         if n:
@@ -279,6 +301,8 @@ class TieredAttnBackend(AttentionBackend):
             if due:
                 moves = s.store.route(why)
                 self.tree.route(r.rid, moves)
+                if self.shard is not None:  # read at stats(): no host sync here
+                    self._tp_pending.append((r.rid, why, s.store.events.steps[-1]))
                 self.counters.routed(moves)
                 routed = True
         self.counters.publish(self.stats, routed)
@@ -294,4 +318,22 @@ class TieredAttnBackend(AttentionBackend):
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
         out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
+        if self.shard is not None:
+            out["tp"] = self._tp_record()
         return out
+
+    def _tp_record(self) -> dict:
+        """Under ``--tp``: this rank's heads, and a digest of every routing so far (request,
+        reason, the whole model's bytes held after it, budget, over-budget flag): equal on
+        every rank when the ranks routed the same requests at the same steps over the same
+        all-head totals."""
+        for rid, why, ev in self._tp_pending:
+            rec = f"{rid}|{why}|{ev.bytes_used}|{ev.budget}|{int(ev.over_budget)}\n"
+            self.tp_digest.update(rec.encode())
+        self.tp_routes += len(self._tp_pending)
+        self._tp_pending.clear()
+        sh = self.shard
+        return {
+            "rank": sh.rank, "world": sh.world, "heads": [sh.start, sh.start + sh.heads_local],
+            "routes": self.tp_routes, "digest": self.tp_digest.hexdigest(),
+        }  # fmt: skip

@@ -70,7 +70,29 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
         if given.get(key) not in (None, value):
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"--kv-policy {cfg.policy_arg} needs {flag} {value}, got {given[key]}")
+    if (given.get("tp_size") or 1) > 1:
+        check_tensor_parallel(cfg, given)
     return want | FORCED
+
+
+def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
+    """``--tp N``: each rank's engine holds its KV heads and routes over all of them
+    (:class:`~tiered_radix.engine.shard.HeadShard`), so the policy's scores must be per head,
+    and attention must be tensor parallel over the same ranks.
+
+    Raises:
+        ValueError: a ``*_heads`` score function, or ``--enable-dp-attention``.
+    """
+    from tiered_radix.engine.shard import heads_functions
+
+    used = heads_functions(cfg.policy)
+    if used:
+        raise ValueError(
+            f"--kv-policy {cfg.policy_arg} with --tp {given['tp_size']}: {', '.join(used)} "
+            "reduce over all KV heads, which no rank holds; write the score per head or use --tp 1"
+        )
+    if given.get("enable_dp_attention"):
+        raise ValueError(f"--kv-policy {cfg.policy_arg} does not support --enable-dp-attention")
 
 
 # The tiered backend's per-request gathers and routing run on the host between layers: no CUDA
@@ -155,10 +177,12 @@ def tree_cache_factory(ctx):
 def attention_backend_factory(runner):
     from .backend import TieredAttnBackend
 
-    if runner.server_args.tp_size > 1:
+    tp = runner.server_args.tp_size
+    if tp > 1 and runner.model_config.get_total_num_kv_heads() % tp:
         raise TieredBackendError(
-            "the tiered attention backend does not support --tp > 1 yet: ranks would route "
-            "independently (docs/sglang.md, 'What remains')"
+            f"--tp {tp} does not split the model's {runner.model_config.get_total_num_kv_heads()} "
+            "KV heads evenly: SGLang would replicate heads across ranks, and the tiered engine "
+            "needs each rank to hold its own heads; use a --tp that divides the KV heads"
         )
     return TieredAttnBackend(runner)
 

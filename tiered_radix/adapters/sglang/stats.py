@@ -3,8 +3,8 @@ the peak.
 
 Written to the server log every :data:`LOG_EVERY_S` seconds (``tiered-radix: {...}``), when
 ``$TIERED_RADIX_STATS`` names a file rewritten there as JSON after every routing (the GPU test
-and the benchmark read it), and with SGLang's ``--enable-metrics`` exported as Prometheus series
-every :data:`~.metrics.METRICS_EVERY_S` seconds (:mod:`.metrics`).
+and the benchmark read it; one per rank under ``--tp``), and with SGLang's ``--enable-metrics``
+exported as Prometheus series every :data:`~.metrics.METRICS_EVERY_S` seconds (:mod:`.metrics`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class BackendStats:
     last_log: float = field(default_factory=time.monotonic)
     metrics: TierMetrics | None = None  # made at the first publish, with --enable-metrics
     metrics_checked: bool = False
+    rank: int | None = None  # under --tp: the stats file is per rank (``name.rank{r}.json``)
 
     def forward_done(self, pool, tokens: int) -> None:
         self.tokens_held = tokens
@@ -94,6 +95,9 @@ class BackendStats:
             self.metrics = from_server_args()
         now = time.monotonic()
         path = os.environ.get(STATS_ENV) if routed else None
+        if path and self.rank is not None:
+            root, ext = os.path.splitext(path)
+            path = f"{root}.rank{self.rank}{ext}"
         export = self.metrics is not None and self.metrics.due(now)
         log_due = now - self.last_log >= LOG_EVERY_S
         if not (path or export or log_due):

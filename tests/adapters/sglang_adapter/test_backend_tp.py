@@ -1,0 +1,120 @@
+"""``--tp 2`` through the backend on CPU: two ranks (gloo processes), each with a pool of one of
+the model's two KV heads and half its query heads, serve the same batch (two requests, prefill
+and decode steps that route) and decide, per head, exactly the tiers the single-rank backend over
+both heads decides; their attention outputs are its outputs' halves. The policy spreads the budget
+in proportion to each head's attention, so a rank that planned alone would decide otherwise
+(checked too: the comparison can fail)."""
+
+from __future__ import annotations
+
+import datetime
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from sglang_sim import require
+
+require("sglang.srt.mem_cache.radix_cache")
+
+from test_backend import HQ, Harness  # noqa: E402
+
+WORLD, KV_HEADS, STEPS = 2, 2, 6
+POLICY = """
+policy: tp-qevict
+budget: 50%
+units: window(size=4)
+protect: {sinks: 0, recent: 4}
+spread: proportional(cumulative(attn, decay=0.99))
+scores:
+  score: cumulative(attn, decay=0.99)
+tiers:
+  full: keep(bf16)
+  int2: quantize(bits=2, group=4)
+  evicted: evict
+allocate: {method: rank, by: score, shares: {full: 50%, int2: 50%}}
+schedule: after_prefill, every(2)
+ledger: write_once
+"""
+PROMPTS = {"a": list(range(1, 39)), "b": list(range(40, 70))}
+
+
+def serve(rank: int | None = None, tp_group=None) -> dict:
+    """Prefill both requests in one batch, then ``STEPS`` decode steps; the tiers of every
+    request and layer after each step, and the outputs. ``rank``: hold that rank's heads."""
+    kv = slice(0, KV_HEADS) if rank is None else slice(rank, rank + 1)
+    q = slice(kv.start * HQ // KV_HEADS, kv.stop * HQ // KV_HEADS)
+    h = Harness(q_heads=q, tp_group=tp_group, policy=POLICY, heads=KV_HEADS, kv_heads=kv, pages=160)
+    reqs = [h.start(rid, toks) for rid, toks in PROMPTS.items()]
+    rec: dict = {"tiers": [], "out": []}
+    new = [r.origin_input_ids for r in reqs]
+    for step in range(STEPS + 1):
+        rec["out"].append(h.step(reqs, new, extend=step == 0))
+        rec["tiers"].append(
+            {
+                r.rid: [h.backend.sessions[r.rid].store.tiers(li).clone() for li in range(h.sim.L)]
+                for r in reqs
+            }
+        )
+        new = [[80 + step + i] for i in range(len(reqs))]
+    stats = h.backend.stats()
+    rec["demote"], rec["tp"] = stats["demote"], stats.get("tp")
+    return rec
+
+
+def _rank_main(rank: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        group = SimpleNamespace(world_size=WORLD, rank_in_group=rank, device_group=None)
+        torch.save(serve(rank, group), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("tp")
+    mp.spawn(_rank_main, args=(f"file://{tmp}/pg", str(tmp)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def whole() -> dict:
+    return serve()
+
+
+def same_decisions(part: dict, ref: dict, rank: int) -> bool:
+    return all(
+        torch.equal(mine, theirs[rank : rank + 1])
+        for step, ref_step in zip(part["tiers"], ref["tiers"], strict=True)
+        for rid in PROMPTS
+        for mine, theirs in zip(step[rid], ref_step[rid], strict=True)
+    )
+
+
+def test_ranks_decide_and_attend_as_one_backend(ranks, whole):
+    assert whole["demote"] > 0  # routing demoted windows: the decisions are not trivial
+    heads_differ = any(not torch.equal(t[0], t[1]) for t in whole["tiers"][-1]["a"])
+    assert heads_differ
+    assert whole["tp"] is None
+    tp = [part["tp"] for part in ranks]
+    assert [t["heads"] for t in tp] == [[0, 1], [1, 2]] and tp[0]["routes"] > 0
+    assert tp[0]["digest"] == tp[1]["digest"] and tp[0]["routes"] == tp[1]["routes"]
+    d = HQ // KV_HEADS
+    for rank, part in enumerate(ranks):
+        assert same_decisions(part, whole, rank), f"rank {rank}'s tiers differ"
+        for mine, theirs in zip(part["out"], whole["out"], strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                b = b.reshape(b.shape[0], HQ, -1)[:, rank * d : (rank + 1) * d]
+                torch.testing.assert_close(a, b.reshape(a.shape), rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_planning_alone_decides_otherwise(whole):
+    """Without the shard, rank 1's engine spreads the whole budget over its one head."""
+    alone = serve(rank=1)
+    assert not same_decisions(alone, whole, 1)
