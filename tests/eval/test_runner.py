@@ -16,8 +16,8 @@ import pytest
 from tiered_radix.cli.main import main
 from tiered_radix.eval.engines import Reply, flatten_stats
 from tiered_radix.eval.plot import write_plots
-from tiered_radix.eval.report import build_report, markdown_report
-from tiered_radix.eval.runner import RESULTS, Grid, run_grid
+from tiered_radix.eval.report import build_report, build_rows, markdown_report
+from tiered_radix.eval.runner import RESULTS, Grid, merge_results, parse_shard, run_grid
 from tiered_radix.policy import load_policy
 
 _WORD = re.compile(r"\w+|[^\w\s]")
@@ -159,6 +159,8 @@ def test_flatten_stats():
         (["--budgets", "10 parsecs"], "budget"),
         (["--policies", "qevikt"], "qevict"),
         (["--samples", "0"], "at least 1"),
+        (["--shard", "2/2"], "bad shard"),
+        (["--report-from", "no-such-dir"], "results.jsonl does not exist"),
     ],
 )
 def test_cli_input_errors_exit_2(argv, message, tmp_path, capsys):
@@ -208,3 +210,28 @@ def test_deadline_stops_before_the_next_sample(tmp_path, monkeypatch):
     records = run_grid(OracleEngine(), _grid(tasks=("niah_single",), samples=3), tmp_path,
                        progress=False, deadline=50.0)  # fmt: skip
     assert {r["index"] for r in records} == {0, 1} and len(records) == 2 * 5
+
+
+def test_shards_split_the_samples_and_merge_to_the_whole_grid(tmp_path):
+    """Three shards run disjoint samples that cover the grid; their merged records are the
+    unsharded run's, and ``--report-from`` reports them as one run would."""
+    grid = _grid(samples=4, tasks=("niah_single", "needle"))
+    whole = run_grid(OracleEngine(), grid, tmp_path / "whole", progress=False)
+    parts = [
+        run_grid(OracleEngine(), dataclasses.replace(grid, shard=(i, 3)), tmp_path / f"s{i}",
+                 progress=False)
+        for i in range(3)
+    ]  # fmt: skip
+    seen = [{(r["task"], r["index"]) for r in part} for part in parts]
+    assert all(seen) and not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
+    assert {r["index"] for r in parts[1] if r["task"] == "niah_single"} == {1}
+    strip = lambda rs: sorted((r["key"], r["score"]) for r in rs)  # noqa: E731
+    merged = merge_results([tmp_path / f"s{i}" for i in range(3)])
+    assert strip(merged) == strip(whole)
+    assert main(["eval", "--report-from", *(str(tmp_path / f"s{i}") for i in range(3)),
+                 "--out", str(tmp_path / "m")]) == 0  # fmt: skip
+    rows = json.loads((tmp_path / "m" / "report.json").read_text())["rows"]
+    want = json.loads(json.dumps(build_rows(whole)))
+    drop = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
+    assert rows and drop(rows) == drop(want)  # timings differ, scores and bytes must not
+    assert parse_shard("1/4") == (1, 4)

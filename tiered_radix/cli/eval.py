@@ -3,6 +3,10 @@
 Writes ``OUT/results.jsonl`` (one line per cell, the resume cache), ``OUT/report.json``,
 ``OUT/report.md`` and PNG plots, and prints the table. Exit codes: 0 every cell ran; 1 some
 cells failed (reported, the others scored); 2 invalid input or an engine that cannot start.
+
+Several processes (or GPUs) split one grid with ``--shard I/N`` (samples ``I, I+N, ...``), each
+into its own folder; ``--report-from DIR...`` then merges their ``results.jsonl`` (and those of
+``python -m tiered_radix.eval.kvpress_run``) into ``OUT`` and writes one report, running nothing.
 """
 
 from __future__ import annotations
@@ -95,13 +99,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy host)"
     )
+    p.add_argument(
+        "--shard",
+        default="0/1",
+        metavar="I/N",
+        help="run samples I, I+N, I+2N, ... only (split a grid over N processes)",
+    )
+    p.add_argument(
+        "--report-from",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="run nothing: merge these folders' results.jsonl into --out and report them",
+    )
     p.add_argument("--out", default="eval-results", help="folder for results and reports")
 
 
 def run(args: argparse.Namespace) -> int:
     start = time.monotonic()
+    if args.report_from:
+        return report_from(args)
     from ..eval import EngineError, Grid, TaskError, TransformersEngine, expand_tasks, run_grid
-    from ..eval.report import build_report, markdown_report, markdown_table, write_json
+    from ..eval.runner import parse_shard
 
     if args.engine == "sglang":
         print(
@@ -122,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--model-path {args.model_path!r} is not a folder")
         if args.max_minutes is not None and args.max_minutes <= 0:
             raise UsageError(f"--max-minutes must be positive, got {args.max_minutes}")
-    except (UsageError, TaskError, PolicyError) as e:
+        shard = parse_shard(args.shard)
+    except (UsageError, TaskError, PolicyError, ValueError) as e:
         print(f"tiered-radix eval: {e}", file=sys.stderr)
         return 2
     if args.threads:
@@ -150,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         args.max_new_tokens,
         args.shared_prefill,
         args.stop_when_answered,
+        shard,
     )
     deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
     records = run_grid(engine, grid, args.out, deadline=deadline)
@@ -174,9 +195,42 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "budgets": budgets or "each policy's own",
         "host_cpus": os.cpu_count(),
+        "shard": args.shard,
     }
-    report = build_report(records, meta)
+    return write_reports(records, meta, Path(args.out))
+
+
+def report_from(args: argparse.Namespace) -> int:
+    """``--report-from DIR...``: one report over the merged records (no model is loaded). The
+    meta is the first folder's (its report.json), with the folders and the merged sample count."""
+    import json
+
+    from ..eval.runner import RESULTS, merge_results
+
+    dirs = [Path(d) for d in args.report_from]
+    try:
+        records = merge_results(dirs)
+    except FileNotFoundError as e:
+        print(f"tiered-radix eval: {e}", file=sys.stderr)
+        return 2
+    first = dirs[0] / "report.json"
+    meta = json.loads(first.read_text()).get("meta", {}) if first.is_file() else {}
+    meta |= {
+        "merged_from": [str(d) for d in dirs],
+        "samples_run": len({(r["task"], r["length"], r["index"]) for r in records}),
+    }
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / RESULTS, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return write_reports(records, meta, out)
+
+
+def write_reports(records: list[dict], meta: dict, out: Path) -> int:
+    """report.json, report.md and the plots of ``records`` in ``out``; prints the table."""
+    from ..eval.report import build_report, markdown_report, markdown_table, write_json
+
+    report = build_report(records, meta)
     write_json(report, out / "report.json")
     (out / "report.md").write_text(markdown_report(report))
     try:

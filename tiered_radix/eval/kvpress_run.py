@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from ..cli.eval import UsageError, parse_length
 from .report import build_report, markdown_report, write_json
-from .runner import RESULTS, load_results, sample_fields
+from .runner import RESULTS, load_results, parse_shard, sample_fields
 from .scoring import score
 from .tasks import Sample, expand_tasks, make_samples
 
@@ -155,6 +155,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--dtype", default="float32")
     add("--threads", type=int, default=None)
     add("--max-minutes", type=float, default=None, help="start no sample after this")
+    add("--shard", default="0/1", metavar="I/N", help="samples I, I+N, ... only")
     add("--out", required=True)
     return p.parse_args(argv)
 
@@ -209,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "multiturn" in tasks:
             raise KVPressRunError("multiturn has no kvpress equivalent (one context, one answer)")
         lengths = [parse_length(x) for x in args.lengths.split(",")]
+        first, every = parse_shard(args.shard)
         from .kvpress_engine import KVPressEngine
 
         engine = KVPressEngine(
@@ -224,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for t in tasks
         for n in lengths
         for s in make_samples(t, n, args.samples, engine.count_tokens, args.seed)
+        if s.index % every == first
     ]
     samples.sort(key=lambda s: s.index)  # index outer: a cut run has every task and length
     records = run(engine, samples, configs, args)
@@ -231,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "engine": ENGINE, "model": engine.model, **engine.versions, "seed": args.seed,
         "samples": args.samples, "lengths": lengths, "question": question,
-        "device": args.device, "dtype": args.dtype,
+        "device": args.device, "dtype": args.dtype, "shard": args.shard,
     }  # fmt: skip
     report = build_report(records, meta)
     write_json(report, Path(args.out) / "report.json")

@@ -50,6 +50,7 @@ class Grid:
     max_new_tokens: int | None = None
     shared_prefill: bool = True
     stop_when_answered: bool = False  # end a decode once every answer string is in the text
+    shard: tuple[int, int] = (0, 1)  # (i, n): only samples whose index is i modulo n
 
 
 def budget_label(budget: Budget) -> str:
@@ -92,6 +93,39 @@ def cell_key(engine: Engine, policy: Policy, label: str, s: Sample, grid: Grid) 
     parts += [variant] if variant else []
     parts += ["stop-when-answered"] if grid.stop_when_answered else []
     return json.dumps(parts)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"1/4"`` -> ``(1, 4)``: the second of four processes splitting a grid's samples.
+
+    Raises:
+        ValueError: not ``I/N`` with ``0 <= I < N``.
+    """
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ValueError(f"bad shard {text!r}: use I/N with 0 <= I < N, e.g. 0/4")
+    return i, n
+
+
+def merge_results(dirs: list[Path]) -> list[dict[str, Any]]:
+    """The records of every ``DIR/results.jsonl`` (shards of one grid, or runs to show in one
+    table), one per cell key; a scored record beats one that failed.
+
+    Raises:
+        FileNotFoundError: a folder without ``results.jsonl``.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for d in dirs:
+        path = Path(d) / RESULTS
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+        for r in load_results(path):
+            if r["key"] not in out or "error" in out[r["key"]]:
+                out[r["key"]] = r
+    return list(out.values())
 
 
 def load_results(path: Path) -> list[dict[str, Any]]:
@@ -176,10 +210,12 @@ def cells(grid: Grid, engine: Engine) -> Iterator[tuple[Policy, str, Sample]]:
 
 def samples(grid: Grid, engine: Engine) -> Iterator[Sample]:
     """Round-robin over (task, length): sample 0 of each, then sample 1 of each, ... so a run
-    stopped by its deadline has about as many samples of every task and length."""
+    stopped by its deadline has about as many samples of every task and length. With
+    ``grid.shard = (i, n)``, samples ``i, i + n, ...`` only (several processes split a grid)."""
     pairs = [(task, length) for task in grid.tasks for length in grid.lengths]
     per = {t: grid.samples * (len(DEPTHS) if t == "needle" else 1) for t in grid.tasks}
-    for i in range(max(per.values(), default=0)):  # built lazily: long prompts take a while
+    i0, n = grid.shard
+    for i in range(i0, max(per.values(), default=0), n):  # lazily: long prompts take a while
         for task, length in pairs:
             if i < per[task]:
                 yield make_sample(task, length, i, engine.count_tokens, grid.seed)
@@ -202,7 +238,11 @@ def run_grid(
     path.parent.mkdir(parents=True, exist_ok=True)
     done = {r["key"]: r for r in load_results(path) if "error" not in r}
     configs = configurations(grid)
-    n = sum(grid.samples * (len(DEPTHS) if t == "needle" else 1) for t in grid.tasks)
+    i0, every = grid.shard
+    n = sum(
+        len(range(i0, grid.samples * (len(DEPTHS) if t == "needle" else 1), every))
+        for t in grid.tasks
+    )
     shared = grid.shared_prefill and hasattr(engine, "prefill") and hasattr(engine, "decode")
     records: list[dict[str, Any]] = []
     total = n * len(grid.lengths) * len(configs)
