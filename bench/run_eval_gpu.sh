@@ -1,40 +1,57 @@
 #!/usr/bin/env bash
-# Issue 6's GPU evaluation in one device command (<= 9 min): Qwen2.5-Coder-0.5B-Instruct at 16K and
-# 32K tokens, full KV + qevict, rdkv, snapkv, h2o, streaming at 5/10/20% + kivi (one tier: runs once),
-# 50 samples per task and length, results/report/plots under $OUT. From the repo root:
+# Issue 6's GPU evaluation in one device command: Qwen2.5-Coder-0.5B-Instruct at 16K and 32K
+# tokens, full KV + qevict, rdkv, snapkv, h2o, streaming at 5/10/20% + kivi (one tier: runs
+# once), 50 samples per task and length, and kvpress's presses (SnapKV, ExpectedAttention,
+# StreamingLLM) at the same kept fractions on the same samples, side by side. From the repo root
+# on the GPU machine, after staging (../shared/gpu/) and with .whl/ carried (lark, and
+# .whl/kvpress from `bash bench/kvpress_env.sh --target`):
 #   bash bench/run_eval_gpu.sh
-# CPU smoke of the same path (ran here: 7 cells in 86 s on 2 busy cores, tables + plots written):
-#   DEVICE=cpu DTYPE=float32 MODEL=smollm2-135m LENGTHS=600 SAMPLES=1 TASKS=niah_single \
-#     BUDGETS=10% MINUTES=3 SKIP_INSTALL=1 OUT=/tmp/smoke bash bench/run_eval_gpu.sh
+# Env: OUT (default bench/results/eval-qwen-gpu), LENGTHS, TASKS, SAMPLES, BUDGETS, MINUTES
+# (start no sample after this), OURS_PER_GPU / KVPRESS_PER_GPU (processes per GPU; 0 skips),
+# PRESSES, SKIP_INSTALL. Rerunning resumes: finished cells are skipped.
 #
-# Time estimate (not measured on the GPU: no device was lent to this step). Per sample and length:
-# one prefill (sdpa + the Triton column-mass kernel for rdkv; ~0.3-0.6 s at 32K), then 17
-# configurations each seeded from it (append + one routing step, ~20-50 ms) and decoded greedily.
-# A decode step costs one eager HF forward (~10-15 ms on 24 layers, launch-bound) plus the tier
-# engine per layer (append, cached view, 2 matmuls, observe; h2o/streaming also route and rebuild
-# views every step): ~25-40 ms. With --stop-when-answered a correct answer ends after ~15-20
-# tokens, a wrong one runs to the task cap (niah_multikey: 32). So ~0.5-1 s per configuration,
-# ~9-17 s per sample: 8 minutes hold ~30-55 samples in total, i.e. 15-25 per length for ONE task,
-# short of 50. --max-minutes 8 keeps the command inside its limit either way (samples round-robin
-# over lengths, so both lengths get the same n) and the report states n and the 95% CIs. CPU
-# measurements behind this (smollm2-135m, 1 thread, 1K tokens, 7 configs, 12 tokens): adapter
-# per configuration 145 s; shared prefill, exact attention 55 s; shared + fast 43 s
-# (docs/evaluation.md).
+# Parallelism: a 0.5B model's eager decode is launch-bound (one process leaves the H200 mostly
+# idle), so bench/shards.sh runs several shards per GPU, each its own samples (--shard i/N).
+# CPU smoke of the same path:
+#   GPUS=2 OURS_PER_GPU=1 KVPRESS_PER_GPU=0 DEVICE=cpu DTYPE=float32 MODEL=smollm2-135m \
+#     LENGTHS=300 SAMPLES=2 TASKS=niah_single BUDGETS=10% SKIP_INSTALL=1 OUT=/tmp/smoke \
+#     bash bench/run_eval_gpu.sh
 set -uo pipefail
-if [ -z "${SKIP_INSTALL:-}" ]; then  # the new eval modules must be in the installed package
+if [ -z "${SKIP_INSTALL:-}" ]; then  # the eval modules must be in the installed package
   . bench/gpu_install.sh || exit 1
 fi
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results/eval-qwen-gpu}
 MODEL=${MODEL:-/tmp/models/qwen2.5-0.5b}
 model_arg=(--model "$MODEL"); [ -d "$MODEL" ] && model_arg=(--model-path "$MODEL")
+common=(--device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --threads 1
+        --budgets "${BUDGETS:-5%,10%,20%}" --tasks "${TASKS:-niah_multikey}"
+        --lengths "${LENGTHS:-16k,32k}" --samples "${SAMPLES:-50}" --max-minutes "${MINUTES:-8}")
 mkdir -p "$OUT"
+pids=()
 # niah_multikey: 4 keyed needles in prose; the question names one, so a policy must keep the
 # right needle and not a distractor: harder than the single needle full KV always finds
 # (shared/notes/gpu-anchors.md), still answerable by a 0.5B model, and short (32-token cap).
-python3 -m tiered_radix eval --engine transformers "${model_arg[@]}" \
-  --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --threads "${THREADS:-1}" \
-  --policies full qevict rdkv snapkv h2o streaming kivi --budgets "${BUDGETS:-5%,10%,20%}" \
-  --tasks "${TASKS:-niah_multikey}" --lengths "${LENGTHS:-16k,32k}" --samples "${SAMPLES:-50}" \
-  --stop-when-answered --max-minutes "${MINUTES:-8}" --out "$OUT" 2>&1 | grep -v '^eval:' | tail -60
-exit "${PIPESTATUS[0]}"
+if [ "${OURS_PER_GPU:-4}" -gt 0 ]; then
+  PER_GPU=${OURS_PER_GPU:-4} bash bench/shards.sh "$OUT/ours" \
+    python3 -m tiered_radix eval --engine transformers "${model_arg[@]}" "${common[@]}" \
+    --policies full qevict rdkv snapkv h2o streaming kivi --stop-when-answered \
+    > "$OUT/ours.log" 2>&1 &
+  pids+=($!)
+fi
+if [ "${KVPRESS_PER_GPU:-2}" -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/kvp .whl/kvpress/*.whl || exit 1
+  # kvpress needs transformers < 5.3 (its own, in /tmp/kvp); the merge runs with ours
+  MERGE_PYTHONPATH=${PYTHONPATH:-} PYTHONPATH=/tmp/kvp:$PWD PER_GPU=$KVPRESS_PER_GPU \
+    bash bench/shards.sh "$OUT/kvpress" \
+    python3 -m tiered_radix.eval.kvpress_run --model "$MODEL" --name "$MODEL" "${common[@]}" \
+    --presses "${PRESSES:-snapkv,expected,streaming}" > "$OUT/kvpress.log" 2>&1 &
+  pids+=($!)
+fi
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+tail -25 "$OUT"/ours.log "$OUT"/kvpress.log 2>/dev/null
+dirs=(); for d in "$OUT/ours" "$OUT/kvpress"; do [ -f "$d/results.jsonl" ] && dirs+=("$d"); done
+[ ${#dirs[@]} -gt 0 ] && python3 -m tiered_radix eval --report-from "${dirs[@]}" --out "$OUT" \
+  | tail -45
+exit $rc
