@@ -222,6 +222,25 @@ def test_version_env_and_errors(monkeypatch):
         decode.plan(lay, num_q_heads=2, version=2, v_bits=(2, 3))
 
 
+def test_default_version_on_cuda_avoids_v2_with_small_pages(monkeypatch):
+    """v2 failed its GPU tests at 16-token pages (run 6): the default there is v1; an explicit
+    version (argument or environment) still wins."""
+    from types import SimpleNamespace
+
+    def layout(device: str, page: int, pages: int = 3):
+        pool = SimpleNamespace(device=torch.device(device))
+        return SimpleNamespace(k_pool=pool, page_ids=torch.zeros(pages), page_size=page)
+
+    monkeypatch.delenv(decode.VERSION_ENV, raising=False)
+    assert decode._version(None, layout("cuda", 16)) == 1
+    assert decode._version(None, layout("cuda", 32)) == 2
+    assert decode._version(None, layout("cuda", 16, pages=0)) == 2  # no pages: rows only
+    assert decode._version(None, layout("cpu", 16)) == 2
+    assert decode._version(2, layout("cuda", 16)) == 2
+    monkeypatch.setenv(decode.VERSION_ENV, "2")
+    assert decode._version(None, layout("cuda", 16)) == 2
+
+
 def test_side_output_off_and_accumulates():
     q, k, v, tp = make_case(7, [40], 1, 4, 64, torch.float16, [2, 16], None, [2], 1)
     lay = build_trizone(k, v, tp, page_size=16)

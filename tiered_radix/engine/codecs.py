@@ -111,7 +111,9 @@ def quantize(x: Tensor, bits: int, group: int) -> QuantizedTensor:
     xg = torch.nan_to_num(x.float(), nan=0.0, posinf=FP16_MAX, neginf=-FP16_MAX)
     xg = xg.reshape(*x.shape[:-1], n // group, group)
     lo, hi = xg.amin(-1), xg.amax(-1)
-    scale16 = ((hi - lo) / qmax).half()
+    # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which
+    # rounds differently from IEEE division (the Triton twin, and the CPU) in rare groups
+    scale16 = ((hi - lo) / torch.full_like(hi, qmax)).half()
     scale16 = torch.where((scale16 == 0) | ~scale16.isfinite(), 1.0, scale16)
     lo16 = lo.half()
     code = torch.round((xg - lo16.float().unsqueeze(-1)) / scale16.float().unsqueeze(-1))
