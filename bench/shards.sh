@@ -6,6 +6,8 @@
 #   PER_GPU=4 bash bench/shards.sh OUT python3 -m tiered_radix eval --device cuda ...
 #   PER_GPU=4 bash bench/shards.sh OUT python3 -m tiered_radix.eval.kvpress_run --device cuda ...
 # MERGE_PYTHONPATH: the merge's PYTHONPATH when the shards' differs (kvpress's transformers).
+# SEED_RESULTS: a results.jsonl of an earlier run (another machine, another shard count) copied
+# into each new shard folder, so finished cells are skipped (they match by cell key).
 # Exit: 1 if a shard failed (its log tail is printed), else the merge's exit code.
 set -uo pipefail
 OUT=$1; shift
@@ -15,6 +17,9 @@ N=$((GPUS * ${PER_GPU:-1}))
 mkdir -p "$OUT"
 pids=()
 for ((i = 0; i < N; i++)); do
+  if [ -n "${SEED_RESULTS:-}" ] && [ ! -f "$OUT/shard-$i/results.jsonl" ]; then
+    mkdir -p "$OUT/shard-$i" && cp "$SEED_RESULTS" "$OUT/shard-$i/results.jsonl"
+  fi
   CUDA_VISIBLE_DEVICES=$((i % GPUS)) "$@" --shard "$i/$N" --out "$OUT/shard-$i" \
     > "$OUT/shard-$i.log" 2>&1 &
   pids+=($!)

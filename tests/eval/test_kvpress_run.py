@@ -147,3 +147,21 @@ def test_fan_out_equals_one_press_at_a_time():
                 assert mine.keys.shape[-2] == int(150 * (1 - ratio)) or ratio == 0.0
                 torch.testing.assert_close(mine.keys, ref.keys, rtol=0, atol=0)
                 torch.testing.assert_close(mine.values, ref.values, rtol=0, atol=0)
+
+
+def test_offline_stand_in_refuses_use_but_not_introspection(monkeypatch):
+    """The stand-in for ``datasets`` raises when kvpress uses it, and has no dunder attributes:
+    the GPU run 6 stand-in answered ``__file__`` with a function, and ``inspect.getmodule`` (run
+    by ``torch.library`` when kvpress registers a custom op) crashed on it."""
+    import inspect
+    import sys
+
+    from tiered_radix.eval.kvpress_engine import _offline_module
+
+    mod = _offline_module("datasets_standin")
+    with pytest.raises(RuntimeError, match="offline kvpress run"):
+        mod.load_dataset("x")
+    assert not hasattr(mod, "__file__") and not hasattr(mod, "__path__")
+    monkeypatch.setitem(sys.modules, "datasets_standin", mod)
+    assert inspect.getmodule(test_offline_stand_in_refuses_use_but_not_introspection,
+                             "/no/such/file.py") is not mod  # walks sys.modules  # fmt: skip

@@ -196,8 +196,18 @@ def run(args: argparse.Namespace) -> int:
         "budgets": budgets or "each policy's own",
         "host_cpus": os.cpu_count(),
         "shard": args.shard,
+        "cuda_peak_mib": _cuda_peak_mib(args.device),
     }
     return write_reports(records, meta, Path(args.out))
+
+
+def _cuda_peak_mib(device: str) -> int | None:
+    """Peak CUDA memory this process allocated (None off CUDA): how many shards fit a GPU."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return int(torch.cuda.max_memory_allocated() / 2**20)
 
 
 def report_from(args: argparse.Namespace) -> int:

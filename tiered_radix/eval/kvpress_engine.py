@@ -66,8 +66,13 @@ def _offline_module(name: str) -> types.ModuleType:
     def refuse(*_args, **_kwargs):
         raise RuntimeError(f"'{name}' is not installed (offline kvpress run)")
 
+    def attr(key: str):
+        if key.startswith("__"):  # no __file__, __path__, ...: inspect and importlib look them up
+            raise AttributeError(key)
+        return refuse
+
     mod = types.ModuleType(name)
-    mod.__getattr__ = lambda attr: refuse  # type: ignore[method-assign]
+    mod.__getattr__ = attr  # type: ignore[method-assign]
     return mod
 
 
