@@ -46,17 +46,22 @@ def _host_s(stats: Path) -> dict:
 
 
 def _per_step(before: dict, after: dict) -> dict:
-    """Host milliseconds per decode step of each phase between two reads of the stats file
-    (extend batches in between, e.g. the long call's first token, are included)."""
-    steps = after.get("decode_steps", 0) - before.get("decode_steps", 0)
-    if steps <= 0:
-        return {}
-    skip = ("decode_steps", "extend_batches")
-    return {
-        k: round(1e3 * (v - before.get(k, 0.0)) / steps, 3)
-        for k, v in after.items()
-        if k not in skip
-    } | {"decode_steps": steps}
+    """Host milliseconds of each phase between two reads of the stats file: decode phases per
+    decode step, ``*_extend`` phases and ``extend_attend`` per extend batch (the long call's
+    first token is an extend of every request)."""
+    n = {k: after.get(k, 0) - before.get(k, 0) for k in ("decode_steps", "extend_batches")}
+    out = {}
+    for k, v in after.items():
+        if k in n:
+            continue
+        per = (
+            n["extend_batches"]
+            if k.endswith("_extend") or k.startswith("extend")
+            else n["decode_steps"]
+        )
+        if per > 0:
+            out[k] = round(1e3 * (v - before.get(k, 0.0)) / per, 3)
+    return out | n
 
 
 def run(kind: str, a, vocab: int = 30000) -> dict:
@@ -95,7 +100,7 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
             rows.append({"batch": bs, "t_prefill_s": t_prefill, "t_short_s": short,
                          "t_long_s": long, "decode_ms_per_token": 1e3 * per_tok})  # fmt: skip
             if kind == "tiered":
-                rows[-1]["host_ms_per_decode_step"] = _per_step(before, _host_s(stats))
+                rows[-1]["host_ms_per_step"] = _per_step(before, _host_s(stats))
             print(kind, rows[-1], flush=True)
     finally:
         engine.shutdown()

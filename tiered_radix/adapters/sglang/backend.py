@@ -139,7 +139,8 @@ class TieredAttnBackend(AttentionBackend):
         return tree
 
     def init_forward_metadata(self, fb) -> None:
-        with self._timed("metadata"):
+        extend = fb.forward_mode.is_extend()
+        with self._timed("metadata_extend" if extend else "metadata"):
             self._metadata(fb)
         if self.batch:
             self.host_s["extend_batches" if self.extend else "decode_steps"] += 1
@@ -220,7 +221,7 @@ class TieredAttnBackend(AttentionBackend):
         if getattr(layer, "logit_cap", 0) or (getattr(layer, "sliding_window_size", -1) or -1) > 0:
             raise NotImplementedError("tiered_triton: logit caps and sliding windows unsupported")
         if save_kv_cache and k is not None:
-            with self._timed("write"):
+            with self._timed("write_extend" if self.extend else "write"):
                 self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
         q3 = q.reshape(-1, hq, layer.qk_head_dim)
@@ -244,7 +245,7 @@ class TieredAttnBackend(AttentionBackend):
             if self.dbatch is not None and self.kernel:
                 with self._timed("observe"):
                     self._observe_decode()
-            with self._timed("route"):
+            with self._timed("route_extend" if self.extend else "route"):
                 self._route_due()
         return out.reshape(-1, hq * dv)
 
@@ -309,12 +310,13 @@ class TieredAttnBackend(AttentionBackend):
 
     def stats(self) -> dict:
         """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and
-        ``host_s``: host seconds spent issuing each phase since startup (``metadata``, ``write``,
-        ``decode_kernel`` (including ``decode_lists``, the step's index lists), ``decode_gather``,
-        ``extend_attend``, ``observe``, ``route``) and the ``decode_steps``/``extend_batches``
-        counts they divide by. On the GPU a phase's time is what it costs the host to launch it
-        (plus any host sync in it): where their sum per step nears the step time, the step is
-        launch-bound."""
+        ``host_s``: host seconds spent issuing each phase since startup, decode steps'
+        (``metadata``, ``write``, ``decode_kernel`` (including ``decode_lists``, the step's index
+        lists), ``decode_gather``, ``observe``, ``route``) apart from extend batches'
+        (``metadata_extend``, ``write_extend``, ``extend_attend``, ``route_extend``), and the
+        ``decode_steps``/``extend_batches`` counts they divide by. On the GPU a phase's time is
+        what it costs the host to launch it (plus any host sync in it): where their sum per step
+        nears the step time, the step is launch-bound."""
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
         out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
