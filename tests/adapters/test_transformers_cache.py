@@ -19,6 +19,7 @@ from tiered_radix.adapters.transformers import (  # noqa: E402
     attend,
     tiered_attention_on,
 )
+from tiered_radix.adapters.transformers.attention import attend_sdpa  # noqa: E402
 from tiered_radix.engine.colmass_ref import column_mass_ref  # noqa: E402
 
 POLICIES = sorted(Path(__file__).parents[2].joinpath("policies").glob("*.yaml"))
@@ -86,6 +87,35 @@ def test_attend_matches_dense_reference_and_colmass_ref(evict):
     else:  # the engine's chunked reference twin agrees
         cm = column_mass_ref(q.transpose(0, 1), k.transpose(0, 1), scale=0.3, q_offset=t - tq)
         torch.testing.assert_close(sig.colmass, cm, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tq", [1, 45])
+@pytest.mark.parametrize("evict", [False, True])
+def test_attend_sdpa_matches_dense_reference(evict, tq, dtype):
+    """The fused-kernel variant (SGLang's extend on CUDA): outputs in the inputs' dtype, row
+    chunks bounded by mask_elems, evicted rows NaN-poisoned; signals as attend's."""
+    g = torch.Generator().manual_seed(4)
+    hq, h, t, d = 6, 2, 60, 16
+    q, k, v = (torch.randn(*s, generator=g) for s in ((hq, tq, d), (h, t, d), (h, t, d)))
+    kept = None
+    if evict:
+        kept = torch.rand(h, t, generator=g) > 0.4
+        kept[:, t - tq :] = True
+        k, v = k.masked_fill(~kept[..., None], math.nan), v.masked_fill(~kept[..., None], math.nan)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    need = frozenset({"obs_attn", "qnorm"})
+    out, sig = attend_sdpa(q, k, v, kept, 0.3, need=need, mask_elems=hq * t * 7)
+    ref, mass = dense(q, k, v, kept, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == torch.float32 and out.isfinite().all()
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(sig.attn.double(), mass[:, -1], rtol=tol, atol=1e-3 * tol)
+    torch.testing.assert_close(sig.obs_attn.double(), mass[:, -32:].sum(1), rtol=tol, atol=tol)
+    torch.testing.assert_close(sig.qnorm, attend(q, k, v, kept, 0.3, need=need)[1].qnorm)
+    assert sig.colmass is None
+    with_cm = attend_sdpa(q, k, v, kept, 0.3, need=need | {"colmass"})[1]  # falls back to attend
+    torch.testing.assert_close(with_cm.colmass.double(), mass.sum(1), rtol=tol, atol=tol)
 
 
 # -- (a) the full policy is the model itself ---------------------------------------------------

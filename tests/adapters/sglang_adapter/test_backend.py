@@ -15,6 +15,7 @@ from sglang_sim import Sim, require
 require("sglang.srt.mem_cache.radix_cache")
 
 from tiered_radix.adapters.sglang.backend import TieredAttnBackend  # noqa: E402
+from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
 from tiered_radix.adapters.transformers.attention import attend  # noqa: E402
 from tiered_radix.engine.store import TierStore  # noqa: E402
@@ -244,3 +245,36 @@ def test_stats_file_is_rewritten_after_each_routing(tmp_path, monkeypatch):
     phases = {"metadata_extend", "write_extend", "extend_attend", "route_extend", "metadata",
               "write", "decode_gather", "route"}  # fmt: skip
     assert phases <= host.keys() and all(host[p] > 0 for p in phases)
+
+
+def test_extend_through_sdpa_matches_the_float32_path(monkeypatch):
+    """``$TIERED_RADIX_EXTEND=sdpa`` (the CUDA default): a second turn extends over a prefix with
+    evicted and quantized windows; its outputs equal the float32 path's up to rounding, and so
+    do the tiers every step decides."""
+
+    def serve(mode: str):
+        monkeypatch.setenv("TIERED_RADIX_EXTEND", mode)
+        h = Harness()
+        r1 = h.start("t1", list(range(1, 33)))
+        outs = [h.step([r1], [r1.origin_input_ids], extend=True)]
+        for t in range(4):
+            outs.append(h.step([r1], [[60 + t]], extend=False))
+        turn1 = list(r1.tokens)
+        h.finish(r1)
+        r2 = h.start("t2", turn1 + [70, 71, 72, 73, 74, 75])
+        outs.append(h.step([r2], [r2.origin_input_ids[r2.prefix_len :]], extend=True))
+        tiers = [h.backend.sessions["t2"].store.tiers(li) for li in range(h.sim.L)]
+        kept = [h.backend._read("t2", li)[2] for li in range(h.sim.L)]
+        return outs, tiers, kept, h.backend.extend_attend.__name__
+
+    exact, sdpa = serve("exact"), serve("sdpa")
+    assert (exact[3], sdpa[3]) == ("attend", "attend_sdpa")
+    assert any(not bool(k.all()) for k in sdpa[2])  # the second turn read past evicted windows
+    for a, b in zip(exact[0], sdpa[0], strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+    for x, y in zip(exact[1], sdpa[1], strict=True):
+        assert torch.equal(x, y)
+    monkeypatch.setenv("TIERED_RADIX_EXTEND", "flash")
+    with pytest.raises(PoolConfigError, match="'sdpa' or 'exact'"):
+        Harness()

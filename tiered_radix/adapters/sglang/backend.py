@@ -17,10 +17,11 @@ reads them), fed to the request's store. After the last layer, requests whose sc
 route: the store plans, and :meth:`~.radix.TieredRadixCache.route` moves the pool's blocks.
 
 Extend routes after every chunk when the policy says ``after_prefill`` (as the transformers
-adapter does); decode steps count per request. Extend gathers rows per request and layer in
-PyTorch (float32); decode runs the TriZone kernel over the pool's pages and rows in place
-(:mod:`.trizone`) where it can read the pool, else the same PyTorch path. CUDA graphs and the
-overlap scheduler are off (the plugin sets them).
+adapter does); decode steps count per request. Extend gathers rows per request and layer and
+attends with ``scaled_dot_product_attention`` under a kept/causal mask on CUDA (float32 score
+blocks on CPU, or with ``$TIERED_RADIX_EXTEND=exact``); decode runs the TriZone kernel over the
+pool's pages and rows in place (:mod:`.trizone`) where it can read the pool, else PyTorch. CUDA
+graphs and the overlap scheduler are off (the plugin sets them).
 
 Tensor parallelism (``--tp N``): each rank's pool holds its ``H / N`` KV heads and each request's
 store is built with that rank's :class:`~tiered_radix.engine.shard.HeadShard` over SGLang's TP
@@ -41,7 +42,7 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from tiered_radix.adapters.transformers.attention import attend
+from tiered_radix.adapters.transformers.attention import attend, attend_sdpa
 from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_reads
 from tiered_radix.engine.shard import HeadShard
 from tiered_radix.engine.store import TierStore
@@ -54,6 +55,7 @@ from .stats import BackendStats, log
 
 CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}  # float32 scores per attention block
 DECODE_ENV = "TIERED_RADIX_DECODE"  # "kernel" (default where supported) or "gather"
+EXTEND_ENV = "TIERED_RADIX_EXTEND"  # "sdpa" (default on CUDA) or "exact" (default on CPU)
 
 
 def tp_shard(runner, heads_local: int) -> HeadShard | None:
@@ -105,6 +107,7 @@ class TieredAttnBackend(AttentionBackend):
         self.extend = False
         self.counters = BackendStats()
         self.kernel = self._use_kernel()
+        self.extend_attend = self._extend_attention()
         self.kernel_error: str | None = None
         self.dbatch: trizone.DecodeBatch | None = None
         self.host_s: dict[str, float] = defaultdict(float)  # host seconds per phase, see stats()
@@ -121,6 +124,15 @@ class TieredAttnBackend(AttentionBackend):
             yield
         finally:
             self.host_s[phase] += time.perf_counter() - t0
+
+    def _extend_attention(self):
+        """Extend's attention: ``attend_sdpa`` (a fused kernel in the model's dtype; GPU run 6
+        spent 25 s of a 37 s prefill in the float32 path) or ``attend`` (float32, the engine's
+        reference numbers)."""
+        want = os.environ.get(EXTEND_ENV, "exact" if self.pool.device == "cpu" else "sdpa")
+        if want not in ("sdpa", "exact"):
+            raise PoolConfigError(f"${EXTEND_ENV}={want!r}: use 'sdpa' or 'exact'")
+        return attend_sdpa if want == "sdpa" else attend
 
     def _use_kernel(self) -> bool:
         """Decode with the TriZone kernel where it can read the pool (and Triton can run)."""
@@ -250,16 +262,17 @@ class TieredAttnBackend(AttentionBackend):
         return out.reshape(-1, hq * dv)
 
     def _gather(self, q3, layer, li: int, dv: int):
-        """Attention over each request's rows as read from the pool (PyTorch, float32)."""
+        """Attention over each request's rows as read from the pool (PyTorch: extend through
+        :meth:`_extend_attention`'s choice, decode without the kernel in float32)."""
         out = q3.new_empty(q3.shape[0], q3.shape[1], dv)
         need = self.prefill_needs if self.extend else frozenset()
+        fn = self.extend_attend if self.extend else attend
+        elems = CHUNK_ELEMS.get(q3.device.type, 1 << 22)
+        chunk = {"mask_elems" if fn is attend_sdpa else "chunk_elems": elems}
         for r in self.batch:
             kk, vv, kept = self._read(r.rid, li)
             qi = q3[r.start : r.start + r.tq].transpose(0, 1)
-            o, signals = attend(
-                qi, kk, vv, kept, float(layer.scaling), need=need,
-                chunk_elems=CHUNK_ELEMS.get(q3.device.type, 1 << 22),
-            )  # fmt: skip
+            o, signals = fn(qi, kk, vv, kept, float(layer.scaling), need=need, **chunk)
             out[r.start : r.start + r.tq] = o.transpose(0, 1).to(out.dtype)
             r.session.store.observe(li, signals)
         return out

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tiered_radix.engine.colmass_ref import channel_norms
@@ -99,6 +100,55 @@ def attend(
         qnorm = channel_norms(q.transpose(0, 1), kt_new)[0]
     signals = Signals(attn=p[:, :, -1].sum(1), colmass=colmass, obs_attn=obs, qnorm=qnorm)
     return out.reshape(hq, tq, d), signals
+
+
+def attend_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kept: Tensor | None,
+    scale: float,
+    *,
+    need: frozenset[str] = frozenset(),
+    mask_elems: int = 1 << 26,
+) -> tuple[Tensor, Signals]:
+    """:func:`attend`'s outputs and signals through ``scaled_dot_product_attention`` (a fused
+    kernel on CUDA, in the inputs' dtype) instead of float32 score blocks: the same numbers up
+    to that dtype's rounding. ``attn``/``obs_attn`` come from :func:`attend` on the last
+    :data:`OBS_WINDOW` query rows (or the last row), ``qnorm`` as in :func:`attend`. ``colmass``
+    needs every row's probabilities: with it in ``need`` this is :func:`attend` itself.
+    ``mask_elems`` bounds one call's boolean mask (``Hq * rows * T``) when ``kept`` is given.
+    """
+    if "colmass" in need:
+        return attend(q, k, v, kept, scale, need=need, chunk_elems=mask_elems)
+    (hq, tq, d), (h, t, _) = q.shape, k.shape
+    g = hq // h
+    assert g * h == hq and tq <= t, (q.shape, k.shape)
+    kq, vq = k.to(q.dtype), v.to(q.dtype)
+    keep_q = None
+    if kept is not None:  # evicted rows are NaN-poisoned: zero them, then mask them out
+        kq = kq.masked_fill(~kept[..., None], 0.0)
+        vq = vq.masked_fill(~kept[..., None], 0.0)
+        keep_q = kept.repeat_interleave(g, 0)[None, :, None, :]  # [1, Hq, 1, T]
+    keys = torch.arange(t, device=q.device)
+    out = torch.empty(hq, tq, d, dtype=torch.float32, device=q.device)
+    rows = tq if kept is None else max(1, mask_elems // (hq * t))
+    for r0 in range(0, tq, rows):
+        r1 = min(tq, r0 + rows)
+        pos = t - tq + torch.arange(r0, r1, device=q.device)
+        causal = keys[None, :] <= pos[:, None]  # [rows, T], lower right
+        mask = causal[None, None] if keep_q is None else causal[None, None] & keep_q
+        o = F.scaled_dot_product_attention(
+            q[None, :, r0:r1], kq[None], vq[None], attn_mask=mask, scale=scale, enable_gqa=True
+        )[0]
+        out[:, r0:r1] = o.float().nan_to_num(0.0)  # a row with every key evicted: NaN -> 0
+    tail = min(OBS_WINDOW if "obs_attn" in need else 1, tq)
+    _, sig = attend(q[:, tq - tail :], k, v, kept, scale, need=need & {"obs_attn"})
+    qnorm = None
+    if "qnorm" in need:
+        kf = k.float() if kept is None else k.float().masked_fill(~kept[..., None], 0.0)
+        qnorm = channel_norms(q.transpose(0, 1), kf[:, t - tq :].transpose(0, 1).to(q.dtype))[0]
+    return out, Signals(attn=sig.attn, obs_attn=sig.obs_attn, qnorm=qnorm)
 
 
 def tiered_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
