@@ -122,13 +122,6 @@ def run(args: argparse.Namespace) -> int:
     from ..eval import EngineError, Grid, TaskError, TransformersEngine, expand_tasks, run_grid
     from ..eval.runner import parse_shard
 
-    if args.engine == "sglang":
-        print(
-            "tiered-radix eval: the sglang engine is not available yet (its adapter has not "
-            "landed); use --engine transformers",
-            file=sys.stderr,
-        )
-        return 2
     try:
         if args.samples < 1:
             raise UsageError(f"--samples must be at least 1, got {args.samples}")
@@ -150,13 +143,18 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        engine = TransformersEngine(
-            args.model_path or args.model,
-            device=args.device,
-            dtype=args.dtype,
-            attention=args.attention,
-            diagnostics=args.diagnostics,
-        )
+        if args.engine == "sglang":
+            from ..eval.sglang_engine import SGLangEngine
+
+            engine = SGLangEngine(args.model_path or args.model)
+        else:
+            engine = TransformersEngine(
+                args.model_path or args.model,
+                device=args.device,
+                dtype=args.dtype,
+                attention=args.attention,
+                diagnostics=args.diagnostics,
+            )
     except EngineError as e:
         print(f"tiered-radix eval: {e}", file=sys.stderr)
         return 2

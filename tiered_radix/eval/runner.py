@@ -13,6 +13,10 @@ configuration decodes from it (multi-turn samples run each configuration from sc
 with a single tier (``kivi``: every unit int2) cannot trade bytes for anything, so it runs once,
 at its own budget, whatever ``budgets`` says. ``deadline`` (a ``time.monotonic()`` value) stops
 the run before the next *sample* once passed: every configuration has the same samples.
+
+An engine with ``answer_batch`` (:class:`~.sglang_engine.SGLangEngine`: a server per
+configuration) turns the loops around: configurations outer, each answering every sample not
+yet done in one call; its deadline falls between configurations.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,7 @@ from tqdm import tqdm
 
 from ..policy import Policy, load_policy
 from ..policy.model import Budget
-from .engines import Engine
+from .engines import Engine, Reply
 from .scoring import score
 from .tasks import DEPTHS, Sample, make_sample
 
@@ -175,10 +179,6 @@ def run_cell(
     """Generate and score one sample under one configuration; never raises for engine errors.
     ``prefill``: the sample's shared prefill (an exception if it failed), or None."""
     max_new = min(s.max_new_tokens, cap) if cap else s.max_new_tokens
-    rec = sample_fields(
-        s, engine=engine.name, model=engine.model, policy=policy.name, budget=label,
-        reference=policy.name == "full", max_new=max_new,
-    )  # fmt: skip
     t0 = time.perf_counter()
     try:
         if isinstance(prefill, Exception):
@@ -191,8 +191,23 @@ def run_cell(
         else:
             replies = engine.chat(s.turns, policy, max_new)
     except Exception as e:  # noqa: BLE001  (one failing policy must not end the run)
-        return {**rec, "error": f"{type(e).__name__}: {e}", "seconds": time.perf_counter() - t0}
-    rec["seconds"] = time.perf_counter() - t0
+        replies = e
+    return record(engine, policy, label, s, max_new, replies, time.perf_counter() - t0)
+
+
+def record(
+    engine: Engine, policy: Policy, label: str, s: Sample, max_new: int,
+    replies: Sequence[Reply] | Exception, seconds: float,
+) -> dict:  # fmt: skip
+    """One cell's row: the sample's fields and either the scored last reply (with every turn
+    for multi-turn samples) or the error."""
+    rec = sample_fields(
+        s, engine=engine.name, model=engine.model, policy=policy.name, budget=label,
+        reference=policy.name == "full", max_new=max_new,
+    )  # fmt: skip
+    rec["seconds"] = seconds
+    if isinstance(replies, Exception):
+        return {**rec, "error": f"{type(replies).__name__}: {replies}"}
     rec["prediction"] = replies[-1].text
     rec["score"] = score(replies[-1].text, s.answers, s.metric)
     rec["stats"] = dict(replies[-1].stats)
@@ -247,6 +262,10 @@ def run_grid(
     records: list[dict[str, Any]] = []
     total = n * len(grid.lengths) * len(configs)
     bar = tqdm(total=total, desc="eval", unit="cell", disable=not progress)
+    if hasattr(engine, "answer_batch"):
+        with bar, open(path, "a") as f:
+            _run_by_configuration(engine, grid, configs, done, records, f, bar, deadline)
+        return records
     with bar, open(path, "a") as f:
         for s in samples(grid, engine):
             if deadline is not None and time.monotonic() > deadline:
@@ -268,6 +287,40 @@ def run_grid(
                 f.flush()
                 records.append(rec)
     return records
+
+
+def _run_by_configuration(engine, grid, configs, done, records, f, bar, deadline) -> None:
+    """An engine with ``answer_batch`` (one server per configuration): configurations outer,
+    every sample not yet done answered in one call; ``deadline`` is checked between
+    configurations."""
+    todo = list(samples(grid, engine))
+    cap = grid.max_new_tokens
+    for policy, label in configs:
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        pending = []
+        for s in todo:
+            key = cell_key(engine, policy, label, s, grid)
+            if key in done:
+                records.append(done[key])
+                bar.update(1)
+            else:
+                pending.append((s, key))
+        if not pending:
+            continue
+        bar.set_postfix_str(f"{policy.name}@{label}: {len(pending)} samples")
+        max_new = [min(s.max_new_tokens, cap) if cap else s.max_new_tokens for s, _ in pending]
+        t0 = time.perf_counter()
+        got = engine.answer_batch(policy, label, [s.turns for s, _ in pending], max_new)
+        seconds = (time.perf_counter() - t0) / len(pending)
+        got = [got] * len(pending) if isinstance(got, Exception) else got
+        for (s, key), m, replies in zip(pending, max_new, got, strict=True):
+            rec = {"key": key, "seed": grid.seed,
+                   **record(engine, policy, label, s, m, replies, seconds)}  # fmt: skip
+            f.write(json.dumps(rec) + "\n")
+            records.append(rec)
+            bar.update(1)
+        f.flush()
 
 
 def _prefill(engine, s: Sample, policies: list[Policy]):
