@@ -166,6 +166,7 @@ def test_flatten_stats():
         (["--policies", "qevikt"], "qevict"),
         (["--samples", "0"], "at least 1"),
         (["--shard", "2/2"], "bad shard"),
+        (["--engine-arg", "mem_fraction_static"], "KEY=VALUE"),
         (["--report-from", "no-such-dir"], "results.jsonl does not exist"),
     ],
 )

@@ -115,6 +115,13 @@ def test_engine_args_and_errors(engine):
     assert engine.engine_args(load_policy("rdkv"), "10%")["kv_policy"].endswith("rdkv.yaml")
     with pytest.raises(Exception, match="fraction budgets"):
         engine.engine_args(load_policy("qevict"), "4096 tokens")
+    engine.engine_kwargs["attention_backend"] = "triton"  # plain SGLang's; the plugin picks its own
+    assert engine.engine_args(load_policy("full"), "100%")["attention_backend"] == "triton"
+    assert "attention_backend" not in engine.engine_args(load_policy("qevict"), "10%")
+    from tiered_radix.cli.eval import parse_engine_args
+
+    assert parse_engine_args(["a=1", "b=0.5", "c=true", "d=triton"]) == {
+        "a": 1, "b": 0.5, "c": True, "d": "triton"}  # fmt: skip
     assert engine.count_tokens("a b, c") == 4
     assert engine.prompt_ids([{"role": "user", "content": "hi"}]) == [0]
     assert engine.tokenizer.texts == ["User: hi\nAssistant:"]

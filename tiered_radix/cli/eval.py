@@ -94,6 +94,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-diagnostics", dest="diagnostics", action="store_false", help="skip FMM/LIR/churn"
     )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--engine sglang: a sglang.Engine argument, e.g. attention_backend=triton "
+        "mem_fraction_static=0.5 (repeat the flag)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument(
@@ -135,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         if args.max_minutes is not None and args.max_minutes <= 0:
             raise UsageError(f"--max-minutes must be positive, got {args.max_minutes}")
         shard = parse_shard(args.shard)
+        parse_engine_args(args.engine_arg)
     except (UsageError, TaskError, PolicyError, ValueError) as e:
         print(f"tiered-radix eval: {e}", file=sys.stderr)
         return 2
@@ -146,7 +155,9 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "sglang":
             from ..eval.sglang_engine import SGLangEngine
 
-            engine = SGLangEngine(args.model_path or args.model)
+            engine = SGLangEngine(
+                args.model_path or args.model, engine_kwargs=parse_engine_args(args.engine_arg)
+            )
         else:
             engine = TransformersEngine(
                 args.model_path or args.model,
@@ -253,6 +264,32 @@ def write_reports(records: list[dict], meta: dict, out: Path) -> int:
         f"\nwrote {out}/results.jsonl, report.json, report.md, {', '.join(p.name for p in plots)}"
     )
     return 1 if report["errors"] else 0
+
+
+def parse_engine_args(items: list[str]) -> dict:
+    """``["mem_fraction_static=0.5", "attention_backend=triton"]`` -> a dict; numbers and
+    true/false become numbers and booleans.
+
+    Raises:
+        UsageError: an item without ``=``.
+    """
+    out: dict = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise UsageError(f"--engine-arg {item!r}: use KEY=VALUE, e.g. mem_fraction_static=0.5")
+        low = value.lower()
+        if low in ("true", "false"):
+            out[key] = low == "true"
+            continue
+        try:
+            out[key] = int(value)
+        except ValueError:
+            try:
+                out[key] = float(value)
+            except ValueError:
+                out[key] = value
+    return out
 
 
 def configs_check(budgets: list[str]) -> None:

@@ -25,7 +25,8 @@ from .engines import EngineError, Reply
 
 class SGLangEngine:
     """``model``: a Hugging Face folder (or a registry name, fetched offline).
-    ``engine_kwargs`` go to every ``sglang.Engine`` (e.g. ``mem_fraction_static``); the
+    ``engine_kwargs`` go to every ``sglang.Engine`` (e.g. ``mem_fraction_static``;
+    ``attention_backend`` to the full-KV reference only: under a policy the plugin picks); the
     tokenizer renders prompts with the model's chat template, as the transformers engine does.
     """
 
@@ -69,6 +70,7 @@ class SGLangEngine:
         kw = {"model_path": self.folder, **self.engine_kwargs}
         if policy.name == "full":
             return kw
+        kw.pop("attention_backend", None)  # the plugin picks its own (tiered_triton)
         if not label.endswith("%"):
             raise EngineError(f"the sglang engine takes fraction budgets (10%), got {label!r}")
         src = Path(policy.source)
