@@ -10,13 +10,11 @@ process. A naive per-rank engine (no collectives) is shown to differ, so the com
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 
 from tiered_radix import load_policy
 from tiered_radix.engine.routing import EngineConfigError
@@ -153,27 +151,14 @@ def drive(name: str, heads: slice, shard: HeadShard | None = None) -> dict:
     return rec
 
 
-def _rank_main(rank: int, init: str, out: str) -> None:
-    torch.set_num_threads(1)  # two ranks on a 2-core CI machine
-    dist.init_process_group(
-        "gloo",
-        init_method=init,
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        shard = HeadShard.of_group(H)
-        torch.save({n: drive(n, shard.heads, shard) for n in CASES}, f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int) -> dict:
+    shard = HeadShard.of_group(H)
+    return {n: drive(n, shard.heads, shard) for n in CASES}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("tp")
-    mp.spawn(_rank_main, args=(f"file://{tmp}/pg", str(tmp)), nprocs=WORLD, join=True)
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_rank, WORLD, tmp_path_factory.mktemp("tp"))
 
 
 @pytest.fixture(scope="module")

@@ -123,14 +123,7 @@ class TransformersEngine:
                 f"the transformers engine needs the 'models' extra and the transformers "
                 f"adapter ({e}); pip install 'tiered-radix[models]'"
             ) from e
-        from ..models import MODELS, fetch
-
-        folder = fetch(model, progress=False) if model in MODELS else Path(model)
-        if not Path(folder).is_dir():
-            raise EngineError(
-                f"'{model}' is neither a registry model ({', '.join(sorted(MODELS))}) "
-                "nor a model folder"
-            )
+        folder = model_folder(model)
         self.model, self._adapter = model, adapter
         self.adapter_hash = _source_hash(Path(adapter.__file__).parent)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -199,6 +192,23 @@ class TransformersEngine:
             fast=self.fast, probe=probe, done=done if answers else None,
         )  # fmt: skip
         return Reply(tok.decode(ids, skip_special_tokens=True).strip(), stats)
+
+
+def model_folder(model: str) -> Path:
+    """A registry model's folder (fetched offline on first use), or ``model`` as a folder.
+
+    Raises:
+        EngineError: neither.
+    """
+    from ..models import MODELS, fetch
+
+    folder = Path(fetch(model, progress=False)) if model in MODELS else Path(model)
+    if not folder.is_dir():
+        raise EngineError(
+            f"'{model}' is neither a registry model ({', '.join(sorted(MODELS))}) "
+            "nor a model folder"
+        )
+    return folder
 
 
 def _source_hash(folder: Path) -> str:

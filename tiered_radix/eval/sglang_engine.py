@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..policy import Policy
-from .engines import EngineError, Reply
+from .engines import EngineError, Reply, model_folder
 
 
 class SGLangEngine:
@@ -42,14 +42,7 @@ class SGLangEngine:
                 f"the sglang engine needs SGLang 0.5.17 and a GPU ({e}); "
                 "pip install 'tiered-radix[sglang]', or use --engine transformers"
             ) from e
-        from ..models import MODELS, fetch
-
-        folder = fetch(model, progress=False) if model in MODELS else Path(model)
-        if not Path(folder).is_dir():
-            raise EngineError(
-                f"'{model}' is neither a registry model ({', '.join(sorted(MODELS))}) "
-                "nor a model folder"
-            )
+        folder = model_folder(model)
         if tokenizer is None:
             from transformers import AutoTokenizer
 

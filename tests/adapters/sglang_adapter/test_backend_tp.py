@@ -7,13 +7,12 @@ in proportion to each head's attention, so a rank that planned alone would decid
 
 from __future__ import annotations
 
-import datetime
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
+from sglang_sim import POLICY as SIM_POLICY
 from sglang_sim import require
 
 require("sglang.srt.mem_cache.radix_cache")
@@ -21,22 +20,10 @@ require("sglang.srt.mem_cache.radix_cache")
 from test_backend import HQ, Harness  # noqa: E402
 
 WORLD, KV_HEADS, STEPS = 2, 2, 6
-POLICY = """
-policy: tp-qevict
-budget: 50%
-units: window(size=4)
-protect: {sinks: 0, recent: 4}
-spread: proportional(cumulative(attn, decay=0.99))
-scores:
-  score: cumulative(attn, decay=0.99)
-tiers:
-  full: keep(bf16)
-  int2: quantize(bits=2, group=4)
-  evicted: evict
-allocate: {method: rank, by: score, shares: {full: 50%, int2: 50%}}
-schedule: after_prefill, every(2)
-ledger: write_once
-"""
+# the Sim's policy with the budget spread by each head's attention (a rank alone would differ)
+POLICY = SIM_POLICY.replace("policy: tiny-qevict", "policy: tp-qevict").replace(
+    "scores:", "spread: proportional(cumulative(attn, decay=0.99))\nscores:"
+).replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
 PROMPTS = {"a": list(range(1, 39)), "b": list(range(40, 70))}
 
 
@@ -63,24 +50,13 @@ def serve(rank: int | None = None, tp_group=None) -> dict:
     return rec
 
 
-def _rank_main(rank: int, init: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        group = SimpleNamespace(world_size=WORLD, rank_in_group=rank, device_group=None)
-        torch.save(serve(rank, group), f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int) -> dict:
+    return serve(rank, SimpleNamespace(world_size=WORLD, rank_in_group=rank, device_group=None))
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("tp")
-    mp.spawn(_rank_main, args=(f"file://{tmp}/pg", str(tmp)), nprocs=WORLD, join=True)
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ranks(_rank, WORLD, tmp_path_factory.mktemp("tp"))
 
 
 @pytest.fixture(scope="module")
