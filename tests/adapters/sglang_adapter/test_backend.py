@@ -198,7 +198,13 @@ ledger: write_once
 """
 
 
-def test_decode_kernel_matches_the_gather_path(monkeypatch):
+# the same shape, ranked by position: the policy reads no decode attention, so the kernel runs
+# without its side output (one launch fewer per layer) and nothing is observed
+POSITION_POLICY = KERNEL_POLICY.replace("cumulative(attn, decay=0.99)", "position")
+
+
+@pytest.mark.parametrize("policy", [KERNEL_POLICY, POSITION_POLICY], ids=["attn", "position"])
+def test_decode_kernel_matches_the_gather_path(monkeypatch, policy):
     """The TriZone kernel (interpreted on CPU) reads the pool's pages and rows in place: decode
     outputs and the routing it drives equal the PyTorch gather path's."""
     pytest.importorskip("triton")
@@ -206,7 +212,7 @@ def test_decode_kernel_matches_the_gather_path(monkeypatch):
     runs = {}
     for path in ("gather", "kernel"):
         monkeypatch.setenv("TIERED_RADIX_DECODE", path)
-        h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
+        h = Harness(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
         assert h.backend.kernel == (path == "kernel")
         a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
         h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
@@ -215,6 +221,8 @@ def test_decode_kernel_matches_the_gather_path(monkeypatch):
             outs.append(h.step([a, b], [[80 + t], [90 + t]], extend=False))
             db = h.backend.dbatch
             pages = max(pages, 0 if db is None else sum(x.page_ids.numel() for x in db.layouts))
+            if db is not None:  # the side output is on exactly when the policy reads attn
+                assert (db.mass is not None) == db.plan.side_output == (policy == KERNEL_POLICY)
         tiers = [h.backend.sessions[r].store.tiers(li) for r in "ab" for li in range(h.sim.L)]
         runs[path] = outs, tiers, h.backend.stats(), pages
     (go, gt, gs, _), (ko, kt, ks, pages) = runs["gather"], runs["kernel"]

@@ -102,6 +102,8 @@ class TieredAttnBackend(AttentionBackend):
         self.layers = pool.layer_num
         self.last_layer = pool.start_layer + pool.layer_num - 1
         self.prefill_needs = frozenset(policy_reads(self.policy) & set(PREFILL_SIGNALS))
+        # decode attention mass (the kernel's side output): only for policies that read it
+        self.decode_attn = "attn" in policy_reads(self.policy)
         self.sessions: dict[str, Session] = {}
         self.batch: list[_Req] = []
         self.extend = False
@@ -254,7 +256,7 @@ class TieredAttnBackend(AttentionBackend):
             with self._timed("extend_attend" if self.extend else "decode_gather"):
                 out = self._gather(q3, layer, li, dv)
         if layer.layer_id == self.last_layer:
-            if self.dbatch is not None and self.kernel:
+            if self.dbatch is not None and self.kernel and self.dbatch.mass is not None:
                 with self._timed("observe"):
                     self._observe_decode()
             with self._timed("route_extend" if self.extend else "route"):
@@ -284,11 +286,13 @@ class TieredAttnBackend(AttentionBackend):
             views = [self.tree.views[r.rid] for r in self.batch]
             with self._timed("decode_lists"):
                 self.dbatch = trizone.build(
-                    self.pool, views, [r.seq for r in self.batch], q3.shape[1]
-                )
+                    self.pool, views, [r.seq for r in self.batch], q3.shape[1],
+                    side_output=self.decode_attn,
+                )  # fmt: skip
         db = self.dbatch
         out = decode.run(
-            q3.to(self.pool.dtype).contiguous(), db.layouts[li], db.plan, mass=db.mass[li],
+            q3.to(self.pool.dtype).contiguous(), db.layouts[li], db.plan,
+            mass=None if db.mass is None else db.mass[li],
             sm_scale=float(layer.scaling),
         )  # fmt: skip
         return out.to(q3.dtype)

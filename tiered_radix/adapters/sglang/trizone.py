@@ -38,11 +38,12 @@ HEAD_DIMS = (64, 128)
 @dataclass
 class DecodeBatch:
     """One decode step: a layout per layer, the shared plan, the side output per layer
-    (float32 ``[L, B, H * N]``), ``n`` windows per request and ``N = max(n)``."""
+    (float32 ``[L, B, H * N]``, None when the policy reads no decode attention), ``n`` windows
+    per request and ``N = max(n)``."""
 
     layouts: list[TriZoneLayout]
     plan: decode.DecodePlan
-    mass: Tensor
+    mass: Tensor | None
     n: list[int]
     n_max: int
 
@@ -60,9 +61,12 @@ def _k_table(bits: int | None, d: int, page_size: int, lists: int, dev) -> Tenso
     return torch.tensor(rows, dtype=torch.int32, device=dev).repeat(lists, 1)
 
 
-def build(pool, views, seqs: list[int], num_q_heads: int, version: int = 1) -> DecodeBatch:
+def build(
+    pool, views, seqs: list[int], num_q_heads: int, version: int = 1, side_output: bool = True
+) -> DecodeBatch:
     """Index lists of every layer for requests with ``views`` (``RequestView``) and lengths
-    ``seqs``; ``num_q_heads`` query heads (GQA over ``pool.head_num``)."""
+    ``seqs``; ``num_q_heads`` query heads (GQA over ``pool.head_num``). ``side_output``: the
+    kernel accumulates each window's attention mass (``mass``; None when off)."""
     L, H, W, d, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.head_dim, pool.device
     B = len(views)
     n = [int(v.windows.numel()) for v in views]
@@ -132,10 +136,10 @@ def build(pool, views, seqs: list[int], num_q_heads: int, version: int = 1) -> D
         )
     bits = (quant.bits,) if quant else ()
     plan = decode.plan(
-        layouts[0], num_q_heads=num_q_heads, side_output=True, v_bits=bits, k_bits=bits,
+        layouts[0], num_q_heads=num_q_heads, side_output=side_output, v_bits=bits, k_bits=bits,
         max_rows=max(seqs), version=version,
     )  # fmt: skip
-    mass = torch.zeros(L, B, H * N, dtype=torch.float32, device=dev)
+    mass = torch.zeros(L, B, H * N, dtype=torch.float32, device=dev) if side_output else None
     return DecodeBatch(layouts, plan, mass, n, N)
 
 
