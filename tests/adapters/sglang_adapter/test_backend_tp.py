@@ -21,9 +21,11 @@ from test_backend import HQ, Harness  # noqa: E402
 
 WORLD, KV_HEADS, STEPS = 2, 2, 6
 # the Sim's policy with the budget spread by each head's attention (a rank alone would differ)
-POLICY = SIM_POLICY.replace("policy: tiny-qevict", "policy: tp-qevict").replace(
-    "scores:", "spread: proportional(cumulative(attn, decay=0.99))\nscores:"
-).replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
+POLICY = (
+    SIM_POLICY.replace("policy: tiny-qevict", "policy: tp-qevict")
+    .replace("scores:", "spread: proportional(cumulative(attn, decay=0.99))\nscores:")
+    .replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
+)
 PROMPTS = {"a": list(range(1, 39)), "b": list(range(40, 70))}
 
 
