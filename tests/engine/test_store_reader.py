@@ -27,8 +27,13 @@ def test_reader_store_routes_like_the_data_store(path):
         policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32, reader=full.view
     )
     assert bare.stack.full == {} and all(not s.data for s in bare.stack.stores.values())
+    # counts every layer's new tokens in one call (the SGLang backend's way)
+    every = TierStore(
+        policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32, reader=full.view
+    )
 
     def feed(t0: int, t1: int, prefill: bool) -> None:
+        every.append_tokens(None, t1 - t0)
         for li in range(L):
             full.append(li, k[li, :, t0:t1], v[li, :, t0:t1])
             bare.append_tokens(li, t1 - t0)
@@ -36,12 +41,15 @@ def test_reader_store_routes_like_the_data_store(path):
             sig = signals(torch.Generator().manual_seed(t1 * 7 + li), kept, d, prefill)
             full.observe(li, sig)
             bare.observe(li, sig)
+            every.observe(li, sig)
 
     feed(0, T, True)
+    every.after_prefill()
     pairs = [(full.after_prefill(), bare.after_prefill())]
     for step in range(steps):
         feed(T + step, T + step + 1, False)
         if full.schedule_due(step):
+            every.route(f"step {step}")
             pairs.append((full.route(f"step {step}"), bare.route(f"step {step}")))
     for a, b in pairs:
         if a is None:
@@ -51,7 +59,9 @@ def test_reader_store_routes_like_the_data_store(path):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
     for li in range(L):
         assert torch.equal(full.tiers(li), bare.tiers(li))
+        assert torch.equal(full.tiers(li), every.tiers(li))
     assert full.bytes_used() == bare.bytes_used() and full.occupancy() == bare.occupancy()
+    assert every.stack.n_tokens == bare.stack.n_tokens == [T + steps] * L
     if len(policy.tiers) > 1:  # something moved
         assert sum(len(a) for a, _ in pairs if a is not None) > 0
 

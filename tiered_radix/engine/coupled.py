@@ -144,6 +144,13 @@ class CoupledStack:
             x[li, :, t0:t] = rows[p].to(self.dtype)
         self.n_tokens[li] = t
 
+    def count(self, n: int) -> None:
+        """``n`` new full tokens in every layer, their rows kept elsewhere (``keep_data=False``):
+        one reservation for all layers."""
+        assert not self.full, "count() is for stacks without rows"
+        self._reserve(max(self.n_tokens) + n)
+        self.n_tokens = [t + n for t in self.n_tokens]
+
     # -- accounting (device tensors, no host sync) -------------------------------------------
     def held(self, layers: slice | list[int], n_units: int) -> Tensor | None:
         """bool ``[Q, G, H, U]`` copies kept at each quantized tier (write-once ledger), else

@@ -140,10 +140,14 @@ class TierStore:
         if self.layers[layer].k is not None:
             self.layers[layer].k.append(k)
 
-    def append_tokens(self, layer: int, n: int) -> None:
-        """Count ``n`` new full tokens of ``layer`` whose rows live with the ``reader``."""
+    def append_tokens(self, layer: int | None, n: int) -> None:
+        """Count ``n`` new full tokens of ``layer`` (``None``: every layer) whose rows live with
+        the ``reader``."""
         assert self.reader is not None, "append_tokens is for stores built with reader="
-        self.stack.append(layer, {}, n)
+        if layer is None:
+            self.stack.count(n)
+        else:
+            self.stack.append(layer, {}, n)
 
     def observe(self, layer: int, signals: Signals) -> None:
         """Record one layer's signals and advance cumulative scores (once per step)."""

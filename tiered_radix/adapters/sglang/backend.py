@@ -186,8 +186,7 @@ class TieredAttnBackend(AttentionBackend):
             tree.sync_view(req, seq)
             sess = self.sessions[rid]
             grown = seq - sess.store.n_tokens(0)
-            for li in range(self.layers):
-                sess.store.append_tokens(li, grown)
+            sess.store.append_tokens(None, grown)
             self.batch.append(_Req(rid, sess, start, tq, seq))
             start += tq
         for rid in [r for r in self.sessions if r not in tree.views]:
@@ -207,8 +206,7 @@ class TieredAttnBackend(AttentionBackend):
         n = view.windows.numel()
         if n:
             lay, st = self.pool.layout, store.stack
-            for li in range(self.layers):
-                store.append_tokens(li, prefix_len)
+            store.append_tokens(None, prefix_len)
             states = view.state.long()  # [L, H, n]
             tier = torch.tensor(lay.state_tiers(), dtype=torch.long, device=store.device)
             st.tier[:, :, :n] = tier[states]
