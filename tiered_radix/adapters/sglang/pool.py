@@ -170,8 +170,8 @@ class TieredKVPool(MHATokenToKVPool):
         d = self.head_dim
         if keep is not None:
             cache_k, cache_v = cache_k.index_select(0, keep), cache_v.index_select(0, keep)
-        k = cache_k.transpose(0, 1).reshape(-1, d).to(self.dtype)  # [H * n, d]
-        v = cache_v.transpose(0, 1).reshape(-1, d).to(self.dtype)
+        k = cache_k.reshape(-1, d).to(self.dtype)  # [n * H, d]: token-major, as dest is
+        v = cache_v.reshape(-1, d).to(self.dtype)
         self.rows_k[li].view(-1, d).index_copy_(0, dest[li], k)
         self.rows_v[li].view(-1, d).index_copy_(0, dest[li], v)
 
@@ -191,7 +191,7 @@ class TieredKVPool(MHATokenToKVPool):
         dest = torch.zeros(self.layer_num, self.head_num * lo.numel(), dtype=torch.long,
                            device=self.device)  # fmt: skip
         blocks = self.block_all[ly][:, FULL][:, :, win]  # [len(ly), H, n]
-        dest[ly] = (blocks * W + lo % W).flatten(1)
+        dest[ly] = (blocks * W + lo % W).transpose(1, 2).flatten(1)  # (token, head) order
         self.prepared = (loc, dest, keep, frozenset(ly))
 
     def end_step(self) -> None:
