@@ -82,7 +82,8 @@ class Config:
     num_stages: int = 2
 
 
-def _split(ver: int, uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | None):
+def _split(ver: int, uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | None,
+           page: int = 32, il: bool = True):  # fmt: skip
     grp, hkv = FAMILIES[d]
     vb, kb = MIXES[mix]
     pages = bool(vb)
@@ -94,13 +95,14 @@ def _split(ver: int, uniform: bool, mix: str, d: int, side: bool, ppi: int, warp
                 part_ml_ptr="*fp32", score_ptr="*fp32", q_stride_b=grp * hkv * d, q_stride_h=d,
                 pool_stride_s=hkv * d, pool_stride_h=d, row_full=4096 * 32 + 0,
                 row_fresh=4096 * 32 + 1000, qk_scale=0.127, H_KV=hkv, G=grp, S=33)  # fmt: skip
-    cx = dict(DT=tl.bfloat16, D=d, G_PAD=16, P=32, VG=32, BLOCK_N=64 if d == 64 else 32,
+    cx = dict(DT=tl.bfloat16, D=d, G_PAD=16, P=page, VG=32, BLOCK_N=64 if d == 64 else 32,
               MASS=side, VBITS=sum(vb), KBITS=sum(kb))  # fmt: skip
     if ver == 2:
         args.update(page_unit_ptr="*i32", full_units_ptr="*i32", fresh_units_ptr="*i32")
-        cx.update(VER2=True, UNIFORM=uniform, PPI=ppi if uniform and pages else 1)
+        cx.update(VER2=True, UNIFORM=uniform, PPI=ppi if uniform and pages else 1, IL=il)
     w = warps or ((2 if pages else 4) if ver == 1 else 4)
     tag = f"v{ver}{'u' if uniform else ''} {mix:7} d{d} {'mass' if side else '-   '} ppi{ppi} w{w}"
+    tag += "" if page == 32 and il else f" p{page}{'' if il else ' shift'}"
     return Config(f"split {tag}", "_decode_split_kernel", args, cx, w)
 
 
@@ -153,6 +155,10 @@ def configs() -> list[Config]:
             out += [_split(2, True, m, d, side, 1, None) for m in UNIFORM_MIXES]
         # bench/decode_attention.py tuning rows: 2 pages an iteration at 4 and 8 warps
         out += [_split(2, True, "qevict2", d, False, 2, w) for w in (4, 8)]
+        # 16-token pages, where v2 failed on the H200 (run 6): interleave vs shift unpacking
+        for il in (True, False):
+            out += [_split(2, False, m, d, True, 1, None, 16, il) for m in ("u4", "rdkv")]
+            out += [_split(2, True, m, d, True, 2, None, 16, il) for m in ("qevict2", "u4")]
         out += [_merge(v, d, s) for v in (1, 2) for s in (4, 64)]
         out += [_mass(v, d) for v in (1, 2)]
     return out

@@ -40,6 +40,14 @@ def _unpack(byte, BITS: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
 
 
 @triton.jit
+def _unpack_rows(byte, BITS: tl.constexpr, A: tl.constexpr, R: tl.constexpr, NB: tl.constexpr):
+    """Packed uint8 [A, R, NB] -> int32 [A, R, NB * 8 // BITS] through :func:`_unpack`."""
+    PER: tl.constexpr = 8 // BITS
+    x = _unpack(tl.reshape(byte, (A * R, NB)), BITS, A * R, NB)
+    return tl.reshape(x, (A, R, NB * PER))
+
+
+@triton.jit
 def _unpack_il(byte, BITS: tl.constexpr):
     """Packed uint8 [..., NB] -> int32 codes [..., NB * 8 // BITS] (first code in the lowest
     bits), built with interleave so the new codes stay in the thread that loaded the byte."""
@@ -82,7 +90,7 @@ def _store_lse(score_ptr, row, m, p, g, mask, G):
 def _k_section(
     s, q_ptr, perm_ptr, q_row, gm, c0, n, arena8, arena16, arenadt, base, o_code, o_sc, o_lo,
     DT: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr,
-    VER2: tl.constexpr,
+    VER2: tl.constexpr, IL: tl.constexpr = True,
 ):  # fmt: skip
     """s [G_PAD, P] plus the logits of the n permuted K channels c0..c0+n of the page at base,
     stored at KB bits (general pages; nothing when n == 0)."""
@@ -102,7 +110,7 @@ def _k_section(
             tb = tl.arange(0, P // PER)
             byte = tl.load(arena8 + base + o_code + c[:, None] * (P // PER) + tb[None, :],
                            mask=cm[:, None], other=0)  # fmt: skip
-            if VER2:
+            if VER2 and IL:
                 code = _unpack_il(byte, KB)
             else:
                 code = _unpack(byte, KB, D, P // PER)
@@ -117,7 +125,8 @@ def _k_section(
 
 @triton.jit
 def _v_page(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.constexpr,
-            VG: tl.constexpr, D: tl.constexpr, P: tl.constexpr, VER2: tl.constexpr):  # fmt: skip
+            VG: tl.constexpr, D: tl.constexpr, P: tl.constexpr, VER2: tl.constexpr,
+            IL: tl.constexpr = True):  # fmt: skip
     """V [P, D] of the page whose V part starts at byte vbase (rows where tm), VB bits."""
     c = tl.arange(0, D)
     t = tl.arange(0, P)
@@ -130,7 +139,7 @@ def _v_page(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.conste
         cb = tl.arange(0, D // PER)
         byte = tl.load(arena8 + vbase + t[:, None] * (D // PER) + cb[None, :], mask=tm[:, None],
                        other=0)  # fmt: skip
-        if VER2:
+        if VER2 and IL:
             code = tl.reshape(_unpack_il(byte, VB).to(tl.float32), (P, NG, VG))
         else:
             code = tl.reshape(_unpack(byte, VB, P, D // PER).to(tl.float32), (P, NG, VG))

@@ -14,6 +14,7 @@ from tiered_radix.kernels._decode_common import (
     _u_meta,
     _u_raw,
     _unpack_il,
+    _unpack_rows,
     _v_page,
 )
 
@@ -24,6 +25,7 @@ def _pages(
     page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
     DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     P: tl.constexpr, MASS: tl.constexpr, KBITS: tl.constexpr, VER2: tl.constexpr,
+    IL: tl.constexpr = True,
 ):  # fmt: skip
     """Pages page_ids[ps:pe] of list li (one (request, head), V bit width VB; K channels at the
     widths in the bit mask KBITS).  VER2: section offsets known to be 16-byte aligned (vector
@@ -69,20 +71,20 @@ def _pages(
         # K sections by width, channels permuted so each width's channels are contiguous
         if KBITS & 2:
             s = _k_section(s, q_ptr, perm_row, q_row, gm, 0, n2, arena8, arena16, arenadt, base,
-                           o2, o_sc, o_lo, DT, 2, D, G_PAD, P, VER2)  # fmt: skip
+                           o2, o_sc, o_lo, DT, 2, D, G_PAD, P, VER2, IL)  # fmt: skip
         if KBITS & 4:
             s = _k_section(s, q_ptr, perm_row, q_row, gm, n2, n4, arena8, arena16, arenadt, base,
-                           o4, o_sc, o_lo, DT, 4, D, G_PAD, P, VER2)  # fmt: skip
+                           o4, o_sc, o_lo, DT, 4, D, G_PAD, P, VER2, IL)  # fmt: skip
         if KBITS & 8:
             s = _k_section(s, q_ptr, perm_row, q_row, gm, n2 + n4, n8, arena8, arena16, arenadt,
-                           base, o8, o_sc, o_lo, DT, 8, D, G_PAD, P, VER2)  # fmt: skip
+                           base, o8, o_sc, o_lo, DT, 8, D, G_PAD, P, VER2, IL)  # fmt: skip
         if KBITS & 16:
             s = _k_section(s, q_ptr, perm_row, q_row, gm, nq, n16, arena8, arena16, arenadt,
-                           base, o16, o_sc, o_lo, DT, 16, D, G_PAD, P, VER2)  # fmt: skip
+                           base, o16, o_sc, o_lo, DT, 16, D, G_PAD, P, VER2, IL)  # fmt: skip
         s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
         if MASS and not VER2:
             _store_logits(score_ptr, pid * P + t, s, tm, g, g < G, G)
-        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, VER2)
+        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, VER2, IL)
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
         if MASS and VER2:
             unit = tl.load(page_unit_ptr + pid)
@@ -97,6 +99,7 @@ def _pages_u(
     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr, page_unit_ptr,
     ps, pe, score_ptr, qk_scale, G, DT: tl.constexpr, B: tl.constexpr, VG: tl.constexpr,
     D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr, MASS: tl.constexpr,
+    IL: tl.constexpr = True,
 ):  # fmt: skip
     """Uniform pages (K and V at B bits) page_ids[ps:pe], PPI per iteration.  Software
     pipeline: raw bytes of block i+1, offsets of block i+2 and ids of block i+3 are loaded
@@ -127,12 +130,19 @@ def _pages_u(
                                       ids1, ok1)  # fmt: skip
         ids2 = tl.load(page_ids_ptr + i + 3 * PPI + kk, mask=i + 3 * PPI + kk < pe, other=0)
         # K = code * scale + lo per (channel, page); one dot over the PPI pages
-        code = _unpack_il(ck, B).to(tl.float32)  # [D, PPI, P]
+        if IL:
+            code = _unpack_il(ck, B).to(tl.float32)  # [D, PPI, P]
+        else:
+            code = _unpack_rows(ck, B, D, PPI, P * B // 8).to(tl.float32)
         k = code * cks.to(tl.float32)[:, :, None] + ckl.to(tl.float32)[:, :, None]
         s = tl.dot(qd, tl.reshape(k, (D, PPI * P)).to(DT)) * qk_scale  # [G_PAD, PPI*P]
         tm = tl.reshape(t[None, :] < cur_ntok[:, None], (PPI * P,))
         s = tl.where(tm[None, :], s, float("-inf"))
-        vc = tl.reshape(_unpack_il(cv, B).to(tl.float32), (PPI, P, NG, VG))
+        if IL:
+            vc = tl.reshape(_unpack_il(cv, B).to(tl.float32), (PPI, P, NG, VG))
+        else:
+            vc = tl.reshape(_unpack_rows(cv, B, PPI, P, D * B // 8).to(tl.float32),
+                            (PPI, P, NG, VG))  # fmt: skip
         v = vc * cvs.to(tl.float32)[:, :, :, None] + cvl.to(tl.float32)[:, :, :, None]
         v = tl.reshape(v, (PPI * P, D))
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)

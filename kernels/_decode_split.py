@@ -59,11 +59,12 @@ def _decode_split_kernel(
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr, VG: tl.constexpr,
     BLOCK_N: tl.constexpr, MASS: tl.constexpr, VBITS: tl.constexpr, KBITS: tl.constexpr,
     page_unit_ptr=None, full_units_ptr=None, fresh_units_ptr=None, VER2: tl.constexpr = False,
-    UNIFORM: tl.constexpr = False, PPI: tl.constexpr = 1,
+    UNIFORM: tl.constexpr = False, PPI: tl.constexpr = 1, IL: tl.constexpr = True,
 ):  # fmt: skip
     """One (request, KV head) x split: partial (m, l_i, acc) of all query heads of the group.
     VBITS / KBITS: bit masks of the V / K widths compiled in (2 | 4 | 8 | 16).  VER2 (UNIFORM:
-    pages of k_uniform layouts, PPI pages an iteration) is the v2 code path."""
+    pages of k_uniform layouts, PPI pages an iteration) is the v2 code path; IL: v2 unpacks
+    sub-byte codes with tl.interleave (else v1's shift-and-reshape)."""
     rh = tl.program_id(0)
     j = tl.program_id(1)
     r = rh // H_KV
@@ -88,13 +89,13 @@ def _decode_split_kernel(
                 m, l_i, acc = _pages_u(
                     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
                     page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, PPI,
-                    MASS,
+                    MASS, IL,
                 )  # fmt: skip
             else:
                 m, l_i, acc = _pages(
                     m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt,
                     page_off_ptr, page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps,
-                    pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, KBITS, VER2,
+                    pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, KBITS, VER2, IL,
                 )  # fmt: skip
     fs, fe = _split_range(tl.load(full_indptr_ptr + rh), tl.load(full_indptr_ptr + rh + 1), j, S)
     m, l_i, acc = _rows(q, m, l_i, acc, k_pool, v_pool, pool_stride_s, pool_stride_h,

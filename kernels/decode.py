@@ -61,6 +61,9 @@ class DecodePlan:
     part_ml: torch.Tensor
     lse: torch.Tensor
     score: torch.Tensor
+    # v2's sub-byte unpacking: "interleave" (tl.interleave, in-thread) or "shift" (v1's
+    # shift-and-reshape); a switch for the GPU-only failures at 16-token pages (decode_notes)
+    unpack: str = "interleave"
 
 
 def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16) -> int:
@@ -107,6 +110,7 @@ def plan(
     pages_per_iter: int | None = None,
     num_warps: int | None = None,
     uniform_pages: bool = True,
+    unpack: str = "interleave",
 ) -> DecodePlan:
     """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
 
@@ -120,7 +124,10 @@ def plan(
     uniform_pages: use v2's specialised path for ``layout.k_uniform`` layouts (False: v2's
     general page path, as for per-channel K).  GPU run 3 found it failing to compile under Triton
     3.6 (fixed since, bench/decode_notes.md); bench/compile_check.py compiles every config.
+    unpack (v2): ``"interleave"`` or ``"shift"`` (see :class:`DecodePlan`).
     """
+    if unpack not in ("interleave", "shift"):
+        raise DecodeInputError(f"unpack={unpack!r}: use 'interleave' or 'shift'")
     hkv, d = layout.num_kv_heads, layout.head_dim
     if num_q_heads % hkv:
         raise DecodeInputError(f"num_q_heads={num_q_heads} is not a multiple of H_kv={hkv}")
@@ -184,6 +191,7 @@ def plan(
         part_ml=torch.empty(bh, s, 2, g_pad, **f32),
         lse=torch.empty(bh, g_pad, **f32),
         score=torch.empty(max(rows, 1) if side_output else 1, group, **f32),
+        unpack=unpack,
     )
 
 
@@ -242,6 +250,7 @@ def run(
             page_unit_ptr=layout.page_unit, full_units_ptr=layout.full_units,
             fresh_units_ptr=layout.fresh_units, VER2=True, UNIFORM=p.uniform,
             PPI=p.pages_per_iter if p.uniform and layout.page_ids.numel() else 1,
+            IL=p.unpack == "interleave",
         )  # fmt: skip
     _decode_split_kernel[(bh, s)](
         q, q.stride(0), q.stride(1), layout.perm,

@@ -181,9 +181,10 @@ def test_v2_windowed_pages_and_unit_side_output(case, uniform):
     torch.testing.assert_close(decode.run(q, lay, p1), out, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("unpack", ["interleave", "shift"])
 @pytest.mark.parametrize("d,grp,page", [(64, 7, 16), (128, 4, 32)], ids=["d64g7", "d128g4"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_v2_uniform_path_each_width(bits, d, grp, page):
+def test_v2_uniform_path_each_width(bits, d, grp, page, unpack):
     """The uniform-page specialisation (compile-time geometry of one bit width, 32 // page pages
     an iteration, as plan() picks) against float64 attention and v2's general page path."""
     lens, hkv = [96, 61], 1
@@ -192,7 +193,7 @@ def test_v2_uniform_path_each_width(bits, d, grp, page):
     lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=16)
     assert lay.k_uniform and lay.v_bits_present == (bits,)
     p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=2, version=2,
-                    uniform_pages=True)  # fmt: skip
+                    uniform_pages=True, unpack=unpack)  # fmt: skip
     assert p.uniform and p.pages_per_iter == 32 // page
     poison(p)
     out = torch.full_like(q, float("nan"))
@@ -203,7 +204,8 @@ def test_v2_uniform_path_each_width(bits, d, grp, page):
     torch.testing.assert_close(out.double().cpu(), do, atol=4e-3, rtol=4e-3)
     torch.testing.assert_close(mass.double().cpu(), dm, atol=5e-3, rtol=1e-2)
     assert do.abs().max() > 0.05 and (dm > 1e-3).sum() > 2
-    pg = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2, version=2, uniform_pages=False)
+    pg = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2, version=2, uniform_pages=False,
+                     unpack=unpack)  # fmt: skip
     assert not pg.uniform
     torch.testing.assert_close(decode.run(q, lay, pg), out, atol=2e-3, rtol=2e-3)
 
