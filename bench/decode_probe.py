@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 
 import test_decode as t  # noqa: E402
-
 from tiered_radix.kernels import decode  # noqa: E402
 
 CASES = {  # the failing ids of run 6, as calls of their test bodies
@@ -30,7 +29,9 @@ CASES = {  # the failing ids of run 6, as calls of their test bodies
     "windowed[2-general]": lambda: t.test_v2_windowed_pages_and_unit_side_output(2, False),
     "uniform[2-d64g7]": lambda: t.test_v2_uniform_path_each_width(2, 64, 7, 16, "interleave"),
     "uniform[4-d64g7]": lambda: t.test_v2_uniform_path_each_width(4, 64, 7, 16, "interleave"),
-    "control uniform[8-d64g7]": lambda: t.test_v2_uniform_path_each_width(8, 64, 7, 16, "interleave"),
+    "control uniform[8-d64g7]": lambda: t.test_v2_uniform_path_each_width(
+        8, 64, 7, 16, "interleave"
+    ),
     "control windowed[0-general]": lambda: t.test_v2_windowed_pages_and_unit_side_output(0, False),
 }
 VARIANTS = {
