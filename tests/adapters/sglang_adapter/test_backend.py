@@ -286,3 +286,35 @@ def test_extend_through_sdpa_matches_the_float32_path(monkeypatch):
     monkeypatch.setenv("TIERED_RADIX_EXTEND", "flash")
     with pytest.raises(PoolConfigError, match="'sdpa' or 'exact'"):
         Harness()
+
+
+@pytest.mark.parametrize("reclaim", [True, False])
+def test_cached_windows_yield_their_rows_to_a_new_prompt(monkeypatch, reclaim):
+    """Row blocks short for a new prompt: the pool evicts radix-cached windows that no running
+    request holds instead of failing the forward (without that, PoolFullError); afterwards every
+    block and slot comes back."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    from tiered_radix.adapters.sglang.pool import PoolFullError
+
+    h = Harness(blocks=PoolBlocks(24, 64))  # 10 windows x 2 heads fit once, not twice
+    sim = h.sim
+    if not reclaim:
+        monkeypatch.setattr(sim.pool, "_reclaim_rows", lambda need, layers: None)
+    free0, avail0 = [len(f) for f in sim.pool.free_rows], sim.alloc.available_size()
+    a = h.start("a", list(range(1, 41)))
+    h.step([a], [a.origin_input_ids], extend=True)
+    h.finish(a)  # cached in the tree at the states routing left
+    held = free0[0] - len(sim.pool.free_rows[0])
+    assert 0 < held and len(sim.pool.free_rows[0]) < 20 and sim.cache.evictable_size() > 0
+    b = h.start("b", list(range(50, 90)))  # nothing shared with a: 20 new row blocks a layer
+    if not reclaim:
+        with pytest.raises(PoolFullError, match="row blocks needed"):
+            h.step([b], [b.origin_input_ids], extend=True)
+        return
+    h.step([b], [b.origin_input_ids], extend=True)
+    assert sim.cache.evictable_size() < 40  # some of a's cached windows made room
+    h.finish(b)
+    sim.cache.evict(EvictParams(num_tokens=10_000))
+    assert sim.alloc.available_size() == avail0
+    assert [len(f) for f in sim.pool.free_rows] == free0

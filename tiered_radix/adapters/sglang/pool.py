@@ -23,6 +23,8 @@ Sizing: :mod:`.sizing`.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
@@ -36,6 +38,8 @@ from tiered_radix.policy.model import Budget, Policy
 
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R
 from .sizing import PoolBlocks, plan_blocks
+
+log = logging.getLogger(__name__)
 
 
 def _check(ok: Tensor, what: str) -> None:
@@ -209,12 +213,36 @@ class TieredKVPool(MHATokenToKVPool):
         if not new.numel():
             return
         n = self.head_num * new.numel()
+        self._reclaim_rows(n, layers)
         blocks = self._take(self.free_rows, {li: n for li in layers}, "row")
         lt = torch.tensor(layers, device=self.device)[:, None, None]
         h = torch.arange(self.head_num, device=self.device)[None, :, None]
         self.block_all[lt, FULL, h, new] = blocks.view(len(layers), self.head_num, -1)
         self.ref_all[lt, FULL, h, new] = 1
         self.owner_all[lt, h, new] = S_FULL
+
+    def _reclaim_rows(self, need: int, layers: list[int]) -> None:
+        """Before opening windows: while a layer of ``layers`` has fewer than ``need`` free row
+        blocks, evict radix-cached windows that no running request holds (SGLang's own LRU
+        eviction, whose frees come back here through the allocator), so cached prefixes yield
+        to new tokens instead of the forward failing. Locked prefixes are never touched."""
+        tree = getattr(self, "tree", None)
+        if tree is None:
+            return
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        evicted = 0
+        for _ in range(16):
+            short = max(need - len(self.free_rows[li]) for li in layers)
+            before = tree.evictable_size()
+            if short <= 0 or before == 0:
+                break
+            tree.evict(EvictParams(num_tokens=-(-short // self.head_num) * self.layout.window))
+            evicted += before - tree.evictable_size()
+            if tree.evictable_size() == before:
+                break
+        if evicted:
+            log.info("tiered-radix: evicted %d cached tokens for row blocks", evicted)
 
     def _take(self, free: list[list[int]], counts: dict[int, int], what: str) -> Tensor:
         """``counts[l]`` blocks off layer ``l``'s free list, in ``counts``' order: int64 ``[n]``
