@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from ..cli.eval import UsageError, parse_length
 from .report import build_report, markdown_report, write_json
-from .runner import RESULTS, load_results, parse_shard, sample_fields
+from .runner import RESULTS, answer_cap, load_results, parse_shard, sample_fields
 from .scoring import score
 from .tasks import Sample, expand_tasks, make_samples
 
@@ -172,7 +172,7 @@ def run(engine, samples: Sequence[Sample], configs: Sequence[Config], args) -> l
             if args.max_minutes and time.monotonic() - start > 60 * args.max_minutes:
                 print(f"kvpress_run: --max-minutes {args.max_minutes} reached", file=sys.stderr)
                 break
-            max_new = min(s.max_new_tokens, cap) if cap else s.max_new_tokens
+            max_new = answer_cap(s, cap)
             keys = {}
             for c in configs:
                 what = f"{c.press}/{c.ratio}/{args.question_in_context}/{args.dtype}"

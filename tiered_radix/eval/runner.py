@@ -178,7 +178,7 @@ def run_cell(
 ) -> dict:
     """Generate and score one sample under one configuration; never raises for engine errors.
     ``prefill``: the sample's shared prefill (an exception if it failed), or None."""
-    max_new = min(s.max_new_tokens, cap) if cap else s.max_new_tokens
+    max_new = answer_cap(s, cap)
     t0 = time.perf_counter()
     try:
         if isinstance(prefill, Exception):
@@ -216,11 +216,14 @@ def record(
     return rec
 
 
-def cells(grid: Grid, engine: Engine) -> Iterator[tuple[Policy, str, Sample]]:
-    configs = configurations(grid)
-    for s in samples(grid, engine):
-        for policy, label in configs:
-            yield policy, label, s
+def answer_cap(s: Sample, cap: int | None) -> int:
+    """New tokens a sample may generate: its task's own cap, lowered by ``cap`` when given."""
+    return min(s.max_new_tokens, cap) if cap else s.max_new_tokens
+
+
+def _per_task(grid: Grid) -> dict[str, int]:
+    """Samples of each task per length (the needle sweep: ``samples`` per depth)."""
+    return {t: grid.samples * (len(DEPTHS) if t == "needle" else 1) for t in grid.tasks}
 
 
 def samples(grid: Grid, engine: Engine) -> Iterator[Sample]:
@@ -228,7 +231,7 @@ def samples(grid: Grid, engine: Engine) -> Iterator[Sample]:
     stopped by its deadline has about as many samples of every task and length. With
     ``grid.shard = (i, n)``, samples ``i, i + n, ...`` only (several processes split a grid)."""
     pairs = [(task, length) for task in grid.tasks for length in grid.lengths]
-    per = {t: grid.samples * (len(DEPTHS) if t == "needle" else 1) for t in grid.tasks}
+    per = _per_task(grid)
     i0, n = grid.shard
     for i in range(i0, max(per.values(), default=0), n):  # lazily: long prompts take a while
         for task, length in pairs:
@@ -254,10 +257,7 @@ def run_grid(
     done = {r["key"]: r for r in load_results(path) if "error" not in r}
     configs = configurations(grid)
     i0, every = grid.shard
-    n = sum(
-        len(range(i0, grid.samples * (len(DEPTHS) if t == "needle" else 1), every))
-        for t in grid.tasks
-    )
+    n = sum(len(range(i0, per, every)) for per in _per_task(grid).values())
     shared = grid.shared_prefill and hasattr(engine, "prefill") and hasattr(engine, "decode")
     records: list[dict[str, Any]] = []
     total = n * len(grid.lengths) * len(configs)
@@ -309,7 +309,7 @@ def _run_by_configuration(engine, grid, configs, done, records, f, bar, deadline
         if not pending:
             continue
         bar.set_postfix_str(f"{policy.name}@{label}: {len(pending)} samples")
-        max_new = [min(s.max_new_tokens, cap) if cap else s.max_new_tokens for s, _ in pending]
+        max_new = [answer_cap(s, cap) for s, _ in pending]
         t0 = time.perf_counter()
         got = engine.answer_batch(policy, label, [s.turns for s, _ in pending], max_new)
         seconds = (time.perf_counter() - t0) / len(pending)
