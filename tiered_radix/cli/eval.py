@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         if args.max_minutes is not None and args.max_minutes <= 0:
             raise UsageError(f"--max-minutes must be positive, got {args.max_minutes}")
         shard = parse_shard(args.shard)
-        parse_engine_args(args.engine_arg)
+        engine_kwargs = parse_engine_args(args.engine_arg)
     except (UsageError, TaskError, PolicyError, ValueError) as e:
         print(f"tiered-radix eval: {e}", file=sys.stderr)
         return 2
@@ -155,9 +155,7 @@ def run(args: argparse.Namespace) -> int:
         if args.engine == "sglang":
             from ..eval.sglang_engine import SGLangEngine
 
-            engine = SGLangEngine(
-                args.model_path or args.model, engine_kwargs=parse_engine_args(args.engine_arg)
-            )
+            engine = SGLangEngine(args.model_path or args.model, engine_kwargs=engine_kwargs)
         else:
             engine = TransformersEngine(
                 args.model_path or args.model,
@@ -183,7 +181,6 @@ def run(args: argparse.Namespace) -> int:
     )
     deadline = None if args.max_minutes is None else start + 60 * args.max_minutes
     records = run_grid(engine, grid, args.out, deadline=deadline)
-    n_samples = len({(r["task"], r["length"], r["index"]) for r in records})
     meta = {
         "engine": engine.name,
         "model": args.model_path or args.model,
@@ -191,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         "shared_prefill": args.shared_prefill,
         "stop_when_answered": args.stop_when_answered,
         "max_minutes": args.max_minutes,
-        "samples_run": n_samples,
+        "samples_run": _samples_run(records),
         "wall_minutes": round((time.monotonic() - start) / 60, 2),
         "adapter_hash": getattr(engine, "adapter_hash", None),
         "device": args.device,
@@ -208,6 +205,11 @@ def run(args: argparse.Namespace) -> int:
         "cuda_peak_mib": _cuda_peak_mib(args.device),
     }
     return write_reports(records, meta, Path(args.out))
+
+
+def _samples_run(records: list[dict]) -> int:
+    """Distinct (task, length, sample) among ``records``."""
+    return len({(r["task"], r["length"], r["index"]) for r in records})
 
 
 def _cuda_peak_mib(device: str) -> int | None:
@@ -236,7 +238,7 @@ def report_from(args: argparse.Namespace) -> int:
     meta = json.loads(first.read_text()).get("meta", {}) if first.is_file() else {}
     meta |= {
         "merged_from": [str(d) for d in dirs],
-        "samples_run": len({(r["task"], r["length"], r["index"]) for r in records}),
+        "samples_run": _samples_run(records),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
