@@ -58,6 +58,18 @@ DECODE_ENV = "TIERED_RADIX_DECODE"  # "kernel" (default where supported) or "gat
 EXTEND_ENV = "TIERED_RADIX_EXTEND"  # "sdpa" (default on CUDA) or "exact" (default on CPU)
 
 
+def _env_choice(name: str, default: str, *choices: str) -> str:
+    """``$name`` (or ``default``), one of ``choices``.
+
+    Raises:
+        PoolConfigError: any other value.
+    """
+    want = os.environ.get(name, default)
+    if want not in choices:
+        raise PoolConfigError(f"${name}={want!r}: use {' or '.join(repr(c) for c in choices)}")
+    return want
+
+
 def tp_shard(runner, heads_local: int) -> HeadShard | None:
     """This rank's KV heads under ``--tp N`` (``runner.tp_group``, SGLang's GroupCoordinator:
     collectives on its device group); ``None`` without tensor parallelism."""
@@ -101,9 +113,10 @@ class TieredAttnBackend(AttentionBackend):
         self.pool, self.policy, self.budget = pool, pool.policy, pool.budget
         self.layers = pool.layer_num
         self.last_layer = pool.start_layer + pool.layer_num - 1
-        self.prefill_needs = frozenset(policy_reads(self.policy) & set(PREFILL_SIGNALS))
+        reads = policy_reads(self.policy)
+        self.prefill_needs = frozenset(reads & set(PREFILL_SIGNALS))
         # decode attention mass (the kernel's side output): only for policies that read it
-        self.decode_attn = "attn" in policy_reads(self.policy)
+        self.decode_attn = "attn" in reads
         self.sessions: dict[str, Session] = {}
         self.batch: list[_Req] = []
         self.extend = False
@@ -131,16 +144,14 @@ class TieredAttnBackend(AttentionBackend):
         """Extend's attention: ``attend_sdpa`` (a fused kernel in the model's dtype; GPU run 6
         spent 25 s of a 37 s prefill in the float32 path) or ``attend`` (float32, the engine's
         reference numbers)."""
-        want = os.environ.get(EXTEND_ENV, "exact" if self.pool.device == "cpu" else "sdpa")
-        if want not in ("sdpa", "exact"):
-            raise PoolConfigError(f"${EXTEND_ENV}={want!r}: use 'sdpa' or 'exact'")
+        want = _env_choice(
+            EXTEND_ENV, "exact" if self.pool.device == "cpu" else "sdpa", "sdpa", "exact"
+        )
         return attend_sdpa if want == "sdpa" else attend
 
     def _use_kernel(self) -> bool:
         """Decode with the TriZone kernel where it can read the pool (and Triton can run)."""
-        want = os.environ.get(DECODE_ENV, "kernel")
-        if want not in ("kernel", "gather"):
-            raise PoolConfigError(f"${DECODE_ENV}={want!r}: use 'kernel' or 'gather'")
+        want = _env_choice(DECODE_ENV, "kernel", "kernel", "gather")
         runs = self.pool.device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
         return want == "kernel" and runs and trizone.supported(self.pool)
 
