@@ -96,10 +96,19 @@ def attend(
             obs += p[:, :, max(0, tq - OBS_WINDOW - r0) :].sum((1, 2))
     qnorm = None
     if "qnorm" in need:
-        kt_new = kf[:, t - tq :].transpose(0, 1).to(q.dtype)
-        qnorm = channel_norms(q.transpose(0, 1), kt_new)[0]
+        qnorm = _chunk_qnorm(q, k, kept)
     signals = Signals(attn=p[:, :, -1].sum(1), colmass=colmass, obs_attn=obs, qnorm=qnorm)
     return out.reshape(hq, tq, d), signals
+
+
+def _chunk_qnorm(q: Tensor, k: Tensor, kept: Tensor | None) -> Tensor:
+    """``qnorm [H, d]`` of the chunk's queries ``q [Hq, tq, d]`` (``channel_norms`` against the
+    chunk's own keys, the last ``tq`` of ``k [H, T, d]``; evicted rows read 0)."""
+    tq = q.shape[1]
+    kn = k[:, k.shape[1] - tq :].float()
+    if kept is not None:
+        kn = kn.masked_fill(~kept[:, kept.shape[1] - tq :, None], 0.0)
+    return channel_norms(q.transpose(0, 1), kn.transpose(0, 1).to(q.dtype))[0]
 
 
 def attend_sdpa(
@@ -146,8 +155,7 @@ def attend_sdpa(
     _, sig = attend(q[:, tq - tail :], k, v, kept, scale, need=need & {"obs_attn"})
     qnorm = None
     if "qnorm" in need:
-        kf = k.float() if kept is None else k.float().masked_fill(~kept[..., None], 0.0)
-        qnorm = channel_norms(q.transpose(0, 1), kf[:, t - tq :].transpose(0, 1).to(q.dtype))[0]
+        qnorm = _chunk_qnorm(q, k, kept)
     return out, Signals(attn=sig.attn, obs_attn=sig.obs_attn, qnorm=qnorm)
 
 
