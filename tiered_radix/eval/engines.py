@@ -156,12 +156,7 @@ class TransformersEngine:
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """The first turn's ids exactly as ``ChatSession.ask`` builds them."""
-        tok = self.tokenizer
-        if not tok.chat_template:
-            return tok(f"User: {prompt}\nAssistant:", add_special_tokens=True)["input_ids"]
-        user = [{"role": "user", "content": prompt}]
-        x = tok.apply_chat_template(user, add_generation_prompt=True)
-        return list(x["input_ids"] if hasattr(x, "keys") else x)
+        return conversation_ids(self.tokenizer, [{"role": "user", "content": prompt}])
 
     def prefill(self, prompt: str, policies: Sequence[Policy]):
         from ..adapters.transformers.cache import policy_reads
@@ -192,6 +187,18 @@ class TransformersEngine:
             fast=self.fast, probe=probe, done=done if answers else None,
         )  # fmt: skip
         return Reply(tok.decode(ids, skip_special_tokens=True).strip(), stats)
+
+
+def conversation_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """``messages`` rendered for generation: the chat template, or without one plain
+    ``User:``/``Assistant:`` lines (a single user turn: as ``ChatSession`` renders it)."""
+    if not tokenizer.chat_template:
+        text = "".join(
+            f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n" for m in messages
+        )
+        return tokenizer(text + "Assistant:", add_special_tokens=True)["input_ids"]
+    x = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(x["input_ids"] if hasattr(x, "keys") else x)
 
 
 def model_folder(model: str) -> Path:

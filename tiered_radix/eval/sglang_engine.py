@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..policy import Policy
-from .engines import EngineError, Reply, model_folder
+from .engines import EngineError, Reply, conversation_ids, model_folder
 
 
 class SGLangEngine:
@@ -70,17 +70,8 @@ class SGLangEngine:
         return kw | {"kv_policy": str(src) if src.is_file() else policy.name, "kv_budget": label}
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """A conversation rendered for generation (plain ``User:/Assistant:`` lines without a
-        chat template, as ``ChatSession`` does)."""
-        tok = self.tokenizer
-        if not tok.chat_template:
-            text = "".join(
-                f"{'User' if m['role'] == 'user' else 'Assistant'}: {m['content']}\n"
-                for m in messages
-            )
-            return tok(text + "Assistant:", add_special_tokens=True)["input_ids"]
-        x = tok.apply_chat_template(messages, add_generation_prompt=True)
-        return list(x["input_ids"] if hasattr(x, "keys") else x)
+        """A conversation rendered for generation (:func:`~.engines.conversation_ids`)."""
+        return conversation_ids(self.tokenizer, messages)
 
     def answer_batch(
         self,
