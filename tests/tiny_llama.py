@@ -25,3 +25,9 @@ def tiny_llama():
             layer.self_attn.q_proj.weight.mul_(6.0)
             layer.self_attn.k_proj.weight.mul_(6.0)
     return m
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """``n`` seeded token ids of the tiny model's vocabulary (no special ids 0-2)."""
+    g = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(3, VOCAB, (n,), generator=g)]

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_llama import VOCAB, tiny_llama  # noqa: E402
+from tiny_llama import tiny_llama, tokens  # noqa: E402
 
 from tiered_radix.adapters.transformers import (  # noqa: E402
     AdapterError,
@@ -28,11 +28,6 @@ POLICIES = sorted(Path(__file__).parents[2].joinpath("policies").glob("*.yaml"))
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(x) for x in torch.randint(3, VOCAB, (n,), generator=g)]
 
 
 def plain_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:

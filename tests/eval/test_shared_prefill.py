@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_llama import VOCAB, tiny_llama  # noqa: E402
+from tiny_llama import tiny_llama, tokens  # noqa: E402
 
 from tiered_radix.adapters.transformers import ChatSession  # noqa: E402
 from tiered_radix.eval.prefill import PREFILL_SIGNALS, capture  # noqa: E402
@@ -26,11 +26,6 @@ EOS = frozenset({0})  # never produced by this model in 40 steps (checked by new
 @pytest.fixture(scope="module")
 def model():
     return tiny_llama()
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(x) for x in torch.randint(3, VOCAB, (n,), generator=g)]
 
 
 def policy(path: Path):
