@@ -6,7 +6,8 @@ prints a pass/fail matrix with each failure's first line.
 
 Variants: the default plan; ``num_stages=1`` (Triton's loop pipelining off, against the
 kernel's own prefetch); ``unpack="shift"`` (v1's shift-and-reshape instead of tl.interleave);
-both. Needs a CUDA GPU (or TRITON_INTERPRET=1, where everything passes).
+both; ``pages_per_iter=1`` (the uniform path one page an iteration), alone and with the shift
+unpacking. Needs a CUDA GPU (or TRITON_INTERPRET=1, where everything passes).
 """
 
 from __future__ import annotations
@@ -39,17 +40,23 @@ VARIANTS = {
     "num_stages=1": {"num_stages": 1},
     "unpack=shift": {"unpack": "shift"},
     "both": {"num_stages": 1, "unpack": "shift"},
+    "ppi=1": {"pages_per_iter": 1},
+    "ppi=1+shift": {"pages_per_iter": 1, "unpack": "shift"},
 }
 
 
 def run(over: dict) -> dict[str, str]:
-    plan = decode.plan
+    plan, launch = decode.plan, decode.run
 
     def patched(*a, **kw):
         p = plan(*a, **{**kw, **({"unpack": over["unpack"]} if "unpack" in over else {})})
         return dataclasses.replace(p, num_stages=over.get("num_stages", p.num_stages))
 
-    decode.plan = patched
+    def patched_run(q, layout, p, **kw):  # at launch, so the tests' plan checks still hold
+        ppi = over.get("pages_per_iter", p.pages_per_iter)
+        return launch(q, layout, dataclasses.replace(p, pages_per_iter=ppi), **kw)
+
+    decode.plan, decode.run = patched, patched_run
     try:
         out = {}
         for name, case in CASES.items():
@@ -60,7 +67,7 @@ def run(over: dict) -> dict[str, str]:
                 out[name] = "FAIL " + (str(e).strip().splitlines() or [type(e).__name__])[0][:90]
         return out
     finally:
-        decode.plan = plan
+        decode.plan, decode.run = plan, launch
 
 
 def main() -> None:
