@@ -62,7 +62,7 @@ class DecodePlan:
     lse: torch.Tensor
     score: torch.Tensor
     # v2's sub-byte unpacking: "interleave" (tl.interleave, in-thread) or "shift" (v1's
-    # shift-and-reshape); a switch for the GPU-only failures at 16-token pages (decode_notes)
+    # shift-and-reshape; what pages under IL_MIN_PAGE_CUDA tokens need on CUDA)
     unpack: str = "interleave"
 
 
@@ -73,27 +73,33 @@ def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16)
     return int(max(1, min(want, cap, 128)))
 
 
-# v2's page loops gave wrong outputs on the H200 with 16-token pages (GPU run 6, 2026-12-01: 5 of
-# the v2 decode tests, all at page_size 16; every test at 32 passed; v1 passed all): until that
-# is understood, the default on CUDA is v1 for smaller pages (bench/decode_notes.md).
-V2_MIN_PAGE_CUDA = 32
+# tl.interleave unpacking of pages under 32 tokens (K rows of 4 or 8 bytes) is miscompiled on
+# the H200 under Triton 3.6: wrong outputs from 5 v2 tests at page_size 16, all right with v1's
+# shift-and-reshape unpacking and under the interpreter (GPU runs 6 and 7, bench/decode_notes.md).
+IL_MIN_PAGE_CUDA = 32
 
 
-def _version(version: int | None, layout: TriZoneLayout | None = None) -> int:
+def _version(version: int | None) -> int:
     if version is None and VERSION_ENV in os.environ:
         version = int(os.environ[VERSION_ENV])
     v = 2 if version is None else version
-    if (
-        version is None
-        and layout is not None
-        and layout.k_pool.device.type == "cuda"
-        and layout.page_ids.numel()
-        and layout.page_size < V2_MIN_PAGE_CUDA
-    ):
-        v = 1
     if v not in (1, 2):
         raise DecodeInputError(f"decode kernel version {v} unknown: use 1 or 2 (${VERSION_ENV})")
     return v
+
+
+def _unpack(unpack: str | None, layout: TriZoneLayout) -> str:
+    small_cuda = layout.k_pool.device.type == "cuda" and layout.page_size < IL_MIN_PAGE_CUDA
+    if unpack is None:
+        return "shift" if small_cuda else "interleave"
+    if unpack not in ("interleave", "shift"):
+        raise DecodeInputError(f"unpack={unpack!r}: use 'interleave' or 'shift'")
+    if unpack == "interleave" and small_cuda and layout.page_ids.numel():
+        raise DecodeInputError(
+            f"unpack='interleave' with {layout.page_size}-token pages gives wrong results on CUDA "
+            f"(Triton 3.6, sm_90); use unpack='shift' or pages of >= {IL_MIN_PAGE_CUDA} tokens"
+        )
+    return unpack
 
 
 def plan(
@@ -110,7 +116,7 @@ def plan(
     pages_per_iter: int | None = None,
     num_warps: int | None = None,
     uniform_pages: bool = True,
-    unpack: str = "interleave",
+    unpack: str | None = None,
 ) -> DecodePlan:
     """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
 
@@ -118,16 +124,16 @@ def plan(
     ``layout``); pass (2, 4, 8, 16) to serve every layer of a model with one plan.
     max_rows: longest per-head token count (default: from ``layout``, a CPU read).
     version: kernel code path, 1 or 2 (see the module docstring; default 2, or
-    ``$TRIZONE_DECODE_VERSION``, but 1 on CUDA for pages under :data:`V2_MIN_PAGE_CUDA` tokens,
-    where v2 failed its GPU tests).  pages_per_iter (v2, uniform
+    ``$TRIZONE_DECODE_VERSION``).  pages_per_iter (v2, uniform
     pages; default 32 // page_size) and num_warps override the built-in choices.
     uniform_pages: use v2's specialised path for ``layout.k_uniform`` layouts (False: v2's
     general page path, as for per-channel K).  GPU run 3 found it failing to compile under Triton
     3.6 (fixed since, bench/decode_notes.md); bench/compile_check.py compiles every config.
-    unpack (v2): ``"interleave"`` or ``"shift"`` (see :class:`DecodePlan`).
+    unpack (v2): ``"interleave"`` or ``"shift"`` (see :class:`DecodePlan`); default
+    interleave, but shift on CUDA for pages under :data:`IL_MIN_PAGE_CUDA` tokens, where
+    interleave is refused.
     """
-    if unpack not in ("interleave", "shift"):
-        raise DecodeInputError(f"unpack={unpack!r}: use 'interleave' or 'shift'")
+    unpack = _unpack(unpack, layout)
     hkv, d = layout.num_kv_heads, layout.head_dim
     if num_q_heads % hkv:
         raise DecodeInputError(f"num_q_heads={num_q_heads} is not a multiple of H_kv={hkv}")
@@ -148,7 +154,7 @@ def plan(
             if dev.type == "cuda"
             else NUM_SMS_DEFAULT
         )
-    ver = _version(version, layout)
+    ver = _version(version)
     for name, bits in (("v_bits", v_bits), ("k_bits", k_bits)):
         if bits is not None and not set(bits) <= {2, 4, 8, 16}:
             raise DecodeInputError(f"{name}={bits}: bit widths must be among 2, 4, 8, 16")
