@@ -242,3 +242,22 @@ def test_shards_split_the_samples_and_merge_to_the_whole_grid(tmp_path):
     drop = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
     assert rows and drop(rows) == drop(want)  # timings differ, scores and bytes must not
     assert parse_shard("1/4") == (1, 4)
+
+
+def test_retention_is_over_the_same_engines_full_kv():
+    """Merged reports hold two full-KV rows (ours and kvpress's pipeline): each engine's rows
+    are retained against their own (GPU run 7's 32K report divided ours by kvpress's)."""
+
+    def rec(engine, policy, score, index):
+        return dict(task="t", length=8, policy=policy, budget="10%" if "full" not in policy
+                    else "100%", engine=engine, reference="full" in policy, score=score,
+                    index=index)  # fmt: skip
+
+    records = [rec("transformers", "full", 1.0, i) for i in range(4)]
+    records += [rec("kvpress", "kvpress-full", s, i) for i, s in enumerate([1, 1, 0, 0])]
+    records += [rec("transformers", "qevict", s, i) for i, s in enumerate([1, 1, 0, 0])]
+    records += [rec("kvpress", "kvpress-snapkv", s, i) for i, s in enumerate([1, 1, 0, 0])]
+    rows = {r["policy"]: r for r in build_report(records, {})["rows"]}
+    assert rows["qevict"]["retention"] == 50.0
+    assert rows["kvpress-snapkv"]["retention"] == 100.0
+    assert rows["full"]["retention"] == rows["kvpress-full"]["retention"] == 100.0

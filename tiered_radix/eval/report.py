@@ -9,7 +9,8 @@
      "errors": [{policy, budget, task, length, index, error}]}
 
 Scores and interval ends are percents; ``retention`` is the row's score over the full-KV score
-of the same task and length, in percent (null when the reference scored 0 or is missing).
+of the same task, length and engine (kvpress's presses over kvpress's own full-KV run), in
+percent (null when the reference scored 0 or is missing).
 ``bytes_fraction`` is the mean of ``bytes_used / full_bytes`` at the end of generation;
 ``over_budget`` counts samples whose engine reported a routing step that missed the budget.
 Diagnostics (``fmm``, ``lir``, ``churn``) are means of any stats key ending in that name.
@@ -55,7 +56,9 @@ def _bytes_fraction(r: dict) -> float | None:
 def build_rows(records: Sequence[dict]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     errors: dict[tuple, int] = defaultdict(int)
+    engine = {}  # each policy's engine: its retention is over that engine's own full-KV row
     for r in records:
+        engine[r["policy"]] = r.get("engine")
         key = (r["task"], r["length"], r["policy"], r["budget"])
         if "error" in r:
             errors[key] += 1
@@ -78,9 +81,12 @@ def build_rows(records: Sequence[dict]) -> list[dict[str, Any]]:
             row[name] = _mean([_stat(r, name) for r in recs])
         row["seconds"] = _mean([r.get("seconds") for r in recs])
         rows.append(row)
-    ref = {(r["task"], r["length"]): r["score"] for r in rows if r["reference"]}
+    def home(row: dict) -> tuple:
+        return row["task"], row["length"], engine.get(row["policy"])
+
+    ref = {home(r): r["score"] for r in rows if r["reference"]}
     for row in rows:
-        base = ref.get((row["task"], row["length"]))
+        base = ref.get(home(row))
         ok = base and row["score"] is not None
         row["retention"] = 100 * row["score"] / base if ok else None
     return rows
