@@ -33,31 +33,34 @@ def write_plots(report: dict, out: str | Path) -> list[Path]:
 
 
 def _score_vs_budget(report: dict, path: Path) -> Path:
-    tasks = list(dict.fromkeys(r["task"] for r in report["rows"]))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.4), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=False):
-        series: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-        for r in report["rows"]:
-            if r["task"] == task and r["score"] is not None:
-                series[r["policy"]][r["budget"]].append(r)
-        for policy, by_budget in series.items():
-            if policy == "full":
-                full = _mean([_mean([r["score"] for r in v]) for v in by_budget.values()])
-                ax.axhline(full, color="black", ls="--", lw=1, label="full KV")
+    """One panel per (task, length): a line per policy with its 95% CI, full-KV rows dashed."""
+    panels = list(dict.fromkeys((r["task"], r["length"]) for r in report["rows"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
+    policies = sorted({r["policy"] for r in report["rows"] if not r["reference"]})
+    color = {p: f"C{i % 10}" for i, p in enumerate(policies)}  # the same in every panel
+    for ax, (task, length) in zip(axes[0], panels, strict=True):
+        rows = [r for r in report["rows"] if (r["task"], r["length"]) == (task, length)]
+        series: dict[str, list[dict]] = defaultdict(list)
+        for r in rows:
+            if r["score"] is not None:
+                series[r["policy"]].append(r)
+        for i, (policy, rs) in enumerate(series.items()):
+            if rs[0]["reference"]:
+                ax.axhline(rs[0]["score"], color="black", ls=("--", ":", "-.")[i % 3], lw=1,
+                           label="full KV" if policy == "full" else policy)  # fmt: skip
                 continue
-            labels = sorted(by_budget, key=budget_order)
-            rows = [by_budget[b] for b in labels]
-            xs = [_x(rs, b) for rs, b in zip(rows, labels, strict=True)]
-            ys = [_mean([r["score"] for r in rs]) for rs in rows]
+            rs.sort(key=lambda r: budget_order(r["budget"]))
+            ys = [r["score"] for r in rs]
             err = None
-            if all(len(rs) == 1 and rs[0]["ci_low"] is not None for rs in rows):
-                err = [[y - rs[0]["ci_low"] for y, rs in zip(ys, rows, strict=True)],
-                       [rs[0]["ci_high"] - y for y, rs in zip(ys, rows, strict=True)]]  # fmt: skip
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=2, label=policy)
-        ax.set(title=task, xlabel="KV bytes (% of full precision)", ylabel="score (%)",
-               ylim=(-3, 103))  # fmt: skip
+            if all(r["ci_low"] is not None for r in rs):
+                err = [[y - r["ci_low"] for y, r in zip(ys, rs, strict=True)],
+                       [r["ci_high"] - y for y, r in zip(ys, rs, strict=True)]]  # fmt: skip
+            ax.errorbar([_x([r], r["budget"]) for r in rs], ys, yerr=err, marker="o", capsize=2,
+                        color=color[policy], label=policy)  # fmt: skip
+        ax.set(title=f"{task}, {length} tokens", xlabel="KV bytes (% of full precision)",
+               ylabel="score (%)", ylim=(-3, 103))  # fmt: skip
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
     fig.suptitle(f"{report['meta'].get('model')}: score vs KV budget")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

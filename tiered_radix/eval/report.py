@@ -183,7 +183,7 @@ def markdown_report(report: dict) -> str:
         "",
         "Score: RULER string match (percent of answer strings found), mean over "
         "samples; 95% CI: Wilson (0/1 scores) or bootstrap. Retention: score / full-KV "
-        "score of the same task and length. KV bytes: bytes used / full-precision bytes "
+        "score of the same task, length and engine. KV bytes: bytes used / full-precision bytes "
         "at the end of generation; '(k over)': k samples had a routing step that could not "
         "meet the budget.",
         "",
