@@ -85,7 +85,7 @@ def test_attend_matches_dense_reference_and_colmass_ref(evict):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tq", [1, 45])
+@pytest.mark.parametrize("tq", [1, 45, 60])  # 60: the whole prompt (no mask)
 @pytest.mark.parametrize("evict", [False, True])
 def test_attend_sdpa_matches_dense_reference(evict, tq, dtype):
     """The fused-kernel variant (SGLang's extend on CUDA): outputs in the inputs' dtype, row

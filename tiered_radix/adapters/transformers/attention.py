@@ -126,31 +126,43 @@ def attend_sdpa(
     to that dtype's rounding. ``attn``/``obs_attn`` come from :func:`attend` on the last
     :data:`OBS_WINDOW` query rows (or the last row), ``qnorm`` as in :func:`attend`. ``colmass``
     needs every row's probabilities: with it in ``need`` this is :func:`attend` itself.
-    ``mask_elems`` bounds one call's boolean mask (``Hq * rows * T``) when ``kept`` is given.
+    ``mask_elems`` bounds one call's boolean mask (``Hq * rows * T``) when a mask is needed
+    (evicted keys, or queries that are not the whole sequence).
     """
     if "colmass" in need:
         return attend(q, k, v, kept, scale, need=need, chunk_elems=mask_elems)
     (hq, tq, d), (h, t, _) = q.shape, k.shape
     g = hq // h
     assert g * h == hq and tq <= t, (q.shape, k.shape)
-    kq, vq = k.to(q.dtype), v.to(q.dtype)
-    keep_q = None
-    if kept is not None:  # evicted rows are NaN-poisoned: zero them, then mask them out
-        kq = kq.masked_fill(~kept[..., None], 0.0)
-        vq = vq.masked_fill(~kept[..., None], 0.0)
-        keep_q = kept.repeat_interleave(g, 0)[None, :, None, :]  # [1, Hq, 1, T]
-    keys = torch.arange(t, device=q.device)
     out = torch.empty(hq, tq, d, dtype=torch.float32, device=q.device)
-    rows = tq if kept is None else max(1, mask_elems // (hq * t))
-    for r0 in range(0, tq, rows):
-        r1 = min(tq, r0 + rows)
-        pos = t - tq + torch.arange(r0, r1, device=q.device)
-        causal = keys[None, :] <= pos[:, None]  # [rows, T], lower right
-        mask = causal[None, None] if keep_q is None else causal[None, None] & keep_q
+    half = q.dtype in (torch.float16, torch.bfloat16)  # flash's GQA needs 16-bit inputs
+    if kept is None and tq == t and half:  # a whole prompt, nothing evicted: no mask, flash
         o = F.scaled_dot_product_attention(
-            q[None, :, r0:r1], kq[None], vq[None], attn_mask=mask, scale=scale, enable_gqa=True
-        )[0]
-        out[:, r0:r1] = o.float().nan_to_num(0.0)  # a row with every key evicted: NaN -> 0
+            q[None], k.to(q.dtype)[None], v.to(q.dtype)[None], is_causal=True, scale=scale,
+            enable_gqa=True,
+        )  # fmt: skip
+        out.copy_(o[0])
+    else:
+        # A mask with enable_gqa sends SDPA to its math backend, which builds the whole
+        # [Hq, rows, T] score matrix (GPU run 7's 30-38 GB eval processes at 32K): expand K/V to
+        # the query heads instead, so the memory-efficient kernel takes the masked rows.
+        kq, vq = k.to(q.dtype), v.to(q.dtype)
+        keep_q = None
+        if kept is not None:  # evicted rows are NaN-poisoned: zero them, then mask them out
+            kq = kq.masked_fill(~kept[..., None], 0.0)
+            vq = vq.masked_fill(~kept[..., None], 0.0)
+            keep_q = kept.repeat_interleave(g, 0)[None, :, None, :]  # [1, Hq, 1, T]
+        kq, vq = kq.repeat_interleave(g, 0)[None], vq.repeat_interleave(g, 0)[None]
+        keys = torch.arange(t, device=q.device)
+        rows = max(1, mask_elems // (hq * t))
+        for r0 in range(0, tq, rows):
+            r1 = min(tq, r0 + rows)
+            pos = t - tq + torch.arange(r0, r1, device=q.device)
+            causal = keys[None, :] <= pos[:, None]  # [rows, T], lower right
+            mask = causal[None, None] if keep_q is None else causal[None, None] & keep_q
+            o = F.scaled_dot_product_attention(q[None, :, r0:r1], kq, vq, attn_mask=mask,
+                                               scale=scale)[0]  # fmt: skip
+            out[:, r0:r1] = o.float().nan_to_num(0.0)  # a row with every key evicted: NaN -> 0
     tail = min(OBS_WINDOW if "obs_attn" in need else 1, tq)
     _, sig = attend(q[:, tq - tail :], k, v, kept, scale, need=need & {"obs_attn"})
     qnorm = None
