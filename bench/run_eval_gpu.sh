@@ -8,7 +8,7 @@
 #   bash bench/run_eval_gpu.sh
 # Env: OUT (default bench/results/eval-qwen-gpu), LENGTHS, TASKS, SAMPLES, BUDGETS, MINUTES
 # (start no sample after this), OURS_PER_GPU / KVPRESS_PER_GPU (processes per GPU; 0 skips),
-# PRESSES, SKIP_INSTALL, SEED_OURS / SEED_KVPRESS (an earlier run's results.jsonl: its finished
+# PRESSES, KVPRESS_ARGS (extra kvpress_run flags, e.g. --question-in-context), SKIP_INSTALL, SEED_OURS / SEED_KVPRESS (an earlier run's results.jsonl: its finished
 # cells are skipped, e.g. bench/results/eval-qwen-gpu-run2/results.jsonl). Rerunning resumes.
 #
 # Parallelism: a 0.5B model's eager decode is launch-bound (one process leaves the H200 mostly
@@ -51,7 +51,7 @@ if [ "$KVPRESS_PER_GPU" -gt 0 ]; then
     PER_GPU=$KVPRESS_PER_GPU \
     bash bench/shards.sh "$OUT/kvpress" \
     python3 -m tiered_radix.eval.kvpress_run --model "$MODEL" --name "$MODEL" "${common[@]}" \
-    --presses "${PRESSES:-snapkv,expected,streaming}" > "$OUT/kvpress.log" 2>&1 &
+    --presses "${PRESSES:-snapkv,expected,streaming}" ${KVPRESS_ARGS:-} > "$OUT/kvpress.log" 2>&1 &
   pids+=($!)
 fi
 rc=0
