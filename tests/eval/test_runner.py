@@ -261,3 +261,31 @@ def test_retention_is_over_the_same_engines_full_kv():
     assert rows["qevict"]["retention"] == 50.0
     assert rows["kvpress-snapkv"]["retention"] == 100.0
     assert rows["full"]["retention"] == rows["kvpress-full"]["retention"] == 100.0
+
+
+def test_cells_record_cuda_peaks_where_cuda_was_used(tmp_path, monkeypatch):
+    """With CUDA in use, each cell records its own peak (reset between cells) and the shared
+    prefill's; without it, neither field appears."""
+    import sys
+    import types
+
+    peaks = iter(range(100, 10_000, 100))
+    state = {"peak": 0}
+
+    def max_memory_allocated():
+        return state["peak"] << 20
+
+    def reset_peak_memory_stats():
+        state["peak"] = next(peaks)
+
+    cuda = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True,
+                                 max_memory_allocated=max_memory_allocated,
+                                 reset_peak_memory_stats=reset_peak_memory_stats)  # fmt: skip
+    grid = _grid(tasks=("niah_single",), samples=1)
+    plain = run_grid(OracleEngine(), grid, tmp_path / "plain", progress=False)
+    assert not any("cuda_peak_mib" in r for r in plain)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    recs = run_grid(OracleEngine(), grid, tmp_path / "cuda", progress=False)
+    cells = [r["cuda_peak_mib"] for r in recs]
+    assert len(cells) == len(recs) == 5 and len(set(cells)) == 5  # one reading per cell
+    assert all(r.get("prefill_cuda_peak_mib") is None for r in recs)  # no shared prefill here

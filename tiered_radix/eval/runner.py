@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -270,7 +271,7 @@ def run_grid(
         for s in samples(grid, engine):
             if deadline is not None and time.monotonic() > deadline:
                 break
-            prefill = None
+            prefill = prefill_peak = None
             for policy, label in configs:
                 bar.update(1)
                 key = cell_key(engine, policy, label, s, grid)
@@ -279,10 +280,18 @@ def run_grid(
                     continue
                 bar.set_postfix_str(f"{policy.name}@{label} {s.key}")
                 if shared and prefill is None and len(s.turns) == 1:
+                    _cuda_peak_mib()
                     prefill = _prefill(engine, s, [p for p, _ in configs])
+                    prefill_peak = _cuda_peak_mib()
                 cap, stop = grid.max_new_tokens, grid.stop_when_answered
+                _cuda_peak_mib()
                 rec = {"key": key, "seed": grid.seed,
                        **run_cell(engine, policy, label, s, cap, prefill, stop)}  # fmt: skip
+                peak = _cuda_peak_mib()
+                if peak is not None:  # which phase holds the memory (run 7: 30-38 GB at 32K)
+                    rec["cuda_peak_mib"] = peak
+                    if prefill is not None:
+                        rec["prefill_cuda_peak_mib"] = prefill_peak
                 f.write(json.dumps(rec) + "\n")
                 f.flush()
                 records.append(rec)
@@ -321,6 +330,17 @@ def _run_by_configuration(engine, grid, configs, done, records, f, bar, deadline
             records.append(rec)
             bar.update(1)
         f.flush()
+
+
+def _cuda_peak_mib() -> int | None:
+    """CUDA memory allocated at peak (MiB) since the last call, then reset; None where this
+    process has not used CUDA (the runner itself never imports torch)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    peak = int(torch.cuda.max_memory_allocated() >> 20)
+    torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def _prefill(engine, s: Sample, policies: list[Policy]):
