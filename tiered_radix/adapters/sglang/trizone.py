@@ -62,11 +62,14 @@ def _k_table(bits: int | None, d: int, page_size: int, lists: int, dev) -> Tenso
 
 
 def build(
-    pool, views, seqs: list[int], num_q_heads: int, version: int = 1, side_output: bool = True
-) -> DecodeBatch:
+    pool, views, seqs: list[int], num_q_heads: int, version: int | None = None,
+    side_output: bool = True,
+) -> DecodeBatch:  # fmt: skip
     """Index lists of every layer for requests with ``views`` (``RequestView``) and lengths
     ``seqs``; ``num_q_heads`` query heads (GQA over ``pool.head_num``). ``side_output``: the
-    kernel accumulates each window's attention mass (``mass``; None when off)."""
+    kernel accumulates each window's attention mass (``mass``; None when off). ``version``: the
+    decode kernel's code path (``decode.plan``'s default: v2, whose uniform-page path reads the
+    pool's single-width ledger pages; GPU run 6: 0.49 ms vs v1's 0.97 at Llama 128K x 8)."""
     L, H, W, d, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.head_dim, pool.device
     B = len(views)
     n = [int(v.windows.numel()) for v in views]
