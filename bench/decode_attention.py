@@ -45,7 +45,7 @@ except ImportError:
     _spec.loader.exec_module(sys.modules["tiered_radix.kernels"])
 
 FAMILIES = {"llama3-8b": (32, 8, 128), "qwen2.5-0.5b": (14, 2, 64)}
-FULL = [(4096, 1), (4096, 32), (32768, 1), (32768, 8), (131072, 1), (131072, 8)]
+FULL = [(4096, 1), (4096, 32), (32768, 1), (32768, 8), (32768, 64), (131072, 1), (131072, 8)]
 QUICK = [(32768, 1), (131072, 8)]
 TINY = [(96, 2)]
 BUDGETS = (0.05, 0.10, 0.20)
@@ -67,6 +67,25 @@ def timeit(fn, dev) -> float:
     t = time.perf_counter()
     fn()
     return (time.perf_counter() - t) * 1e3
+
+
+def kernel_us(fn, reps: int = 20) -> dict[str, float]:
+    """Device microseconds per call of each kernel ``fn`` launches (torch.profiler over eager
+    calls; CUDA only): which of split, merge and mass the time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t > 0:
+            out[e.key[:60]] = round(t / reps, 2)
+    return out
 
 
 def copy_bandwidth(dev) -> float:
@@ -107,8 +126,9 @@ def tier_plan(kind, budget, ctx, batch, hkv, d, gen):
     return TierPlan(vb, kb, fresh)
 
 
-def ours(q, k, v, kind, budget, dev, side, gen, cache, **plan_kw):
-    """Time decode.run on the (cached) layout of this tier mix; plan_kw go to decode.plan."""
+def ours(q, k, v, kind, budget, dev, side, gen, cache, breakdown=False, **plan_kw):
+    """Time decode.run on the (cached) layout of this tier mix; plan_kw go to decode.plan;
+    ``breakdown``: also each kernel's device time (``kernels_us``, CUDA)."""
     from tiered_radix.kernels import decode
     from tiered_radix.kernels.layout import build_trizone
 
@@ -142,6 +162,8 @@ def ours(q, k, v, kind, budget, dev, side, gen, cache, **plan_kw):
         "pages_per_iter": p.pages_per_iter,
         "num_warps": p.num_warps,
     }
+    if breakdown and dev == "cuda":
+        info["kernels_us"] = kernel_us(lambda: decode.run(q, lay, p, out=out, mass=mass))
     return ms, lay.bytes_kv + extra, info
 
 
@@ -237,6 +259,7 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
             tune = suffix.startswith(("_ppi", "_general"))  # uniform (qevict) pages only
             if suffix and (kind, b, side) not in key or tune and (side or kind != "qevict"):
                 continue
+            kw = {**kw, "breakdown": not suffix and (kind, b, side) in key}
             record(f"ours_{name}{suffix}",
                    lambda kind=kind, b=b, side=side, kw=kw: ours(q, k, v, kind, b, dev, side, gen,
                                                                  cache, **kw))  # fmt: skip
@@ -321,6 +344,9 @@ def main(argv=None) -> None:
         print(f"{r['family']:13} {r['ctx']:7} {r['batch']:3} {r['impl']:24} {r['ms']:9.4f} "
               f"{r['bytes'] / 1e6:9.2f} {100 * r['frac_copy_bw']:6.1f} "
               f"{r.get('speedup_vs_flashinfer_bf16', float('nan')):6.2f}")  # fmt: skip
+    for r in rows:  # where the time goes (eager calls; device us per kernel)
+        if r.get("kernels_us"):
+            print(f"{r['family']} {r['ctx']}x{r['batch']} {r['impl']}: {r['kernels_us']}")
 
 
 if __name__ == "__main__":
