@@ -89,7 +89,7 @@ def test_attend_matches_dense_reference_and_colmass_ref(evict):
 @pytest.mark.parametrize("evict", [False, True])
 def test_attend_sdpa_matches_dense_reference(evict, tq, dtype):
     """The fused-kernel variant (SGLang's extend on CUDA): outputs in the inputs' dtype, row
-    chunks bounded by mask_elems, evicted rows NaN-poisoned; signals as attend's."""
+    chunks bounded by chunk_elems, evicted rows NaN-poisoned; signals as attend's."""
     g = torch.Generator().manual_seed(4)
     hq, h, t, d = 6, 2, 60, 16
     q, k, v = (torch.randn(*s, generator=g) for s in ((hq, tq, d), (h, t, d), (h, t, d)))
@@ -100,7 +100,7 @@ def test_attend_sdpa_matches_dense_reference(evict, tq, dtype):
         k, v = k.masked_fill(~kept[..., None], math.nan), v.masked_fill(~kept[..., None], math.nan)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     need = frozenset({"obs_attn", "qnorm"})
-    out, sig = attend_sdpa(q, k, v, kept, 0.3, need=need, mask_elems=hq * t * 7)
+    out, sig = attend_sdpa(q, k, v, kept, 0.3, need=need, chunk_elems=hq * t * 7)
     ref, mass = dense(q, k, v, kept, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.dtype == torch.float32 and out.isfinite().all()

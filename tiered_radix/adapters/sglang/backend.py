@@ -279,11 +279,10 @@ class TieredAttnBackend(AttentionBackend):
         need = self.prefill_needs if self.extend else frozenset()
         fn = self.extend_attend if self.extend else attend
         elems = CHUNK_ELEMS.get(q3.device.type, 1 << 22)
-        chunk = {"mask_elems" if fn is attend_sdpa else "chunk_elems": elems}
         for r in self.batch:
             kk, vv, kept = self._read(r.rid, li)
             qi = q3[r.start : r.start + r.tq].transpose(0, 1)
-            o, signals = fn(qi, kk, vv, kept, float(layer.scaling), need=need, **chunk)
+            o, signals = fn(qi, kk, vv, kept, float(layer.scaling), need=need, chunk_elems=elems)
             out[r.start : r.start + r.tq] = o.transpose(0, 1).to(out.dtype)
             r.session.store.observe(li, signals)
         return out

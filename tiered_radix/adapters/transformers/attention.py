@@ -119,24 +119,26 @@ def attend_sdpa(
     scale: float,
     *,
     need: frozenset[str] = frozenset(),
-    mask_elems: int = 1 << 26,
+    chunk_elems: int = 1 << 26,
 ) -> tuple[Tensor, Signals]:
     """:func:`attend`'s outputs and signals through ``scaled_dot_product_attention`` (a fused
     kernel on CUDA, in the inputs' dtype) instead of float32 score blocks: the same numbers up
     to that dtype's rounding. ``attn``/``obs_attn`` come from :func:`attend` on the last
     :data:`OBS_WINDOW` query rows (or the last row), ``qnorm`` as in :func:`attend`. ``colmass``
     needs every row's probabilities: with it in ``need`` this is :func:`attend` itself.
-    ``mask_elems`` bounds one call's boolean mask (``Hq * rows * T``) when a mask is needed
-    (evicted keys, or queries that are not the whole sequence).
+    ``chunk_elems`` bounds one call's mask (``Hq * rows * T``; :func:`attend`'s score block
+    when it delegates) where a mask is needed (evicted keys, or queries that are not the whole
+    sequence).
     """
     if "colmass" in need:
-        return attend(q, k, v, kept, scale, need=need, chunk_elems=mask_elems)
+        return attend(q, k, v, kept, scale, need=need, chunk_elems=chunk_elems)
     (hq, tq, d), (h, t, _) = q.shape, k.shape
     g = hq // h
     assert g * h == hq and tq <= t, (q.shape, k.shape)
     out = torch.empty(hq, tq, d, dtype=torch.float32, device=q.device)
-    half = q.dtype in (torch.float16, torch.bfloat16)  # flash's GQA needs 16-bit inputs
-    if kept is None and tq == t and half:  # a whole prompt, nothing evicted: no mask, flash
+    # a whole prompt, nothing evicted: no mask, so flash (whose GQA needs 16-bit inputs on CUDA)
+    fused_gqa = q.dtype in (torch.float16, torch.bfloat16) or not q.is_cuda
+    if kept is None and tq == t and fused_gqa:
         o = F.scaled_dot_product_attention(
             q[None], k.to(q.dtype)[None], v.to(q.dtype)[None], is_causal=True, scale=scale,
             enable_gqa=True,
@@ -144,8 +146,8 @@ def attend_sdpa(
         out.copy_(o[0])
     else:
         # A mask with enable_gqa sends SDPA to its math backend, which builds the whole
-        # [Hq, rows, T] score matrix (GPU run 7's 30-38 GB eval processes at 32K): expand K/V to
-        # the query heads instead, so the memory-efficient kernel takes the masked rows.
+        # [Hq, rows, T] score matrix: expand K/V to the query heads instead, so the
+        # memory-efficient kernel takes the masked rows.
         kq, vq = k.to(q.dtype), v.to(q.dtype)
         keep_q = None
         if kept is not None:  # evicted rows are NaN-poisoned: zero them, then mask them out
@@ -154,7 +156,7 @@ def attend_sdpa(
             keep_q = kept.repeat_interleave(g, 0)[None, :, None, :]  # [1, Hq, 1, T]
         kq, vq = kq.repeat_interleave(g, 0)[None], vq.repeat_interleave(g, 0)[None]
         keys = torch.arange(t, device=q.device)
-        rows = max(1, mask_elems // (hq * t))
+        rows = max(1, chunk_elems // (hq * t))
         for r0 in range(0, tq, rows):
             r1 = min(tq, r0 + rows)
             pos = t - tq + torch.arange(r0, r1, device=q.device)
