@@ -15,14 +15,15 @@ Two ways to compute it:
 - ``exact``: the adapter's own :func:`~tiered_radix.adapters.transformers.attend` (float32,
   query-row chunks), so outputs, logits and signals equal an independent adapter run bit for bit
   (``tests/eval/test_shared_prefill.py``);
-- ``fast``: ``scaled_dot_product_attention`` (flash on CUDA) for the outputs, ``attend`` on the
-  last :data:`OBS_WINDOW` query rows for ``attn``/``obs_attn``, the Triton ``column_mass`` kernel
+- ``fast``: ``attend_sdpa`` (``scaled_dot_product_attention``, flash on CUDA, for the outputs;
+  ``attend`` on the last query rows for ``attn``/``obs_attn``), the Triton ``column_mass`` kernel
   (CUDA) or a chunked ``attend`` (CPU) for ``colmass``, and ``channel_norms`` for ``qnorm``: the
   same quantities up to floating-point rounding, at flash-attention cost.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -30,11 +31,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from tiered_radix.adapters.transformers.attention import OBS_WINDOW, attend
-from tiered_radix.engine.colmass_ref import channel_norms
+from tiered_radix.adapters.transformers.attention import attend, attend_sdpa
 from tiered_radix.engine.signals import Signals
 
 CAPTURE_NAME = "tiered_radix_capture"
@@ -70,19 +69,10 @@ class _Recorder:
 
 def _fast_attend(q: Tensor, k: Tensor, v: Tensor, scale: float, need: frozenset[str]):
     """``attend``'s outputs and signals for a whole prompt (``q [Hq, T, d]``, ``k, v [H, T, d]``)
-    without the float32 ``[Hq, T, T]`` pass (see the module docstring)."""
-    hq, t, _ = q.shape
-    out = F.scaled_dot_product_attention(
-        q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=True
-    )[0]
-    tail = min(OBS_WINDOW, t)
-    _, sig = attend(q[:, t - tail :], k, v, None, scale, need=need & {"obs_attn"})
-    colmass = qnorm = None
-    if "colmass" in need:
-        colmass = _column_mass(q, k, v, scale)
-    if "qnorm" in need:
-        qnorm = channel_norms(q.transpose(0, 1), k.float().transpose(0, 1).to(q.dtype))[0]
-    return out, Signals(attn=sig.attn, colmass=colmass, obs_attn=sig.obs_attn, qnorm=qnorm)
+    without the float32 ``[Hq, T, T]`` pass: ``attend_sdpa`` (flash) and :func:`_column_mass`."""
+    out, sig = attend_sdpa(q, k, v, None, scale, need=need - {"colmass"})
+    colmass = _column_mass(q, k, v, scale) if "colmass" in need else None
+    return out, dataclasses.replace(sig, colmass=colmass)
 
 
 def _column_mass(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
