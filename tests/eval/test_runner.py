@@ -265,11 +265,14 @@ def test_retention_is_over_the_same_engines_full_kv():
 
 def test_cells_record_cuda_peaks_where_cuda_was_used(tmp_path, monkeypatch):
     """With CUDA in use, each cell records its own peak (reset between cells) and the shared
-    prefill's; without it, neither field appears."""
+    prefill's, and the process's peak survives the resets; without CUDA, neither field appears."""
     import sys
     import types
 
-    peaks = iter(range(100, 10_000, 100))
+    from tiered_radix.eval import runner
+
+    monkeypatch.setattr(runner, "_process_peak", [0])
+    peaks = iter(range(9_900, 0, -100))  # falling: the process peak is not the last reading
     state = {"peak": 0}
 
     def max_memory_allocated():
@@ -289,3 +292,4 @@ def test_cells_record_cuda_peaks_where_cuda_was_used(tmp_path, monkeypatch):
     cells = [r["cuda_peak_mib"] for r in recs]
     assert len(cells) == len(recs) == 5 and len(set(cells)) == 5  # one reading per cell
     assert all(r.get("prefill_cuda_peak_mib") is None for r in recs)  # no shared prefill here
+    assert runner.process_cuda_peak_mib() == max(cells)  # what the report's meta records

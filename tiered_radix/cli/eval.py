@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report_from:
         return report_from(args)
     from ..eval import EngineError, Grid, TaskError, TransformersEngine, expand_tasks, run_grid
-    from ..eval.runner import parse_shard
+    from ..eval.runner import parse_shard, process_cuda_peak_mib
 
     try:
         if args.samples < 1:
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         "budgets": budgets or "each policy's own",
         "host_cpus": os.cpu_count(),
         "shard": args.shard,
-        "cuda_peak_mib": _cuda_peak_mib(args.device),
+        "cuda_peak_mib": process_cuda_peak_mib(),
     }
     return write_reports(records, meta, Path(args.out))
 
@@ -210,15 +210,6 @@ def run(args: argparse.Namespace) -> int:
 def _samples_run(records: list[dict]) -> int:
     """Distinct (task, length, sample) among ``records``."""
     return len({(r["task"], r["length"], r["index"]) for r in records})
-
-
-def _cuda_peak_mib(device: str) -> int | None:
-    """Peak CUDA memory this process allocated (None off CUDA): how many shards fit a GPU."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
-
-    return int(torch.cuda.max_memory_allocated() / 2**20)
 
 
 def report_from(args: argparse.Namespace) -> int:

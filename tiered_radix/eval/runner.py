@@ -332,15 +332,35 @@ def _run_by_configuration(engine, grid, configs, done, records, f, bar, deadline
         f.flush()
 
 
-def _cuda_peak_mib() -> int | None:
-    """CUDA memory allocated at peak (MiB) since the last call, then reset; None where this
-    process has not used CUDA (the runner itself never imports torch)."""
+def _cuda():
+    """torch, where this process has used CUDA (the runner itself never imports torch)."""
     torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+    ok = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch if ok else None
+
+
+_process_peak = [0]  # MiB: the process's peak across _cuda_peak_mib's resets
+
+
+def _cuda_peak_mib() -> int | None:
+    """CUDA memory allocated at peak (MiB) since the last call, then reset (None without
+    CUDA); :func:`process_cuda_peak_mib` keeps the process's peak."""
+    torch = _cuda()
+    if torch is None:
         return None
     peak = int(torch.cuda.max_memory_allocated() >> 20)
+    _process_peak[0] = max(_process_peak[0], peak)
     torch.cuda.reset_peak_memory_stats()
     return peak
+
+
+def process_cuda_peak_mib() -> int | None:
+    """Peak CUDA memory this process allocated (MiB; None without CUDA), through the per-cell
+    resets: how many shards fit a GPU."""
+    torch = _cuda()
+    if torch is None:
+        return None
+    return max(_process_peak[0], int(torch.cuda.max_memory_allocated() >> 20))
 
 
 def _prefill(engine, s: Sample, policies: list[Policy]):
