@@ -4,7 +4,11 @@ Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`
 
 - ``plain``: SGLang 0.5.17 with its Triton attention backend, bf16 KV, CUDA graphs on;
 - ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), chunked prefill of
-  ``--chunk`` tokens so routing runs between chunks.
+  ``--chunk`` tokens so routing runs between chunks, decode CUDA graphs on;
+- ``tiered_eager``: the same with CUDA graphs off (what every run before GPU run 8 measured).
+
+Every kind captures decode graphs up to batch ``--graph-max-bs`` (startup time on a shared
+device; the measured batches are below it).
 
 Per batch size: prompts of ``--context`` random tokens (distinct per request) are prefilled once
 (one new token) and stay in the radix cache; then the same prompts are generated again with
@@ -70,12 +74,15 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
     stats = Path(tempfile.mkdtemp()) / "stats.json"
     os.environ["TIERED_RADIX_STATS"] = str(stats)
     kw = dict(model_path=a.model, mem_fraction_static=0.6, context_length=a.context + 512,
-              attention_backend="triton", log_level="error")  # fmt: skip
-    if kind == "tiered":
+              attention_backend="triton", log_level="error",
+              cuda_graph_max_bs_decode=a.graph_max_bs)  # fmt: skip
+    if kind.startswith("tiered"):
         kw.update(kv_policy=a.policy, chunked_prefill_size=a.chunk)
         kw.pop("attention_backend")
         if a.budget:
             kw["kv_budget"] = a.budget
+    if kind == "tiered_eager":
+        kw["disable_cuda_graph"] = True
     t0 = time.perf_counter()
     engine = sglang.Engine(**kw)
     startup = time.perf_counter() - t0
@@ -99,7 +106,7 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
             per_tok = (long - short) / (a.long - a.short)
             rows.append({"batch": bs, "t_prefill_s": t_prefill, "t_short_s": short,
                          "t_long_s": long, "decode_ms_per_token": 1e3 * per_tok})  # fmt: skip
-            if kind == "tiered":
+            if kind.startswith("tiered"):
                 rows[-1]["host_ms_per_step"] = _per_step(before, _host_s(stats))
             print(kind, rows[-1], flush=True)
     finally:
@@ -120,7 +127,8 @@ def main() -> None:
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--long", type=int, default=40)
     p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--kinds", nargs="+", default=["plain", "tiered"])
+    p.add_argument("--kinds", nargs="+", default=["plain", "tiered", "tiered_eager"])
+    p.add_argument("--graph-max-bs", type=int, default=16)
     p.add_argument("--out", default="bench/results")
     a = p.parse_args()
     import torch
@@ -142,10 +150,13 @@ def main() -> None:
             print(kind, "FAILED", repr(e)[:2000], flush=True)
         Path(a.out, "sglang_decode.json").write_text(json.dumps(res, indent=1))
     by = {r["kind"]: r for r in res["runs"] if "rows" in r}
-    if {"plain", "tiered"} <= by.keys():
-        for pr, tr in zip(by["plain"]["rows"], by["tiered"]["rows"], strict=False):
-            tr["ratio_vs_plain"] = tr["decode_ms_per_token"] / pr["decode_ms_per_token"]
-        st = by["tiered"].get("tiered_stats", {})
+    for kind in ("tiered", "tiered_eager"):
+        if {"plain", kind} <= by.keys():
+            for pr, tr in zip(by["plain"]["rows"], by[kind]["rows"], strict=False):
+                tr["ratio_vs_plain"] = tr["decode_ms_per_token"] / pr["decode_ms_per_token"]
+    tiered = by.get("tiered") or by.get("tiered_eager")
+    if tiered is not None:
+        st = tiered.get("tiered_stats", {})
         if st.get("peak_tokens"):
             bf16 = st["peak_tokens"] * st["bf16_bytes_per_token"]
             res["peak_kv_fraction_of_bf16"] = st["peak_bytes"] / bf16

@@ -65,7 +65,7 @@ def launch(policy: str, budget: str | None, log: Path) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL, "--port", str(PORT),
         "--enable-cache-report", "--mem-fraction-static", "0.5", "--context-length", "8192",
-        "--kv-policy", policy, "--tp", str(TP),
+        "--kv-policy", policy, "--tp", str(TP), "--cuda-graph-max-bs-decode", "8",
     ]  # fmt: skip
     if budget:
         cmd += ["--kv-budget", budget]
@@ -136,6 +136,8 @@ def test_serves_multiturn_and_needle(policy):
     assert all(r["answer"].strip() for r in rows), rows
     assert all(r["cached"] > 0 for r in rows[1:]), "later turns must hit the radix cache"
     assert needle["prompt"] > 2500
+    if policy == "qevict":  # decode replays CUDA graphs (the stats file is as of the last routing)
+        assert stats.get("host_s", {}).get("graph_steps", 0) > 0, stats.get("host_s")
     if policy == "full":
         assert "tangerine" in needle["answer"].lower(), needle
         assert "miso" in rows[-1]["answer"].lower(), rows[-1]

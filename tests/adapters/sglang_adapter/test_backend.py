@@ -47,7 +47,10 @@ class Harness:
         """``q_heads`` of the model's ``HQ`` query heads (a tensor-parallel rank's slice, with
         ``kv_heads=`` for the Sim and SGLang's ``tp_group`` stand-in)."""
         self.sim = Sim(**({"pages": 60} | sim))
-        runner = SimpleNamespace(token_to_kv_pool=self.sim.pool, tp_group=tp_group)
+        context = SimpleNamespace(context_len=self.sim.r2t.req_to_token.shape[1])
+        runner = SimpleNamespace(
+            token_to_kv_pool=self.sim.pool, tp_group=tp_group, model_config=context
+        )
         self.backend = TieredAttnBackend(runner)
         g = torch.Generator().manual_seed(11)
         self.wq = torch.randn(self.sim.L, 100, HQ, self.sim.d, generator=g)[:, :, q_heads]
@@ -61,19 +64,8 @@ class Harness:
 
     def step(self, reqs: list[SimpleNamespace], new: list[list[int]], extend: bool):
         """One forward of ``new[i]`` tokens for each request; returns per-layer outputs."""
-        sim, W = self.sim, self.sim.W
-        locs, pre = [], []
-        for req, toks in zip(reqs, new, strict=True):
-            start = len(req.tokens)
-            row = sim.r2t.req_to_token[req.req_pool_idx]
-            have = -(-start // W) * W
-            end = start + len(toks)
-            if end > have:
-                got = sim.alloc.alloc(-(-(end - have) // W) * W)
-                row[have : have + got.numel()] = got.int()
-            locs.append(row[start:end].long())
-            pre.append(start)
-            req.tokens = req.tokens + toks
+        sim = self.sim
+        locs, pre = self._locs(reqs, new)
         fb = SimpleNamespace(
             forward_mode=Mode(extend),
             seq_lens_cpu=torch.tensor([len(r.tokens) for r in reqs]),
@@ -95,6 +87,73 @@ class Harness:
             q = torch.cat(qs).reshape(-1, self.hq * sim.d).bfloat16().float()  # as a bf16 model's
             outs.append(self.backend.forward_extend(q, torch.cat(ks), torch.cat(vs), layer, fb))
         return outs
+
+    def _locs(self, reqs, new) -> tuple[list[torch.Tensor], list[int]]:
+        """Slots for ``new[i]`` more tokens of each request (allocating windows as needed)."""
+        sim, W = self.sim, self.sim.W
+        locs, pre = [], []
+        for req, toks in zip(reqs, new, strict=True):
+            start = len(req.tokens)
+            row = sim.r2t.req_to_token[req.req_pool_idx]
+            have = -(-start // W) * W
+            end = start + len(toks)
+            if end > have:
+                got = sim.alloc.alloc(-(-(end - have) // W) * W)
+                row[have : have + got.numel()] = got.int()
+            locs.append(row[start:end].long())
+            pre.append(start)
+            req.tokens = req.tokens + toks
+        return locs, pre
+
+    def capture(self, bs: int) -> None:
+        """What SGLang's graph runner does for batch size ``bs``: metadata with every request
+        padding, then the forward it records."""
+        fb = SimpleNamespace(
+            batch_size=bs, forward_mode=Mode(False), num_padding=bs,
+            req_pool_indices=torch.zeros(bs, dtype=torch.long),
+            seq_lens_cpu=torch.ones(bs, dtype=torch.long),
+            out_cache_loc=torch.zeros(bs, dtype=torch.long),
+        )  # fmt: skip
+        self.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+        self._layers(fb, *self._dummy(bs))
+
+    def _dummy(self, bs: int):
+        g = torch.Generator().manual_seed(bs)
+        shape = (self.sim.L, bs, self.sim.H, self.sim.d)
+        return (
+            torch.randn(shape, generator=g),
+            torch.randn(shape, generator=g),
+            torch.randn(self.sim.L, bs, self.hq * self.sim.d, generator=g),
+        )
+
+    def replay(self, reqs, new: list[list[int]], bs: int):
+        """One decode step as a replay of the graph of batch size ``bs``: the metadata sees
+        SGLang's replay view (padded indices and lengths, no rids), the layers get padded q/k/v;
+        returns the real rows of every layer's output."""
+        locs, pre = self._locs(reqs, new)
+        raw, sim = len(reqs), self.sim
+        pad = bs - raw
+        fb = SimpleNamespace(
+            batch_size=bs, forward_mode=Mode(False), num_padding=pad,
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs] + [0] * pad),
+            seq_lens_cpu=torch.tensor([len(r.tokens) for r in reqs] + [1] * pad),
+            out_cache_loc=torch.cat(locs),
+        )  # fmt: skip
+        self.backend.init_forward_metadata_out_graph(fb)
+        ks, vs, qs = self._dummy(bs)
+        for li in range(sim.L):
+            for i, (toks, p) in enumerate(zip(new, pre, strict=True)):
+                k, v = sim.kv(li, toks, p)
+                ks[li, i], vs[li, i] = k[0], v[0]
+                q = self.wq[li, torch.tensor(toks)] + 0.1 * p
+                qs[li, i] = q.reshape(-1).bfloat16().float()
+        return [o[:raw] for o in self._layers(fb, ks, vs, qs)]
+
+    def _layers(self, fb, ks, vs, qs):
+        return [
+            self.backend.forward_decode(qs[li], ks[li], vs[li], layer, fb)
+            for li, layer in enumerate(self.layers)
+        ]
 
     def start(self, rid: str, tokens: list[int]) -> SimpleNamespace:
         """Match the prefix; the backend opens the view at the request's first extend."""
@@ -318,3 +377,86 @@ def test_cached_windows_yield_their_rows_to_a_new_prompt(monkeypatch, reclaim):
     sim.cache.evict(EvictParams(num_tokens=10_000))
     assert sim.alloc.available_size() == avail0
     assert [len(f) for f in sim.pool.free_rows] == free0
+
+
+def _addresses(db) -> list[int]:
+    """Where every tensor a captured decode step reads lives."""
+    out = [db.plan.part_acc.data_ptr(), db.plan.score.data_ptr()]
+    out += [] if db.mass is None else [db.mass.data_ptr()]
+    for lay in db.layouts:
+        out += [getattr(lay, f).data_ptr() for f in lay.__dataclass_fields__
+                if isinstance(getattr(lay, f), torch.Tensor)]  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("policy", [KERNEL_POLICY, POSITION_POLICY], ids=["attn", "position"])
+def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy):
+    """Decode as SGLang's graph runner drives it (capture with all-padding batches, then replays
+    whose metadata has no rids and whose batches are padded): every real row equals eager
+    decode's, the tiers routing decides (one step late, at flush) are the same, the kernels read
+    the buffers they were captured with, and every block comes back at the end."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kw = dict(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
+    eager, graphed = Harness(**kw), Harness(**kw)
+    sim = graphed.sim
+    free0, avail0 = [len(f) for f in sim.pool.free_rows], sim.alloc.available_size()
+    graphed.backend.init_cuda_graph_state(4, 4)
+    for bs in (4, 2):  # larger first, as SGLang captures
+        graphed.capture(bs)
+    where = {bs: _addresses(graphed.backend.graph.batches[bs]) for bs in (4, 2)}
+    reqs = {}
+    for name, h in (("eager", eager), ("graphed", graphed)):
+        a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
+        h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
+        reqs[name] = a, b
+    for t in range(7):
+        bs = 4 if t % 2 else 2  # both captured sizes; at 4, two padded requests
+        new = [[80 + t], [90 + t]]
+        want = eager.step(list(reqs["eager"]), new, extend=False)
+        got = graphed.replay(list(reqs["graphed"]), new, bs)
+        for x, y in zip(want, got, strict=True):
+            err = (x.float() - y.float()).abs()
+            assert err.max() < 2e-2, (t, err.max())
+        g, H = graphed.backend.graph, sim.H  # the padded requests list nothing
+        for ptr, lists in ((g.full_ptr, 2 * H), (g.page_ptr, 2 * H * 4)):
+            pad = ptr[:, lists : lists * bs // 2 + 1]
+            assert bool((pad == pad[:, :1]).all()), t
+    graphed.backend.flush()
+    for r in "ab":
+        for li in range(sim.L):
+            x = eager.backend.sessions[r].store.tiers(li)
+            assert torch.equal(x, graphed.backend.sessions[r].store.tiers(li))
+        # the side output reached the same units: the engines hold the same scores
+        want, got = (h.backend.sessions[r].store.scores._state for h in (eager, graphed))
+        assert want.keys() == got.keys() and (len(want) > 0) == (policy == KERNEL_POLICY)
+        for key, x in want.items():
+            torch.testing.assert_close(got[key], x, atol=1e-3, rtol=1e-3)
+    es, gs = eager.backend.stats(), graphed.backend.stats()
+    assert gs["routes"] == es["routes"] > 2 and gs["demote"] == es["demote"] > 0
+    assert gs["kernel_steps"] == 7 and gs["host_s"]["graph_steps"] == 7
+    assert {bs: _addresses(graphed.backend.graph.batches[bs]) for bs in (4, 2)} == where
+    for req in reqs["graphed"]:
+        graphed.finish(req)
+    sim.cache.evict(EvictParams(num_tokens=10_000))
+    assert sim.alloc.available_size() == avail0
+    assert [len(f) for f in sim.pool.free_rows] == free0
+
+
+def test_a_batch_over_the_graph_capacity_runs_eagerly(monkeypatch):
+    monkeypatch.setenv("TIERED_RADIX_GRAPH_TOKENS", "100")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64), context=64)
+    h.backend.init_cuda_graph_state(4, 4)
+    assert h.backend.graph.tokens == 100
+    assert h.backend.graph_fits([50, 50]) and not h.backend.graph_fits([50, 51])
+    assert not h.backend.graph_fits([1] * 5)  # more requests than captured
+
+
+def test_graphs_need_the_decode_kernel(monkeypatch):
+    monkeypatch.setenv("TIERED_RADIX_DECODE", "gather")
+    h = Harness()
+    with pytest.raises(PoolConfigError, match="--disable-cuda-graph"):
+        h.backend.init_cuda_graph_state(4, 4)

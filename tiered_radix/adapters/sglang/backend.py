@@ -20,8 +20,17 @@ Extend routes after every chunk when the policy says ``after_prefill`` (as the t
 adapter does); decode steps count per request. Extend gathers rows per request and layer and
 attends with ``scaled_dot_product_attention`` under a kept/causal mask on CUDA (float32 score
 blocks on CPU, or with ``$TIERED_RADIX_EXTEND=exact``); decode runs the TriZone kernel over the
-pool's pages and rows in place (:mod:`.trizone`) where it can read the pool, else PyTorch. CUDA
-graphs and the overlap scheduler are off (the plugin sets them).
+pool's pages and rows in place (:mod:`.trizone`) where it can read the pool, else PyTorch.
+
+CUDA graphs (decode): SGLang calls :meth:`init_forward_metadata_out_graph` before capturing a
+batch size and before every replay. It builds the step's lists on the host side as the eager
+path does and copies them into :class:`~.graph.GraphDecode`'s fixed buffers (SGLang's replay
+batch has no request ids: they come from ``req_pool_idx``, recorded at each request's extend);
+the recorded forward only writes rows and launches the kernels. What follows the last layer
+(observing the side output, routing) cannot be recorded: it runs at :meth:`flush`, before the
+next forward's metadata or a request's view closes, so routing sees the same state as eager
+routing after the step. Batches over the buffers' capacity run eagerly. The overlap scheduler
+stays off (its next-batch preparation would race the views).
 
 Tensor parallelism (``--tp N``): each rank's pool holds its ``H / N`` KV heads and each request's
 store is built with that rank's :class:`~tiered_radix.engine.shard.HeadShard` over SGLang's TP
@@ -48,7 +57,7 @@ from tiered_radix.engine.shard import HeadShard
 from tiered_radix.engine.store import TierStore
 from tiered_radix.kernels import decode
 
-from . import trizone
+from . import graph, trizone
 from .pool import TieredKVPool
 from .reps import S_Q, S_R, PoolConfigError
 from .stats import BackendStats, log
@@ -125,6 +134,12 @@ class TieredAttnBackend(AttentionBackend):
         self.extend_attend = self._extend_attention()
         self.kernel_error: str | None = None
         self.dbatch: trizone.DecodeBatch | None = None
+        model = getattr(runner, "model_config", None)
+        self.context_len = getattr(model, "context_len", None) or pool.size
+        self.graph: graph.GraphDecode | None = None  # init_cuda_graph_state's buffers
+        self.graph_bs: int | None = None  # the captured batch size this step runs at, if any
+        self.pending = False  # a captured step's observe/route waits for flush()
+        self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
         self.host_s: dict[str, float] = defaultdict(float)  # host seconds per phase, see stats()
         self.shard = tp_shard(runner, pool.head_num)
         if self.shard is not None:
@@ -161,9 +176,11 @@ class TieredAttnBackend(AttentionBackend):
         tree = getattr(self.pool, "tree", None)
         if tree is None:
             raise PoolConfigError("tiered_triton needs --radix-cache-backend tiered")
+        tree.before_close = self.flush
         return tree
 
     def init_forward_metadata(self, fb) -> None:
+        self.flush()
         extend = fb.forward_mode.is_extend()
         with self._timed("metadata_extend" if extend else "metadata"):
             self._metadata(fb)
@@ -172,7 +189,7 @@ class TieredAttnBackend(AttentionBackend):
 
     def _metadata(self, fb) -> None:
         mode = fb.forward_mode
-        self.batch, self.dbatch = [], None
+        self.batch, self.dbatch, self.graph_bs = [], None, None
         if mode.is_idle():
             return
         if not (mode.is_extend() or mode.is_decode()) or mode.is_target_verify():
@@ -180,15 +197,22 @@ class TieredAttnBackend(AttentionBackend):
         self.extend = mode.is_extend()
         if fb.rids is None:
             raise NotImplementedError("tiered_triton: a forward batch without request ids")
-        tree = self.tree
         seqs = fb.seq_lens_cpu.tolist()
-        pools = fb.req_pool_indices.tolist()
         if self.extend:
             prefix, new = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
         else:
             prefix, new = [s - 1 for s in seqs], [1] * len(seqs)
+        self._admit(list(fb.rids), fb.req_pool_indices.tolist(), seqs, prefix, new)
+        self.pool.end_step()
+        self.pool.prepare_write(fb.out_cache_loc)  # open new windows, find rows in every layer
+
+    def _admit(self, rids, pools, seqs, prefix, new) -> None:
+        """The batch's requests: views opened (new requests) and grown to their lengths, their
+        engines told of the new tokens; sessions of finished requests dropped."""
+        tree = self.tree
         start = 0
-        for rid, idx, seq, pre, tq in zip(fb.rids, pools, seqs, prefix, new, strict=True):
+        for rid, idx, seq, pre, tq in zip(rids, pools, seqs, prefix, new, strict=True):
+            self.rid_of[idx] = rid
             req = SimpleNamespace(rid=rid, req_pool_idx=idx)
             if rid not in tree.views:  # a new request, or one retracted and scheduled again
                 if not self.extend:
@@ -202,8 +226,75 @@ class TieredAttnBackend(AttentionBackend):
             start += tq
         for rid in [r for r in self.sessions if r not in tree.views]:
             del self.sessions[rid]  # finished or aborted: the tree closed its view
+
+    # -- CUDA graphs (decode) --------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """The fixed buffers of every batch size SGLang captures (up to ``max_bs``).
+
+        Raises:
+            PoolConfigError: decode cannot run the TriZone kernel here (the gather path is not
+                capturable).
+        """
+        if not self.kernel:
+            raise PoolConfigError(
+                "tiered_triton decodes under CUDA graphs through the TriZone kernel, which cannot "
+                f"read this pool (window {self.pool.layout.window}, head dim {self.pool.head_dim}"
+                f", {DECODE_ENV}={os.environ.get(DECODE_ENV, 'kernel')}): relaunch with "
+                "--disable-cuda-graph"
+            )
+        tokens = graph.capacity(self.context_len)
+        self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
+                                       self.decode_attn)  # fmt: skip
+        log.info("tiered-radix: decode CUDA graphs up to batch %d, %d tokens", max_bs, tokens)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def graph_fits(self, seq_lens: list[int]) -> bool:
+        """Whether a decode batch of these lengths can replay a captured graph."""
+        return self.graph is not None and self.graph.fits(seq_lens)
+
+    def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
+        """Before capturing batch size ``fb.batch_size`` (every request padding) and before
+        each replay (the first ``bs - num_padding`` requests are real): the step's views, engines,
+        write rows and index lists, into the graph's buffers."""
+        self.flush()
+        bs, g, H = fb.batch_size, self.graph, self.pool.head_num
+        self.batch, self.extend, self.graph_bs = [], False, bs
+        self.dbatch = g.batches.get(bs)  # made by the capture's first layer (it knows q heads)
         self.pool.end_step()
-        self.pool.prepare_write(fb.out_cache_loc)  # open new windows, find rows in every layer
+        if in_capture:
+            g.clear(bs)
+            self.pool.graph_write(fb.out_cache_loc[:0], g.dest[:, : bs * H])
+            return
+        with self._timed("metadata"):
+            raw = bs - (getattr(fb, "num_padding", 0) or 0)
+            pools = fb.req_pool_indices[:raw].tolist()
+            seqs = fb.seq_lens_cpu[:raw].tolist()
+            rids = [self.rid_of[p] for p in pools]
+            self._admit(rids, pools, seqs, [s - 1 for s in seqs], [1] * raw)
+            self.pool.graph_write(fb.out_cache_loc, g.dest[:, : bs * H])
+        with self._timed("decode_lists"):
+            views = [self.tree.views[r.rid] for r in self.batch]
+            g.load(bs, trizone.lists(self.pool, views, seqs, g.n_max))
+        self.pending = True
+        self.host_s["decode_steps"] += 1
+        self.host_s["graph_steps"] += 1
+
+    def flush(self) -> None:
+        """A replayed decode step's work after its last layer, which a graph cannot record:
+        the side output to each request's engine, and routing where due. Runs before the next
+        forward's metadata and before a request's view closes (:attr:`~.radix.TieredRadixCache.
+        before_close`): routing happens before anything reads its result, as in eager mode."""
+        if not self.pending:
+            return
+        self.pending = False
+        self.counters.kernel_steps += 1
+        if self.dbatch is not None and self.dbatch.mass is not None:
+            with self._timed("observe"):
+                self._observe_decode()
+        with self._timed("route"):
+            self._route_due()
 
     def _open(self, tree, req, prefix_len: int) -> Session:
         """Borrow the matched prefix; the store's tiers start at the borrowed states."""
@@ -249,6 +340,9 @@ class TieredAttnBackend(AttentionBackend):
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
         q3 = q.reshape(-1, hq, layer.qk_head_dim)
         li = layer.layer_id - self.pool.start_layer
+        if self.graph_bs is not None:  # a captured decode step: what the graph records
+            out = self._decode_kernel(q3, layer, li)
+            return out.reshape(-1, hq * dv)
         if self.kernel and not self.extend:
             try:
                 with self._timed("decode_kernel"):
@@ -290,6 +384,8 @@ class TieredAttnBackend(AttentionBackend):
     def _decode_kernel(self, q3, layer, li: int):
         """One decode token per request: the TriZone kernel over the pool's pages and rows,
         with the per-window attention mass as the ``attn`` signal."""
+        if self.dbatch is None and self.graph_bs is not None:
+            self.dbatch = self.graph.batch(self.graph_bs, q3.shape[1])
         if self.dbatch is None:
             views = [self.tree.views[r.rid] for r in self.batch]
             with self._timed("decode_lists"):

@@ -6,14 +6,16 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
 - ``ServerArgs.add_cli_args`` (AFTER): the flags ``--kv-policy`` and ``--kv-budget``;
 - ``ServerArgs.from_cli_args`` (AROUND): validates the policy (a :class:`PolicyError` prints
   ``file:line:col`` and exits with status 2, no traceback), selects ``--radix-cache-backend
-  tiered``, ``--page-size W`` and ``--attention-backend tiered_triton`` (and turns CUDA graphs
-  and the overlap scheduler off), and exports the values to the processes SGLang spawns
+  tiered``, ``--page-size W`` and ``--attention-backend tiered_triton`` (and turns prefill CUDA
+  graphs and the overlap scheduler off), and exports the values to the processes SGLang spawns
   (:mod:`.config`);
 - ``ServerArgs.__init__`` (AROUND): the same for ``sglang.Engine(..., kv_policy=...)``, where a
   bad policy raises :class:`PolicyError`;
 - ``DefaultPoolConfigurator._compute_cell_size`` (AFTER) and
   ``KVCacheConfigurator._build_mha_kv_pool`` (AROUND): the allocator gets
   :func:`~.pool.logical_tokens` slots and the pool is a :class:`~.pool.TieredKVPool`;
+- ``DecodeCudaGraphRunner.can_run_graph`` (AROUND): a decode batch over the backend's graph
+  buffers (:mod:`.graph`) runs eagerly;
 - radix cache backend ``tiered`` and attention backend ``tiered_triton``.
 
 Without ``--kv-policy`` every hook passes its call through unchanged.
@@ -95,12 +97,11 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
         raise ValueError(f"--kv-policy {cfg.policy_arg} does not support --enable-dp-attention")
 
 
-# The tiered backend's per-request gathers and routing run on the host between layers: no CUDA
-# graphs, and no overlap scheduler (its next-batch preparation would race the views).
+# Extend gathers rows per request on the host between layers: no prefill CUDA graphs. Decode
+# graphs stay as the user has them (the backend captures them, :mod:`.graph`). No overlap
+# scheduler: its next-batch preparation would race the views.
 FORCED = {
-    "disable_cuda_graph": True,
     "disable_prefill_cuda_graph": True,
-    "disable_decode_cuda_graph": True,
     "disable_overlap_schedule": True,
 }
 
@@ -174,6 +175,16 @@ def tree_cache_factory(ctx):
     return TieredRadixCache(ctx.params, policy=cfg.policy)
 
 
+def can_run_graph(original, self, forward_batch) -> bool:
+    """SGLang's answer, and for the tiered backend whether the batch fits its graph buffers."""
+    ok = original(self, forward_batch)
+    fits = getattr(self.attn_backend, "graph_fits", None)
+    if not ok or fits is None:
+        return ok
+    seqs = forward_batch.seq_lens_cpu
+    return fits((seqs if seqs is not None else forward_batch.seq_lens).tolist())
+
+
 def attention_backend_factory(runner):
     from .backend import TieredAttnBackend
 
@@ -210,6 +221,12 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool",
         build_mha_kv_pool,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
+        ".can_run_graph",
+        can_run_graph,
         HookType.AROUND,
     )
     if config.BACKEND not in registered_radix_cache_backends():

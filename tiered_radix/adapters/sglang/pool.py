@@ -6,7 +6,8 @@ so SGLang's page ``p`` is logical window ``p`` and slot ``s`` is token ``s % W``
 
 Storage per layer (``F`` row blocks and ``Qn`` ledger blocks, index 0 of each is a NaN trap):
 
-- ``rows_k[l], rows_v[l]``: ``dtype [F + 1, W, d]``: the ``FULL`` and ``R`` representations;
+- ``rows_k[l], rows_v[l]``: ``dtype [F + 2, W, d]``: the ``FULL`` and ``R`` representations
+  (block ``F + 1`` is scratch: a CUDA graph's padding tokens are written there, nobody reads it);
 - ``pages[l]``: uint8 ``[Qn + 1, page_bytes]`` ledger copies at the policy's quantized tier, each
   one TriZone page (``kernels/layout.py``: K per channel over the window, V per token in groups),
   the same codes as the engine's :class:`~tiered_radix.engine.ledger.PartCodec`, so the decode
@@ -83,6 +84,7 @@ class TieredKVPool(MHATokenToKVPool):
             )
         self.policy, self.budget = policy, budget or policy.budget
         self.prepared: tuple | None = None  # prepare_write's (loc, dest, keep, layers)
+        self.graph_dest: Tensor | None = None  # graph_write's rows [L, bs * H]
         self.v_group = min(self.layout.v_group, head_dim)  # as the engine's V codec groups
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
@@ -105,7 +107,8 @@ class TieredKVPool(MHATokenToKVPool):
         L, H, d, W = self.layer_num, self.head_num, self.head_dim, self.layout.window
         F, Qn, dev = self.blocks.full, self.blocks.quant, self.device
         self.n_windows = self.size // W + 1
-        self.rows_k_all = torch.full((L, F + 1, W, d), torch.nan, dtype=self.dtype, device=dev)
+        self.scratch = F + 1
+        self.rows_k_all = torch.full((L, F + 2, W, d), torch.nan, dtype=self.dtype, device=dev)
         self.rows_v_all = torch.full_like(self.rows_k_all, torch.nan)
         self.rows_k, self.rows_v = list(self.rows_k_all.unbind(0)), list(self.rows_v_all.unbind(0))
         self.pages, self.page_bytes, self.pages_all = [], 0, None
@@ -168,10 +171,15 @@ class TieredKVPool(MHATokenToKVPool):
         ``index_copy_`` per layer at row indices computed there for every layer."""
         li = layer_id_override if layer_id_override is not None else layer.layer_id
         li -= self.start_layer
+        d = self.head_dim
+        if self.graph_dest is not None:  # a captured decode step: rows from graph_write
+            dest = self.graph_dest[li]
+            self.rows_k[li].view(-1, d).index_copy_(0, dest, cache_k.reshape(-1, d).to(self.dtype))
+            self.rows_v[li].view(-1, d).index_copy_(0, dest, cache_v.reshape(-1, d).to(self.dtype))
+            return
         if self.prepared is None or loc is not self.prepared[0] or li not in self.prepared[3]:
             self.prepare_write(loc, layers=[li])
         _, dest, keep, _ = self.prepared
-        d = self.head_dim
         if keep is not None:
             cache_k, cache_v = cache_k.index_select(0, keep), cache_v.index_select(0, keep)
         k = cache_k.reshape(-1, d).to(self.dtype)  # [n * H, d]: token-major, as dest is
@@ -198,9 +206,27 @@ class TieredKVPool(MHATokenToKVPool):
         dest[ly] = (blocks * W + lo % W).transpose(1, 2).flatten(1)  # (token, head) order
         self.prepared = (loc, dest, keep, frozenset(ly))
 
+    def graph_write(self, loc: Tensor, dest: Tensor) -> None:
+        """:meth:`prepare_write` for a CUDA graph's decode step: ``dest`` (int64 ``[L, m * H]``,
+        ``m >=`` the tokens of ``loc``, fixed address) gets every token's row in (token, head)
+        order, padding tokens (window 0, and tokens past ``loc``: the graph's padded requests)
+        the scratch block's; :meth:`set_kv_buffer` then writes through ``dest`` until
+        :meth:`end_step`."""
+        self.prepare_write(loc)
+        _, rows, keep, _ = self.prepared
+        dest.fill_(self.scratch * self.layout.window)
+        H = self.head_num
+        if keep is None:
+            dest[:, : rows.shape[1]] = rows
+        else:
+            at = (keep[:, None] * H + torch.arange(H, device=self.device)).flatten()
+            dest[:, at] = rows
+        self.prepared, self.graph_dest = None, dest
+
     def end_step(self) -> None:
-        """Forget :meth:`prepare_write`'s slots: later writes prepare their own."""
-        self.prepared = None
+        """Forget :meth:`prepare_write`'s and :meth:`graph_write`'s rows: later writes prepare
+        their own."""
+        self.prepared = self.graph_dest = None
 
     def open_windows(self, win: Tensor, layers: list[int] | None = None) -> None:
         """Give the windows among ``win`` that nobody owns their ``FULL`` blocks (every head),

@@ -21,6 +21,7 @@ Engine units map to windows in sequence order: unit ``u`` of a request is window
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,8 @@ class TieredRadixCache(RadixCache):
             raise PoolConfigError(f"the tiered radix cache needs a TieredKVPool, got {type(pool)}")
         self.pool, self.layout, self.policy = pool, Layout.of(policy), policy
         self.views: dict[str, RequestView] = {}
+        # the attention backend's pending work on the views (a replayed decode step's routing)
+        self.before_close: Callable[[], None] | None = None
         n_tiers = len(self.layout.engine_tiers)
         self._next = torch.tensor(  # [holder state, engine tier] -> the holder's next state
             [[self.layout.next_state(st, t) for t in range(n_tiers)] for st in range(4)],
@@ -163,6 +166,8 @@ class TieredRadixCache(RadixCache):
 
     # -- SGLang entry points ---------------------------------------------------------------
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
+        if self.before_close is not None:
+            self.before_close()
         self.close_view(req.rid)
         return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
 
@@ -181,6 +186,8 @@ class TieredRadixCache(RadixCache):
             view.windows, view.borrowed = now, view.borrowed | moved
 
     def reset(self) -> None:
+        if getattr(self, "before_close", None) is not None:
+            self.before_close()
         for rid in list(getattr(self, "views", {})):
             self.close_view(rid)
         super().reset()

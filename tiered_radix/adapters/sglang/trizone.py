@@ -6,7 +6,7 @@ pool's storage maps onto two of them without copying anything:
 - zone A (quantized pages): the ledger pages ``pool.pages[l]`` of windows a request reads in state
   quantized; page ``i`` is at byte ``block * page_bytes`` of the layer's page store;
 - zone B (full rows): the row blocks of windows read full or restored. ``rows_k[l]`` is
-  ``[F + 1, W, d]``; seen as a ``[(F + 1) * W, H, d]`` pool whose head stride is 0, token ``t`` of
+  ``[F + 2, W, d]``; seen as a ``[(F + 2) * W, H, d]`` pool whose head stride is 0, token ``t`` of
   block ``b`` is slot ``b * W + t`` for every head, so each (request, head) lists its own slots;
 - zone C (fresh rows) stays empty: new tokens are written to their window's ``FULL`` block.
 
@@ -61,19 +61,30 @@ def _k_table(bits: int | None, d: int, page_size: int, lists: int, dev) -> Tenso
     return torch.tensor(rows, dtype=torch.int32, device=dev).repeat(lists, 1)
 
 
-def build(
-    pool, views, seqs: list[int], num_q_heads: int, version: int | None = None,
-    side_output: bool = True,
-) -> DecodeBatch:  # fmt: skip
-    """Index lists of every layer for requests with ``views`` (``RequestView``) and lengths
-    ``seqs``; ``num_q_heads`` query heads (GQA over ``pool.head_num``). ``side_output``: the
-    kernel accumulates each window's attention mass (``mass``; None when off). ``version``: the
-    decode kernel's code path (``decode.plan``'s default: v2, whose uniform-page path reads the
-    pool's single-width ledger pages; GPU run 6: 0.49 ms vs v1's 0.97 at Llama 128K x 8)."""
-    L, H, W, d, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.head_dim, pool.device
+@dataclass
+class Lists:
+    """One decode step's index lists of every layer, layer-major with global offsets: list
+    ``(l, b, h)`` is entry ``(l * B + b) * H + h`` of ``full_ptr`` (row slots ``slots``, units
+    ``units``) and holds pages ``page_ptr[4 * that ...]`` (ledger blocks ``pages``, one unit each,
+    ``page_unit``). Units are ``h * n_max + j``."""
+
+    full_ptr: Tensor
+    slots: Tensor
+    units: Tensor
+    page_ptr: Tensor
+    pages: Tensor
+    page_unit: Tensor
+    n: list[int]
+    n_max: int
+
+
+def lists(pool, views, seqs: list[int], n_max: int | None = None) -> Lists:
+    """:class:`Lists` for requests with ``views`` (``RequestView``) and lengths ``seqs``;
+    ``n_max`` (default: the most windows of a request) numbers the units."""
+    L, H, W, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.device
     B = len(views)
     n = [int(v.windows.numel()) for v in views]
-    N = max(n)
+    N = n_max or max(n)
     # every request's windows side by side, then scattered to [B, N] (padding: window 0)
     flat = torch.cat([v.windows for v in views])
     mine = torch.cat([v.state for v in views], 2)  # [L, H, sum n]
@@ -100,50 +111,84 @@ def build(
 
     quant = pool.layout.quant
     qm = st == S_Q
-    pages = blk[:, Q][qm]
-    n_pages = pages.numel()
     per_list = torch.zeros(L, B, H, 4, dtype=torch.long, device=dev)
     if quant is not None:
         per_list[..., V_BITS.index(quant.bits)] = qm.sum(-1)
-    page_ptr = _indptr(per_list.flatten())
-    page_unit = unit[qm].to(torch.int32)
-    k_table = _k_table(quant.bits if quant else None, d, W, B * H, dev)
-    common = dict(
-        fresh_indptr=torch.zeros(B + 1, dtype=torch.int32, device=dev),
+    return Lists(
+        full_ptr, slots, units, _indptr(per_list.flatten()), blk[:, Q][qm],
+        unit[qm].to(torch.int32), n, N,
+    )  # fmt: skip
+
+
+def k_table(pool, lists: int) -> Tensor:
+    """The K sections of ``lists`` lists of the pool's pages (int32 ``[4 * lists, 12]``)."""
+    quant = pool.layout.quant
+    return _k_table(quant.bits if quant else None, pool.head_dim, pool.layout.window, lists,
+                    pool.device)  # fmt: skip
+
+
+def layout(pool, li: int, batch: int, **zones) -> TriZoneLayout:
+    """Layer ``li``'s TriZone view of the pool for ``batch`` requests, with index lists
+    ``zones`` (``full_indptr, full_slots, full_units, page_indptr, page_off, page_ntok,
+    page_units, page_unit, page_ids, k_table, perm, max_units``); zone C stays empty."""
+    H, W, d, dev = pool.head_num, pool.layout.window, pool.head_dim, pool.device
+    quant = pool.layout.quant
+    rk, rv = pool.rows_k[li], pool.rows_v[li]
+    shape, stride = (rk.shape[0] * W, H, d), (d, 0, 1)
+    has = (quant.bits,) if quant and zones["page_off"].numel() else ()
+    return TriZoneLayout(
+        k_pool=rk.as_strided(shape, stride), v_pool=rv.as_strided(shape, stride),
+        fresh_indptr=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
         fresh_slots=torch.zeros(0, dtype=torch.int32, device=dev),
         fresh_units=torch.zeros(0, dtype=torch.int32, device=dev),
-        full_slots=slots, full_units=units,
-        page_off=pages * pool.page_bytes, page_ntok=torch.full_like(page_unit, W),
-        page_units=page_unit[:, None].expand(n_pages, W).contiguous(), page_unit=page_unit,
-        page_ids=torch.arange(n_pages, dtype=torch.int32, device=dev), k_table=k_table,
-        perm=torch.arange(d, dtype=torch.int32, device=dev).repeat(B * H, 1),
-        batch=B, num_kv_heads=H, head_dim=d, page_size=W, v_group=pool.v_group or 8,
-        max_units=H * N, v_bits_present=(quant.bits,) if quant and n_pages else (),
-        k_bits_present=(quant.bits,) if quant and n_pages else (), k_uniform=True,
-        bytes_kv=0, bytes_side=0,
+        arena=pool.pages[li].view(-1) if pool.pages else torch.zeros(16, dtype=torch.uint8,
+                                                                       device=dev),
+        batch=batch, num_kv_heads=H, head_dim=d, page_size=W, v_group=pool.v_group or 8,
+        v_bits_present=has, k_bits_present=has, k_uniform=True, bytes_kv=0, bytes_side=0,
+        **zones,
     )  # fmt: skip
-    empty = torch.zeros(16, dtype=torch.uint8, device=dev)
-    layouts = []
-    for li in range(L):
-        rk, rv = pool.rows_k[li], pool.rows_v[li]
-        shape, stride = (rk.shape[0] * W, H, d), (d, 0, 1)
-        layouts.append(
-            TriZoneLayout(
-                k_pool=rk.as_strided(shape, stride),
-                v_pool=rv.as_strided(shape, stride),
-                full_indptr=full_ptr[li * B * H : (li + 1) * B * H + 1],
-                page_indptr=page_ptr[li * B * H * 4 : (li + 1) * B * H * 4 + 1],
-                arena=pool.pages[li].view(-1) if pool.pages else empty,
-                **common,
-            )  # fmt: skip
-        )
+
+
+def build(
+    pool, views, seqs: list[int], num_q_heads: int, version: int | None = None,
+    side_output: bool = True,
+) -> DecodeBatch:  # fmt: skip
+    """Index lists of every layer for requests with ``views`` (``RequestView``) and lengths
+    ``seqs``; ``num_q_heads`` query heads (GQA over ``pool.head_num``). ``side_output``: the
+    kernel accumulates each window's attention mass (``mass``; None when off). ``version``: the
+    decode kernel's code path (``decode.plan``'s default: v2, whose uniform-page path reads the
+    pool's single-width ledger pages; GPU run 6: 0.49 ms vs v1's 0.97 at Llama 128K x 8)."""
+    L, H, W, d, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.head_dim, pool.device
+    B = len(views)
+    ls = lists(pool, views, seqs)
+    n_pages = ls.pages.numel()
+    common = dict(
+        full_slots=ls.slots, full_units=ls.units, page_off=ls.pages * pool.page_bytes,
+        page_ntok=torch.full_like(ls.page_unit, W),
+        page_units=ls.page_unit[:, None].expand(n_pages, W).contiguous(), page_unit=ls.page_unit,
+        page_ids=torch.arange(n_pages, dtype=torch.int32, device=dev), k_table=k_table(pool, B * H),
+        perm=torch.arange(d, dtype=torch.int32, device=dev).repeat(B * H, 1),
+        max_units=H * ls.n_max,
+    )  # fmt: skip
+    layouts = [
+        layout(
+            pool,
+            li,
+            B,
+            full_indptr=ls.full_ptr[li * B * H : (li + 1) * B * H + 1],
+            page_indptr=ls.page_ptr[li * B * H * 4 : (li + 1) * B * H * 4 + 1],
+            **common,
+        )  # fmt: skip
+        for li in range(L)
+    ]
+    quant = pool.layout.quant
     bits = (quant.bits,) if quant else ()
     plan = decode.plan(
         layouts[0], num_q_heads=num_q_heads, side_output=side_output, v_bits=bits, k_bits=bits,
         max_rows=max(seqs), version=version,
     )  # fmt: skip
-    mass = torch.zeros(L, B, H * N, dtype=torch.float32, device=dev) if side_output else None
-    return DecodeBatch(layouts, plan, mass, n, N)
+    mass = torch.zeros(L, B, H * ls.n_max, dtype=torch.float32, device=dev) if side_output else None
+    return DecodeBatch(layouts, plan, mass, ls.n, ls.n_max)
 
 
 def _indptr(counts: Tensor) -> Tensor:

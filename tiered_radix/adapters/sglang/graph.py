@@ -1,0 +1,155 @@
+"""Decode under CUDA graphs: the step's index lists, write rows and side output at fixed addresses.
+
+A captured graph replays the kernels it recorded on the tensors it saw at capture, so everything
+a decode step's kernels read that changes between steps lives in buffers allocated once, at
+capacity (:class:`GraphDecode`), and each step only overwrites their contents:
+
+- index lists per layer (``[L, capacity]``, offsets local to the layer): the lists
+  :func:`.trizone.lists` builds for the real requests are copied in, and the padded requests of
+  a captured batch size list nothing (their output rows are discarded by SGLang);
+- ``dest [L, bs * H]``: each new token's row in the pool (:meth:`.pool.TieredKVPool.graph_write`),
+  padding tokens to the pool's scratch row block;
+- ``mass [L, bs, H * N]``: the side output, ``N`` windows per request (the context length's).
+
+Capacity is in tokens of the batch: a request lists at most its ``seq`` tokens per (layer, head)
+as rows plus pages, so a batch whose ``sum(seq_lens) <= tokens`` fits; larger batches run
+eagerly (:meth:`GraphDecode.fits`, checked before SGLang picks the graph). ``tokens`` defaults to
+``$TIERED_RADIX_GRAPH_TOKENS`` (262,144), at least one context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from torch import Tensor
+
+from tiered_radix.kernels import decode
+
+from . import trizone
+
+TOKENS_ENV = "TIERED_RADIX_GRAPH_TOKENS"
+TOKENS_DEFAULT = 1 << 18
+
+
+def capacity(context_len: int) -> int:
+    """Tokens a captured batch can hold (``$TIERED_RADIX_GRAPH_TOKENS``, at least one context)."""
+    return max(int(os.environ.get(TOKENS_ENV, TOKENS_DEFAULT)), context_len)
+
+
+class GraphDecode:
+    """Fixed-address decode state for batch sizes up to ``max_bs`` (one set of buffers: a
+    batch size uses their first rows), ``tokens`` tokens a batch, requests of up to
+    ``context_len`` tokens."""
+
+    def __init__(self, pool, max_bs: int, tokens: int, context_len: int, side_output: bool):
+        L, H, W, d = pool.layer_num, pool.head_num, pool.layout.window, pool.head_dim
+        dev = pool.device
+        self.pool, self.max_bs, self.tokens, self.side_output = pool, max_bs, tokens, side_output
+        self.context_len = context_len
+        self.n_max = -(-context_len // W)  # windows of a request: units are h * n_max + j
+        self.rows, self.pages = H * tokens, H * (-(-tokens // W) + max_bs)
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.full_ptr = torch.zeros(L, max_bs * H + 1, **i32)
+        self.slots = torch.zeros(L, self.rows, **i32)
+        self.units = torch.zeros(L, self.rows, **i32)
+        self.page_ptr = torch.zeros(L, max_bs * H * 4 + 1, **i32)
+        self.page_off = torch.zeros(L, self.pages, dtype=torch.long, device=dev)
+        self.page_unit = torch.zeros(L, self.pages, **i32)
+        self.page_units = torch.zeros(L, self.pages, W, **i32)
+        self.page_ntok = torch.full((self.pages,), W, **i32)
+        self.page_ids = torch.arange(self.pages, **i32)
+        self.k_table = trizone.k_table(pool, max_bs * H)
+        self.perm = torch.arange(d, **i32).repeat(max_bs * H, 1)
+        self.mass = (
+            torch.zeros(L, max_bs, H * self.n_max, dtype=torch.float32, device=dev)
+            if side_output
+            else None
+        )
+        self.dest = torch.zeros(L, max_bs * H, dtype=torch.long, device=dev)
+        self.batches: dict[int, trizone.DecodeBatch] = {}
+        self.score: Tensor | None = None  # the side output's logits, shared by every plan
+
+    def fits(self, seq_lens: list[int]) -> bool:
+        """Whether a batch with these lengths fits the buffers."""
+        return len(seq_lens) <= self.max_bs and sum(seq_lens) <= self.tokens
+
+    def batch(self, bs: int, num_q_heads: int, version: int | None = None) -> trizone.DecodeBatch:
+        """The :class:`~.trizone.DecodeBatch` of captured size ``bs`` over the buffers (made
+        once; its plan's splits assume requests of ``context_len`` tokens)."""
+        if bs in self.batches:
+            return self.batches[bs]
+        pool, H = self.pool, self.pool.head_num
+        lays = [
+            trizone.layout(
+                pool, li, bs, full_indptr=self.full_ptr[li, : bs * H + 1],
+                full_slots=self.slots[li], full_units=self.units[li],
+                page_indptr=self.page_ptr[li, : bs * H * 4 + 1], page_off=self.page_off[li],
+                page_ntok=self.page_ntok, page_units=self.page_units[li],
+                page_unit=self.page_unit[li], page_ids=self.page_ids,
+                k_table=self.k_table[: bs * H * 4], perm=self.perm[: bs * H],
+                max_units=H * self.n_max,
+            )  # fmt: skip
+            for li in range(pool.layer_num)
+        ]
+        quant = pool.layout.quant
+        bits = (quant.bits,) if quant else ()
+        plan = decode.plan(
+            lays[0], num_q_heads=num_q_heads, side_output=self.side_output, v_bits=bits,
+            k_bits=bits, max_rows=self.context_len, version=version,
+        )  # fmt: skip
+        if self.side_output:  # every batch size's plan needs the same rows: share one buffer
+            if self.score is None or self.score.shape != plan.score.shape:
+                self.score = plan.score
+            plan = dataclasses.replace(plan, score=self.score)
+        mass = self.mass[:, :bs] if self.side_output else None
+        out = trizone.DecodeBatch(lays, plan, mass, [0] * bs, self.n_max)
+        self.batches[bs] = out
+        return out
+
+    def clear(self, bs: int) -> None:
+        """Every request of ``bs`` lists nothing (capture, and before each step's lists)."""
+        H = self.pool.head_num
+        self.full_ptr[:, : bs * H + 1] = 0
+        self.page_ptr[:, : bs * H * 4 + 1] = 0
+        if self.mass is not None:
+            self.mass[:, :bs] = 0
+
+    def load(self, bs: int, ls: trizone.Lists) -> None:
+        """Copy one step's lists (``len(ls.n) <= bs`` requests, units numbered with
+        ``n_max``) into the buffers of batch size ``bs``; the rest of ``bs`` lists nothing.
+        No host sync."""
+        assert ls.n_max == self.n_max and len(ls.n) <= bs
+        lists, W = len(ls.n) * self.pool.head_num, self.pool.layout.window
+        local, at = self._place(ls.full_ptr, lists, self.rows, ls.slots.numel())
+        self.slots.view(-1).index_copy_(0, at, ls.slots)
+        self.units.view(-1).index_copy_(0, at, ls.units)
+        _pad(self.full_ptr, local, bs * self.pool.head_num + 1)
+        local, at = self._place(ls.page_ptr, lists * 4, self.pages, ls.pages.numel())
+        self.page_off.view(-1).index_copy_(0, at, ls.pages * self.pool.page_bytes)
+        self.page_unit.view(-1).index_copy_(0, at, ls.page_unit)
+        self.page_units.view(-1, W).index_copy_(0, at, ls.page_unit[:, None].expand(-1, W))
+        _pad(self.page_ptr, local, bs * self.pool.head_num * 4 + 1)
+        if self.mass is not None:
+            self.mass[:, :bs] = 0
+
+    def _place(self, ptr: Tensor, lists: int, cap: int, nnz: int) -> tuple[Tensor, Tensor]:
+        """A layer-major global index pointer (``L * lists + 1``) as per-layer local ones
+        ``[L, lists + 1]``, and each of its ``nnz`` entries' flat index in an ``[L, cap]``
+        buffer."""
+        dev = ptr.device
+        layer = torch.arange(self.pool.layer_num, device=dev)
+        ptr = ptr.long()
+        first = ptr[layer[:, None] * lists + torch.arange(lists + 1, device=dev)]
+        local = first - first[:, :1]
+        torch._assert_async((local[:, -1] <= cap).all(), "decode lists over the graph capacity")
+        ly = torch.repeat_interleave(layer, local[:, -1], output_size=nnz)
+        return local, ly * cap + torch.arange(nnz, device=dev) - first[ly, 0]
+
+
+def _pad(buf: Tensor, local: Tensor, width: int) -> None:
+    """``buf[:, :width]`` = ``local``, then its last offset (requests past it list nothing)."""
+    n = local.shape[1]
+    buf[:, :n] = local.to(buf.dtype)
+    buf[:, n:width] = local[:, -1:].to(buf.dtype)
