@@ -67,6 +67,17 @@ def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseli
     assert plugin.cell_size(1000) == 200  # the allocator gets 5x the slots of a bf16 pool
 
 
+@pytest.mark.parametrize(("policy", "decode_graphs"), [("qevict", True), ("full", False)])
+def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, policy,
+                                                                      decode_graphs):  # fmt: skip
+    """Windows the TriZone kernel pages (qevict's 32) keep SGLang's decode CUDA graphs; token
+    units (full) decode through PyTorch gathers, which a graph cannot hold. Prefill graphs and
+    the overlap scheduler are always off."""
+    args = prepare_server_args([*BARE, "--kv-policy", policy])
+    assert args.disable_decode_cuda_graph is not decode_graphs
+    assert args.disable_prefill_cuda_graph and args.disable_overlap_schedule
+
+
 def test_bad_policy_exits_with_the_policy_error_not_a_traceback(baseline, tmp_path, capsys):
     text = open(load_policy("qevict").source).read().replace("cumulative(attn", "cumulative(atn")
     bad = tmp_path / "bad.yaml"

@@ -74,6 +74,10 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
             raise ValueError(f"--kv-policy {cfg.policy_arg} needs {flag} {value}, got {given[key]}")
     if (given.get("tp_size") or 1) > 1:
         check_tensor_parallel(cfg, given)
+    from .trizone import PAGE_SIZES
+
+    if want["page_size"] not in PAGE_SIZES:  # decode gathers in PyTorch: not capturable
+        want["disable_decode_cuda_graph"] = True
     return want | FORCED
 
 
