@@ -109,7 +109,7 @@ class GraphDecode:
         return out
 
     def clear(self, bs: int) -> None:
-        """Every request of ``bs`` lists nothing (capture, and before each step's lists)."""
+        """Every request of ``bs`` lists nothing (a capture: all of them are padding)."""
         H = self.pool.head_num
         self.full_ptr[:, : bs * H + 1] = 0
         self.page_ptr[:, : bs * H * 4 + 1] = 0
