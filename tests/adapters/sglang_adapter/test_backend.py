@@ -394,7 +394,9 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy):
     """Decode as SGLang's graph runner drives it (capture with all-padding batches, then replays
     whose metadata has no rids and whose batches are padded): every real row equals eager
     decode's, the tiers routing decides (one step late, at flush) are the same, the kernels read
-    the buffers they were captured with, and every block comes back at the end."""
+    the buffers they were captured with, and every block comes back at the end. Between
+    routings and new windows, replays append each step's rows to the lists in place
+    (``GraphDecode.advance``) instead of rebuilding them."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     pytest.importorskip("triton")
@@ -412,9 +414,9 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy):
         a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
         h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
         reqs[name] = a, b
-    for t in range(7):
-        bs = 4 if t % 2 else 2  # both captured sizes; at 4, two padded requests
-        new = [[80 + t], [90 + t]]
+    for t in range(14):
+        bs = 4 if 4 <= t < 9 else 2  # both captured sizes; at 4, two padded requests
+        new = [[60 + t], [80 + t]]
         want = eager.step(list(reqs["eager"]), new, extend=False)
         got = graphed.replay(list(reqs["graphed"]), new, bs)
         for x, y in zip(want, got, strict=True):
@@ -436,7 +438,9 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy):
             torch.testing.assert_close(got[key], x, atol=1e-3, rtol=1e-3)
     es, gs = eager.backend.stats(), graphed.backend.stats()
     assert gs["routes"] == es["routes"] > 2 and gs["demote"] == es["demote"] > 0
-    assert gs["kernel_steps"] == 7 and gs["host_s"]["graph_steps"] == 7
+    assert gs["kernel_steps"] == 14 and gs["host_s"]["graph_steps"] == 14
+    # steps with the same batch, no routing since and no new window appended rows in place
+    assert 2 <= gs["host_s"]["steady_steps"] < 14
     assert {bs: _addresses(graphed.backend.graph.batches[bs]) for bs in (4, 2)} == where
     for req in reqs["graphed"]:
         graphed.finish(req)

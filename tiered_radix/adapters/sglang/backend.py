@@ -140,6 +140,7 @@ class TieredAttnBackend(AttentionBackend):
         self.graph_bs: int | None = None  # the captured batch size this step runs at, if any
         self.pending = False  # a captured step's observe/route waits for flush()
         self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
+        self.graph_last: tuple | None = None  # the last replay's (bs, pools, seqs)
         self.host_s: dict[str, float] = defaultdict(float)  # host seconds per phase, see stats()
         self.shard = tp_shard(runner, pool.head_num)
         if self.shard is not None:
@@ -181,6 +182,7 @@ class TieredAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb) -> None:
         self.flush()
+        self.graph_last = None  # an eager forward may open windows or route: lists rebuild
         extend = fb.forward_mode.is_extend()
         with self._timed("metadata_extend" if extend else "metadata"):
             self._metadata(fb)
@@ -264,6 +266,7 @@ class TieredAttnBackend(AttentionBackend):
         self.dbatch = g.batches.get(bs)  # made by the capture's first layer (it knows q heads)
         self.pool.end_step()
         if in_capture:
+            self.graph_last = None
             g.clear(bs)
             self.pool.graph_write(fb.out_cache_loc[:0], g.dest[:, : bs * H])
             return
@@ -271,12 +274,23 @@ class TieredAttnBackend(AttentionBackend):
             raw = bs - (getattr(fb, "num_padding", 0) or 0)
             pools = fb.req_pool_indices[:raw].tolist()
             seqs = fb.seq_lens_cpu[:raw].tolist()
+            W = self.pool.layout.window
+            steady = self.graph_last == (bs, pools, [s - 1 for s in seqs]) and all(
+                (s - 1) % W for s in seqs
+            )  # the same requests, one token more each, none of them in a new window
             rids = [self.rid_of[p] for p in pools]
             self._admit(rids, pools, seqs, [s - 1 for s in seqs], [1] * raw)
-            self.pool.graph_write(fb.out_cache_loc, g.dest[:, : bs * H])
+            if not steady:
+                self.pool.graph_write(fb.out_cache_loc, g.dest[:, : bs * H])
         with self._timed("decode_lists"):
-            views = [self.tree.views[r.rid] for r in self.batch]
-            g.load(bs, trizone.lists(self.pool, views, seqs, g.n_max))
+            if steady:  # only the new rows change: append them on the device
+                g.advance(bs, raw, seqs)
+                self.pool.graph_dest = g.dest[:, : bs * H]
+                self.host_s["steady_steps"] += 1
+            else:
+                views = [self.tree.views[r.rid] for r in self.batch]
+                g.load(bs, trizone.lists(self.pool, views, seqs, g.n_max))
+        self.graph_last = (bs, pools, seqs)
         self.pending = True
         self.host_s["decode_steps"] += 1
         self.host_s["graph_steps"] += 1
@@ -294,7 +308,8 @@ class TieredAttnBackend(AttentionBackend):
             with self._timed("observe"):
                 self._observe_decode()
         with self._timed("route"):
-            self._route_due()
+            if self._route_due():  # blocks moved: the next step rebuilds its lists
+                self.graph_last = None
 
     def _open(self, tree, req, prefix_len: int) -> Session:
         """Borrow the matched prefix; the store's tiers start at the borrowed states."""
@@ -408,7 +423,7 @@ class TieredAttnBackend(AttentionBackend):
             r.session.store.observe_attn(attn[:, b, :, : r.seq])
 
     # -- routing ---------------------------------------------------------------------------
-    def _route_due(self) -> None:
+    def _route_due(self) -> bool:
         alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
         self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
         routed = False
@@ -428,6 +443,7 @@ class TieredAttnBackend(AttentionBackend):
                 self.counters.routed(moves)
                 routed = True
         self.counters.publish(self.stats, routed)
+        return routed
 
     def stats(self) -> dict:
         """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and

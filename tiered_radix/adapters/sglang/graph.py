@@ -69,6 +69,7 @@ class GraphDecode:
         )
         self.dest = torch.zeros(L, max_bs * H, dtype=torch.long, device=dev)
         self.batches: dict[int, trizone.DecodeBatch] = {}
+        self.nnz = 0  # the most full-row entries a layer lists now (advance() shifts that many)
         self.score: Tensor | None = None  # the side output's logits, shared by every plan
 
     def fits(self, seq_lens: list[int]) -> bool:
@@ -119,10 +120,11 @@ class GraphDecode:
     def load(self, bs: int, ls: trizone.Lists) -> None:
         """Copy one step's lists (``len(ls.n) <= bs`` requests, units numbered with
         ``n_max``) into the buffers of batch size ``bs``; the rest of ``bs`` lists nothing.
-        No host sync."""
+        One host sync (the longest layer, for :meth:`advance`)."""
         assert ls.n_max == self.n_max and len(ls.n) <= bs
         lists, W = len(ls.n) * self.pool.head_num, self.pool.layout.window
         local, at = self._place(ls.full_ptr, lists, self.rows, ls.slots.numel())
+        self.nnz = int(local[:, -1].max()) if ls.slots.numel() else 0  # one host sync
         self.slots.view(-1).index_copy_(0, at, ls.slots)
         self.units.view(-1).index_copy_(0, at, ls.units)
         _pad(self.full_ptr, local, bs * self.pool.head_num + 1)
@@ -131,6 +133,35 @@ class GraphDecode:
         self.page_unit.view(-1).index_copy_(0, at, ls.page_unit)
         self.page_units.view(-1, W).index_copy_(0, at, ls.page_unit[:, None].expand(-1, W))
         _pad(self.page_ptr, local, bs * self.pool.head_num * 4 + 1)
+        if self.mass is not None:
+            self.mass[:, :bs] = 0
+
+    def advance(self, bs: int, raw: int, seqs: list[int]) -> None:
+        """The next decode step of the same ``raw`` requests when none of them opens a window and
+        nothing was routed since :meth:`load`: each new token's row goes to the row after the
+        last one (``dest += 1``) and is appended to its (layer, request, head) list, after that
+        list's rows (the lists' last window is the one the token lands in). ``seqs``: lengths
+        with the new tokens. A few device ops, no host sync."""
+        L, H, dev = self.pool.layer_num, self.pool.head_num, self.pool.device
+        lists = raw * H
+        self.dest[:, :lists] += 1
+        ptr = self.full_ptr[:, : lists + 1].long()  # [L, lists + 1]
+        k = torch.arange(lists + 1, device=dev)
+        E = self.nnz
+        if E:  # entry e of list j moves to e + j (the j lists before it grew by one)
+            e = torch.arange(E, device=dev).expand(L, E)
+            j = torch.searchsorted(ptr[:, 1:].contiguous(), e.contiguous(), right=True)
+            to = torch.where(e < ptr[:, -1:], e + j, self.rows - 1)  # past a layer's lists: dump
+            for buf in (self.slots, self.units):
+                buf.scatter_(1, to, buf[:, :E].clone())
+        at = ptr[:, 1:] + k[:-1]  # the new entries, last of each list
+        self.slots.scatter_(1, at, self.dest[:, :lists].to(torch.int32))
+        last = torch.tensor([(s - 1) // self.pool.layout.window for s in seqs], device=dev)
+        unit = (torch.arange(H, device=dev) * self.n_max + last[:, None]).flatten()
+        self.units.scatter_(1, at, unit.to(torch.int32).expand(L, lists))
+        _pad(self.full_ptr, ptr + k, bs * H + 1)
+        self.nnz = E + lists
+        torch._assert_async((self.full_ptr[:, lists] < self.rows).all(), "lists over the capacity")
         if self.mass is not None:
             self.mass[:, :bs] = 0
 

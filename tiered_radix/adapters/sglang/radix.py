@@ -109,6 +109,8 @@ class TieredRadixCache(RadixCache):
         """Append the request's own windows up to ``n_tokens`` (after its KV was written)."""
         view = self.views[req.rid]
         W, n = self.layout.window, view.windows.numel()
+        if n_tokens <= n * W:  # most decode steps: the last window is not full yet
+            return view
         new = self._windows(req, n * W, n_tokens)
         if not new.numel():  # most decode steps: the last window is not full yet
             return view
