@@ -84,12 +84,20 @@ class GraphDecode:
         pool, H = self.pool, self.pool.head_num
         lays = [
             trizone.layout(
-                pool, li, bs, full_indptr=self.full_ptr[li, : bs * H + 1],
-                full_slots=self.slots[li], full_units=self.units[li],
-                page_indptr=self.page_ptr[li, : bs * H * 4 + 1], page_off=self.page_off[li],
-                page_ntok=self.page_ntok, page_units=self.page_units[li],
-                page_unit=self.page_unit[li], page_ids=self.page_ids,
-                k_table=self.k_table[: bs * H * 4], perm=self.perm[: bs * H],
+                pool,
+                li,
+                bs,
+                full_indptr=self.full_ptr[li, : bs * H + 1],
+                full_slots=self.slots[li],
+                full_units=self.units[li],
+                page_indptr=self.page_ptr[li, : bs * H * 4 + 1],
+                page_off=self.page_off[li],
+                page_ntok=self.page_ntok,
+                page_units=self.page_units[li],
+                page_unit=self.page_unit[li],
+                page_ids=self.page_ids,
+                k_table=self.k_table[: bs * H * 4],
+                perm=self.perm[: bs * H],
                 max_units=H * self.n_max,
             )  # fmt: skip
             for li in range(pool.layer_num)
