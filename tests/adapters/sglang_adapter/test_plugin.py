@@ -10,6 +10,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 from sglang_sim import require
 
 require("sglang.srt.server_args")
@@ -76,6 +77,21 @@ def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, 
     args = prepare_server_args([*BARE, "--kv-policy", policy])
     assert args.disable_decode_cuda_graph is not decode_graphs
     assert args.disable_prefill_cuda_graph and args.disable_overlap_schedule
+
+
+def test_a_decode_batch_over_the_graph_buffers_runs_eagerly():
+    """The AROUND hook on the graph runner's ``can_run_graph``: SGLang's answer, narrowed by the
+    tiered backend's ``graph_fits`` (other backends pass through)."""
+    fb = SimpleNamespace(seq_lens_cpu=torch.tensor([100, 200]), seq_lens=None)
+    tiered = SimpleNamespace(graph_fits=lambda seqs: sum(seqs) <= 250)
+    for backend, sglang_says, want in [
+        (tiered, True, False), (tiered, False, False), (SimpleNamespace(), True, True),
+    ]:  # fmt: skip
+        runner = SimpleNamespace(attn_backend=backend)
+        assert plugin.can_run_graph(lambda _s, _fb, ok=sglang_says: ok, runner, fb) is want
+    tiered.graph_fits = lambda seqs: sum(seqs) <= 300
+    runner = SimpleNamespace(attn_backend=tiered)
+    assert plugin.can_run_graph(lambda _s, _fb: True, runner, fb) is True
 
 
 def test_bad_policy_exits_with_the_policy_error_not_a_traceback(baseline, tmp_path, capsys):
