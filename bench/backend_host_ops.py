@@ -7,7 +7,9 @@ the host work around it is counted. Run in the SGLang venv (docs/sglang.md):
 
     python bench/backend_host_ops.py --layers 4 --batch 4
 
-Counts, not times: on the GPU each launching op costs ~5-10 us of host time.
+Counts, not times: on the GPU each launching op costs ~5-10 us of host time. The last two
+tables are decode steps under CUDA graphs (the host work before a replay, and the flush after
+it): one that rebuilds its index lists and a steady one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,14 @@ WRAP = [  # (module path, object, attribute)
     ("tiered_radix.adapters.sglang.radix", "TieredRadixCache", "route"),
     ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "move"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "init_forward_metadata"),
-]
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend",
+     "init_forward_metadata_out_graph"),
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "flush"),
+    ("tiered_radix.adapters.sglang.trizone", None, "lists"),
+    ("tiered_radix.adapters.sglang.graph", "GraphDecode", "load"),
+    ("tiered_radix.adapters.sglang.graph", "GraphDecode", "advance"),
+    ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "graph_write"),
+]  # fmt: skip
 
 
 def _wrap(owner, name: str, label: str | None = None) -> None:
@@ -93,6 +102,32 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             h.step(reqs, [[tok]] * a.batch, extend=False)
         report(prof.events(), f"layers={a.layers} batch={a.batch}, a decode step {label}")
+    graph_steps(a, Harness, KERNEL_POLICY, PoolBlocks)
+
+
+def graph_steps(a, Harness, policy: str, PoolBlocks) -> None:
+    """Decode replays as SGLang's CUDA graph runner drives them (metadata before the replay,
+    the forward recorded): a step that rebuilds its lists (after a routing or into a new window)
+    and a steady one that appends its rows on the device."""
+    pages = a.batch * (a.prompt // 16 + 4) + 8
+    h = Harness(policy=policy, head_dim=64, pages=pages, blocks=PoolBlocks(20000, 20000),
+                layers=a.layers, context=a.prompt + 64)  # fmt: skip
+    h.backend.init_cuda_graph_state(a.batch, a.batch)
+    h.capture(a.batch)
+    reqs = [
+        h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(a.prompt)]) for i in range(a.batch)
+    ]
+    h.step(reqs, [r.origin_input_ids for r in reqs], extend=True)
+    seen = set()
+    for t in range(8):
+        before = h.backend.host_s["steady_steps"]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            h.replay(reqs, [[60 + t]] * a.batch, a.batch)
+            h.backend.flush()
+        kind = "steady" if h.backend.host_s["steady_steps"] > before else "rebuilding its lists"
+        if kind not in seen:
+            seen.add(kind)
+            report(prof.events(), f"layers={a.layers} batch={a.batch}, a graph replay {kind}")
 
 
 # ops that only make views or metadata: no kernel launch on the GPU
