@@ -49,6 +49,18 @@ class Signals:
             )
 
 
+def at_positions(signals: Signals, pos: Tensor, n_tokens: int) -> Signals:
+    """The signals of attention over only the tokens ``pos [T']`` (ascending) of ``n_tokens``,
+    each token signal put at its token's position and 0 elsewhere (what an evicted token
+    receives); ``qnorm`` (per channel) as it is."""
+    out = {}
+    for name in ("attn", "colmass", "obs_attn"):
+        x = getattr(signals, name)
+        if x is not None:
+            out[name] = x.new_zeros(x.shape[0], n_tokens).index_copy_(1, pos[: x.shape[1]], x)
+    return Signals(qnorm=signals.qnorm, **out)
+
+
 def pad_tokens(x: Tensor, n_tokens: int, fill: float = 0.0) -> Tensor:
     """``[H, T']`` -> ``[H, n_tokens]``, float32, new tokens filled with ``fill``."""
     x = x.float()

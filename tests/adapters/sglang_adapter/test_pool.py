@@ -101,6 +101,25 @@ def test_demote_promote_evict_read_what_the_codec_and_nan_say(sim):
     assert len(pool.free_q[li]) == q_free - 2
 
 
+def test_read_live_skips_the_windows_every_head_evicted(sim):
+    """``read_live`` returns exactly ``read``'s rows of the windows some head still reads, with
+    their token positions, and cuts the last window at the tokens written."""
+    toks = list(range(1, 15))  # 14 tokens: 3 full windows and 2 tokens of a fourth
+    _, w, _ = written(sim, toks)
+    pool, W, li = sim.pool, sim.W, 0
+    evict = torch.tensor([S_EVICT])
+    for h, u in ((0, 1), (1, 1), (1, 2)):  # window 1 by both heads, window 2 by head 1 only
+        pool.move(li, torch.tensor([h]), w[u : u + 1], torch.tensor([S_FULL]), evict)
+        pool.owner[li][h, w[u]] = S_EVICT
+    k, v, kept = pool.read(li, w)
+    lk, lv, lkept, pos = pool.read_live(li, w, pool.owner[li][:, w], 14)
+    want = torch.tensor([*range(0, W), *range(2 * W, 3 * W), 3 * W, 3 * W + 1])
+    assert torch.equal(pos, want)
+    assert torch.equal(lkept, kept[:, pos]) and not bool(lkept[1, W : 2 * W].any())
+    live = lkept[..., None].expand_as(lk)
+    assert torch.equal(lk[live], k[:, pos][live]) and torch.equal(lv[live], v[:, pos][live])
+
+
 def test_bytes_used_and_kv_size_from_first_principles(sim):
     _, w, _ = written(sim, list(range(1, 13)))  # 3 windows x 2 heads x 2 layers at full
     W, d, H = sim.W, sim.d, sim.H

@@ -54,6 +54,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from tiered_radix.adapters.transformers.attention import attend, attend_sdpa
 from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_reads
 from tiered_radix.engine.shard import HeadShard
+from tiered_radix.engine.signals import at_positions
 from tiered_radix.engine.store import TierStore
 from tiered_radix.kernels import decode
 
@@ -383,17 +384,20 @@ class TieredAttnBackend(AttentionBackend):
 
     def _gather(self, q3, layer, li: int, dv: int):
         """Attention over each request's rows as read from the pool (PyTorch: extend through
-        :meth:`_extend_attention`'s choice, decode without the kernel in float32)."""
+        :meth:`_extend_attention`'s choice, decode without the kernel in float32). Windows that
+        every head evicted are not read (``read_live``): a long prompt at a 10% budget reads a
+        fraction of its rows; the signals go back to their tokens' positions."""
         out = q3.new_empty(q3.shape[0], q3.shape[1], dv)
         need = self.prefill_needs if self.extend else frozenset()
         fn = self.extend_attend if self.extend else attend
         elems = CHUNK_ELEMS.get(q3.device.type, 1 << 22)
         for r in self.batch:
-            kk, vv, kept = self._read(r.rid, li)
+            t = r.session.store.n_tokens(li)
+            kk, vv, kept, pos = self.tree.read_live(r.rid, li + self.pool.start_layer, t)
             qi = q3[r.start : r.start + r.tq].transpose(0, 1)
             o, signals = fn(qi, kk, vv, kept, float(layer.scaling), need=need, chunk_elems=elems)
             out[r.start : r.start + r.tq] = o.transpose(0, 1).to(out.dtype)
-            r.session.store.observe(li, signals)
+            r.session.store.observe(li, at_positions(signals, pos, t))
         return out
 
     def _decode_kernel(self, q3, layer, li: int):

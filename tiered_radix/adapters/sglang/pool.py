@@ -299,19 +299,32 @@ class TieredKVPool(MHATokenToKVPool):
         kept = (state != S_EVICT).repeat_interleave(W, dim=1)
         return k.reshape(H, n * W, d), v.reshape(H, n * W, d), kept
 
+    def read_live(self, layer_id: int, windows: Tensor, state: Tensor, n_tokens: int):
+        """:meth:`read` of only the windows some head reads (state not evicted) among
+        ``windows [n]`` (the request's, in sequence order; its first ``n_tokens`` tokens):
+        float32 ``k, v [H, T', d]``, ``kept [H, T']`` and ``pos`` int64 ``[T']``, each row's token
+        position. The last window must be read (attention's newest tokens are in it). One host
+        sync more than :meth:`read`."""
+        W = self.layout.window
+        live = (state != S_EVICT).any(0).nonzero().squeeze(1)  # host sync
+        k, v, kept = self.read(layer_id, windows[live], state[:, live])
+        pos = (live[:, None] * W + torch.arange(W, device=live.device)).flatten()
+        t = live.numel() * W - (windows.numel() * W - n_tokens)  # the last window's unwritten rows
+        return k[:, :t], v[:, :t], kept[:, :t], pos[:t]
+
     def _rows_of(self, li: int | Tensor, h: Tensor, w: Tensor, state: Tensor):
         """float32 ``k, v [m, W, d]`` of pairs ``(h, w)`` of layers ``li`` (one, or ``[m]``) as
         read in ``state [m]``: rows of the state's block (block 0, the NaN trap, for states
-        without rows), ``dequantize(Q)`` where quantized. No host sync."""
+        without rows), ``dequantize(Q)`` where quantized. One host sync (which are quantized)."""
         ly = self._layer_ids(li, h)
         blk = self.block_all[ly, :, h, w]  # [m, 3]
         state = state.long()
         b = torch.where(state == S_FULL, blk[:, FULL], torch.where(state == S_R, blk[:, R], 0))
         k, v = self.rows_k_all[ly, b].float(), self.rows_v_all[ly, b].float()
         if self.layout.quant is not None:
-            kq, vq = self._unpage(ly, blk[:, Q])
-            q = (state == S_Q)[:, None, None]
-            k, v = torch.where(q, kq, k), torch.where(q, vq, v)
+            q = (state == S_Q).nonzero().squeeze(1)  # dequantize only those
+            if q.numel():
+                k[q], v[q] = self._unpage(ly[q], blk[q, Q])
         return k, v
 
     def _unpage(self, ly: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:

@@ -144,6 +144,12 @@ class TieredRadixCache(RadixCache):
         """What request ``rid`` attends to: float32 ``k, v [H, n*W, d]``, ``kept [H, n*W]``."""
         return self.pool.read(layer_id, self.views[rid].windows, self.states(rid, layer_id))
 
+    def read_live(self, rid: str, layer_id: int, n_tokens: int):
+        """:meth:`read` of the windows request ``rid`` reads in some head (its first ``n_tokens``
+        tokens), with each row's token position: see :meth:`.pool.TieredKVPool.read_live`."""
+        view = self.views[rid]
+        return self.pool.read_live(layer_id, view.windows, self.states(rid, layer_id), n_tokens)
+
     def route(self, rid: str, transitions: Transitions) -> None:
         """Apply the tier engine's transitions (unit ``u`` = the request's ``u``-th window)."""
         view, dev = self.views[rid], self.pool.device
