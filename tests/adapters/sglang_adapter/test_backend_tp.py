@@ -92,6 +92,74 @@ def test_ranks_decide_and_attend_as_one_backend(ranks, whole):
                 torch.testing.assert_close(a, b.reshape(a.shape), rtol=1e-5, atol=1e-6)
 
 
+# decode through the TriZone kernel (interpreted) under CUDA-graph replays: windows of 16
+GRAPH_POLICY = (
+    POLICY.replace("window(size=4)", "window(size=16)")
+    .replace("group=4", "group=16")
+    .replace("recent: 4", "recent: 16")
+)
+GRAPH_PROMPTS = {"a": list(range(1, 71)), "b": list(range(20, 56))}
+
+
+def serve_graphs(rank: int | None = None, tp_group=None, graphs: bool = True) -> dict:
+    """Prefill both requests, then decode steps as graph replays (``graphs``; else eagerly):
+    each step's tiers after its routing, and the outputs."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # the kernel on CPU (set in the spawned rank too)
+    kv = slice(0, KV_HEADS) if rank is None else slice(rank, rank + 1)
+    q = slice(kv.start * HQ // KV_HEADS, kv.stop * HQ // KV_HEADS)
+    h = Harness(q_heads=q, tp_group=tp_group, policy=GRAPH_POLICY, heads=KV_HEADS, kv_heads=kv,
+                head_dim=64, pages=40)  # fmt: skip
+    if graphs:
+        h.backend.init_cuda_graph_state(2, 2)
+        h.capture(2)
+    reqs = [h.start(rid, toks) for rid, toks in GRAPH_PROMPTS.items()]
+    rec: dict = {"tiers": [], "out": [h.step(reqs, [r.origin_input_ids for r in reqs], True)]}
+    for step in range(STEPS):
+        new = [[60 + step + i] for i in range(len(reqs))]
+        if graphs:
+            rec["out"].append(h.replay(reqs, new, 2))
+            h.backend.flush()
+        else:
+            rec["out"].append(h.step(reqs, new, extend=False))
+        rec["tiers"].append(
+            {
+                r.rid: [h.backend.sessions[r.rid].store.tiers(li).clone() for li in range(h.sim.L)]
+                for r in reqs
+            }
+        )
+    stats = h.backend.stats()
+    rec["demote"], rec["tp"], rec["host"] = stats["demote"], stats.get("tp"), stats["host_s"]
+    return rec
+
+
+def _rank_graphs(rank: int) -> dict:
+    return serve_graphs(rank, SimpleNamespace(world_size=WORLD, rank_in_group=rank,
+                                              device_group=None))  # fmt: skip
+
+
+def test_ranks_decide_alike_under_cuda_graph_replays(tmp_path):
+    """Decode replays route at ``flush`` (its all-gather outside the graph): both ranks decide,
+    per head, what one eager backend over both heads decides, and attend alike."""
+    pytest.importorskip("triton")
+    ranks = run_ranks(_rank_graphs, WORLD, tmp_path)
+    whole = serve_graphs(graphs=False)
+    assert whole["demote"] > 0 and all(p["host"]["graph_steps"] == STEPS for p in ranks)
+    tp = [part["tp"] for part in ranks]
+    assert tp[0]["digest"] == tp[1]["digest"] and tp[0]["routes"] == tp[1]["routes"] > 1
+    d = HQ // KV_HEADS
+    for rank, part in enumerate(ranks):
+        for step, ref_step in zip(part["tiers"], whole["tiers"], strict=True):
+            for rid in GRAPH_PROMPTS:
+                for mine, theirs in zip(step[rid], ref_step[rid], strict=True):
+                    assert torch.equal(mine, theirs[rank : rank + 1]), (rank, rid)
+        for mine, theirs in zip(part["out"], whole["out"], strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                b = b.reshape(b.shape[0], HQ, -1)[:, rank * d : (rank + 1) * d]
+                assert (a.float() - b.reshape(a.shape).float()).abs().max() < 2e-2
+
+
 def test_a_rank_planning_alone_decides_otherwise(whole):
     """Without the shard, rank 1's engine spreads the whole budget over its one head."""
     alone = serve(rank=1)
