@@ -12,7 +12,7 @@ capacity (:class:`GraphDecode`), and each step only overwrites their contents:
 - ``mass [L, bs, H * N]``: the side output, ``N`` windows per request (the context length's).
 
 Capacity is in tokens of the batch: a request lists at most its ``seq`` tokens per (layer, head)
-as rows plus pages, so a batch whose ``sum(seq_lens) <= tokens`` fits; larger batches run
+as rows plus pages, so a batch whose ``sum(seq_lens) < tokens`` fits; larger batches run
 eagerly (:meth:`GraphDecode.fits`, checked before SGLang picks the graph). ``tokens`` defaults to
 ``$TIERED_RADIX_GRAPH_TOKENS`` (262,144), at least one context.
 """
@@ -73,8 +73,9 @@ class GraphDecode:
         self.score: Tensor | None = None  # the side output's logits, shared by every plan
 
     def fits(self, seq_lens: list[int]) -> bool:
-        """Whether a batch with these lengths fits the buffers."""
-        return len(seq_lens) <= self.max_bs and sum(seq_lens) <= self.tokens
+        """Whether a batch with these lengths fits the buffers (strictly: :meth:`advance` keeps
+        each layer's last list slot as a scratch target)."""
+        return len(seq_lens) <= self.max_bs and sum(seq_lens) < self.tokens
 
     def batch(self, bs: int, num_q_heads: int, version: int | None = None) -> trizone.DecodeBatch:
         """The :class:`~.trizone.DecodeBatch` of captured size ``bs`` over the buffers (made
@@ -99,7 +100,7 @@ class GraphDecode:
                 k_table=self.k_table[: bs * H * 4],
                 perm=self.perm[: bs * H],
                 max_units=H * self.n_max,
-            )  # fmt: skip
+            )
             for li in range(pool.layer_num)
         ]
         quant = pool.layout.quant

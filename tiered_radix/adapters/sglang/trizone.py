@@ -178,7 +178,7 @@ def build(
             full_indptr=ls.full_ptr[li * B * H : (li + 1) * B * H + 1],
             page_indptr=ls.page_ptr[li * B * H * 4 : (li + 1) * B * H * 4 + 1],
             **common,
-        )  # fmt: skip
+        )
         for li in range(L)
     ]
     quant = pool.layout.quant
