@@ -52,8 +52,12 @@ def _host_s(stats: Path) -> dict:
 def _per_step(before: dict, after: dict) -> dict:
     """Host milliseconds of each phase between two reads of the stats file: decode phases per
     decode step, ``*_extend`` phases and ``extend_attend`` per extend batch (the long call's
-    first token is an extend of every request)."""
-    n = {k: after.get(k, 0) - before.get(k, 0) for k in ("decode_steps", "extend_batches")}
+    first token is an extend of every request); the counts (``*_steps``, ``*_batches``: decode
+    steps, graph replays, steady replays, extend batches) as they are."""
+    counts = [k for k in after if k.endswith(("_steps", "_batches"))]  # graph/steady steps too
+    n = {k: after.get(k, 0) - before.get(k, 0) for k in counts}
+    n.setdefault("decode_steps", 0)
+    n.setdefault("extend_batches", 0)
     out = {}
     for k, v in after.items():
         if k in n:
