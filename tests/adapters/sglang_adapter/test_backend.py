@@ -464,3 +464,17 @@ def test_graphs_need_the_decode_kernel(monkeypatch):
     h = Harness()
     with pytest.raises(PoolConfigError, match="--disable-cuda-graph"):
         h.backend.init_cuda_graph_state(4, 4)
+
+
+def test_rows_for_windows_evicts_cached_windows_before_saying_no():
+    """The decode-memory check's question (SGLang retracts on no): cached windows that no
+    running request holds give their rows first; more windows than the pool has rows for: no."""
+    h = Harness(blocks=PoolBlocks(24, 64))  # 12 windows of 2 heads a layer
+    sim = h.sim
+    a = h.start("a", list(range(1, 41)))
+    h.step([a], [a.origin_input_ids], extend=True)
+    h.finish(a)
+    cached, free = sim.cache.evictable_size(), min(len(f) for f in sim.pool.free_rows)
+    want = free // sim.H + 1  # one window more than the free rows hold
+    assert sim.pool.rows_for_windows(want) and sim.cache.evictable_size() < cached
+    assert not sim.pool.rows_for_windows(13)

@@ -94,6 +94,29 @@ def test_a_decode_batch_over_the_graph_buffers_runs_eagerly():
     assert plugin.can_run_graph(lambda _s, _fb: True, runner, fb) is True
 
 
+def test_decode_retracts_when_the_row_blocks_cannot_hold_the_new_windows():
+    """The AROUND hook on ``ScheduleBatch.check_decode_mem``: SGLang's logical answer, then the
+    tiered pool's row blocks for the step's new windows (2 heads: 2 blocks a window a layer)."""
+    from sglang_sim import Sim
+
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    sim = Sim(blocks=PoolBlocks(7, 8))  # 7 row blocks a layer: 3 windows of 2 heads
+    batch = SimpleNamespace(
+        token_to_kv_pool_allocator=sim.alloc,
+        new_tokens_required_next_decode=lambda idx: sim.W * (3 if idx is None else len(idx)),
+    )
+    yes = lambda _self, selected_indices=None: True  # noqa: E731
+    assert plugin.check_decode_mem(yes, batch) is True  # 3 new windows: 6 of 7 blocks
+    assert plugin.check_decode_mem(yes, batch, selected_indices=[0, 1, 2, 3]) is False
+    assert plugin.check_decode_mem(lambda _s, selected_indices=None: False, batch) is False
+    stock = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: object()),
+        new_tokens_required_next_decode=lambda idx: 1 << 30,
+    )
+    assert plugin.check_decode_mem(yes, stock) is True  # another pool: SGLang's answer
+
+
 def test_bad_policy_exits_with_the_policy_error_not_a_traceback(baseline, tmp_path, capsys):
     text = open(load_policy("qevict").source).read().replace("cumulative(attn", "cumulative(atn")
     bad = tmp_path / "bad.yaml"

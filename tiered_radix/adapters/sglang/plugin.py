@@ -16,6 +16,8 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   :func:`~.pool.logical_tokens` slots and the pool is a :class:`~.pool.TieredKVPool`;
 - ``DecodeCudaGraphRunner.can_run_graph`` (AROUND): a decode batch over the backend's graph
   buffers (:mod:`.graph`) runs eagerly;
+- ``ScheduleBatch.check_decode_mem`` (AROUND): a decode step whose new windows find too few row
+  blocks makes SGLang retract requests, as a full pool does;
 - radix cache backend ``tiered`` and attention backend ``tiered_triton``.
 
 Without ``--kv-policy`` every hook passes its call through unchanged.
@@ -189,6 +191,18 @@ def can_run_graph(original, self, forward_batch) -> bool:
     return fits((seqs if seqs is not None else forward_batch.seq_lens).tolist())
 
 
+def check_decode_mem(original, self, selected_indices=None) -> bool:
+    """SGLang's answer (logical slots for the next decode step) and, over a tiered pool, whether
+    its row blocks hold the step's new windows: when they do not, SGLang retracts requests
+    (its answer to a full pool) instead of the forward raising ``PoolFullError``."""
+    ok = original(self, selected_indices=selected_indices)
+    pool = self.token_to_kv_pool_allocator.get_kvcache()
+    if not ok or not hasattr(pool, "rows_for_windows"):
+        return ok
+    tokens = self.new_tokens_required_next_decode(selected_indices)
+    return pool.rows_for_windows(-(-tokens // pool.layout.window))
+
+
 def attention_backend_factory(runner):
     from .backend import TieredAttnBackend
 
@@ -231,6 +245,11 @@ def register() -> None:
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
         ".can_run_graph",
         can_run_graph,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
+        check_decode_mem,
         HookType.AROUND,
     )
     if config.BACKEND not in registered_radix_cache_backends():

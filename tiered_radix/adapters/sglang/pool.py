@@ -247,6 +247,14 @@ class TieredKVPool(MHATokenToKVPool):
         self.ref_all[lt, FULL, h, new] = 1
         self.owner_all[lt, h, new] = S_FULL
 
+    def rows_for_windows(self, n: int) -> bool:
+        """Whether ``n`` windows can open now (``H`` row blocks each in every layer), after
+        evicting radix-cached windows that no running request holds if rows are short."""
+        need = n * self.head_num
+        layers = list(range(self.layer_num))
+        self._reclaim_rows(need, layers)
+        return min(len(self.free_rows[li]) for li in layers) >= need
+
     def _reclaim_rows(self, need: int, layers: list[int]) -> None:
         """Before opening windows: while a layer of ``layers`` has fewer than ``need`` free row
         blocks, evict radix-cached windows that no running request holds (SGLang's own LRU
