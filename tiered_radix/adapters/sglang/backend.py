@@ -275,12 +275,12 @@ class TieredAttnBackend(AttentionBackend):
             raw = bs - (getattr(fb, "num_padding", 0) or 0)
             pools = fb.req_pool_indices[:raw].tolist()
             seqs = fb.seq_lens_cpu[:raw].tolist()
+            prev = [s - 1 for s in seqs]  # each request's length before its new token
             W = self.pool.layout.window
-            steady = self.graph_last == (bs, pools, [s - 1 for s in seqs]) and all(
-                (s - 1) % W for s in seqs
-            )  # the same requests, one token more each, none of them in a new window
+            # the same requests, one token more each, none of them in a new window
+            steady = self.graph_last == (bs, pools, prev) and all(p % W for p in prev)
             rids = [self.rid_of[p] for p in pools]
-            self._admit(rids, pools, seqs, [s - 1 for s in seqs], [1] * raw)
+            self._admit(rids, pools, seqs, prev, [1] * raw)
             if not steady:
                 self.pool.graph_write(fb.out_cache_loc, g.dest[:, : bs * H])
         with self._timed("decode_lists"):

@@ -77,7 +77,7 @@ class GraphDecode:
         each layer's last list slot as a scratch target)."""
         return len(seq_lens) <= self.max_bs and sum(seq_lens) < self.tokens
 
-    def batch(self, bs: int, num_q_heads: int, version: int | None = None) -> trizone.DecodeBatch:
+    def batch(self, bs: int, num_q_heads: int) -> trizone.DecodeBatch:
         """The :class:`~.trizone.DecodeBatch` of captured size ``bs`` over the buffers (made
         once; its plan's splits assume requests of ``context_len`` tokens)."""
         if bs in self.batches:
@@ -107,7 +107,7 @@ class GraphDecode:
         bits = (quant.bits,) if quant else ()
         plan = decode.plan(
             lays[0], num_q_heads=num_q_heads, side_output=self.side_output, v_bits=bits,
-            k_bits=bits, max_rows=self.context_len, version=version,
+            k_bits=bits, max_rows=self.context_len,
         )  # fmt: skip
         if self.side_output:  # every batch size's plan needs the same rows: share one buffer
             if self.score is None or self.score.shape != plan.score.shape:

@@ -53,14 +53,6 @@ def supported(pool) -> bool:
     return pool.layout.window in PAGE_SIZES and pool.head_dim in HEAD_DIMS
 
 
-def _k_table(bits: int | None, d: int, page_size: int, lists: int, dev) -> Tensor:
-    rows = []
-    for vb in V_BITS:
-        n = [d if b == vb and vb == bits else 0 for b in K_BITS]
-        rows.append(n + k_sections(n, page_size) + [0])
-    return torch.tensor(rows, dtype=torch.int32, device=dev).repeat(lists, 1)
-
-
 @dataclass
 class Lists:
     """One decode step's index lists of every layer, layer-major with global offsets: list
@@ -121,10 +113,14 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None) -> Lists:
 
 
 def k_table(pool, lists: int) -> Tensor:
-    """The K sections of ``lists`` lists of the pool's pages (int32 ``[4 * lists, 12]``)."""
-    quant = pool.layout.quant
-    return _k_table(quant.bits if quant else None, pool.head_dim, pool.layout.window, lists,
-                    pool.device)  # fmt: skip
+    """The K sections of ``lists`` lists of the pool's pages (int32 ``[4 * lists, 12]``): every
+    channel at the quantized tier's bits, in the V-bits row of those bits."""
+    bits = pool.layout.quant.bits if pool.layout.quant else None
+    rows = []
+    for vb in V_BITS:
+        n = [pool.head_dim if b == vb and vb == bits else 0 for b in K_BITS]
+        rows.append(n + k_sections(n, pool.layout.window) + [0])
+    return torch.tensor(rows, dtype=torch.int32, device=pool.device).repeat(lists, 1)
 
 
 def layout(pool, li: int, batch: int, **zones) -> TriZoneLayout:
