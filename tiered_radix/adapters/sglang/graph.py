@@ -123,8 +123,7 @@ class GraphDecode:
         H = self.pool.head_num
         self.full_ptr[:, : bs * H + 1] = 0
         self.page_ptr[:, : bs * H * 4 + 1] = 0
-        if self.mass is not None:
-            self.mass[:, :bs] = 0
+        self._zero_mass(bs)
 
     def load(self, bs: int, ls: trizone.Lists) -> None:
         """Copy one step's lists (``len(ls.n) <= bs`` requests, units numbered with
@@ -142,8 +141,7 @@ class GraphDecode:
         self.page_unit.view(-1).index_copy_(0, at, ls.page_unit)
         self.page_units.view(-1, W).index_copy_(0, at, ls.page_unit[:, None].expand(-1, W))
         _pad(self.page_ptr, local, bs * self.pool.head_num * 4 + 1)
-        if self.mass is not None:
-            self.mass[:, :bs] = 0
+        self._zero_mass(bs)
 
     def advance(self, bs: int, raw: int, seqs: list[int]) -> None:
         """The next decode step of the same ``raw`` requests when none of them opens a window and
@@ -171,6 +169,10 @@ class GraphDecode:
         _pad(self.full_ptr, ptr + k, bs * H + 1)
         self.nnz = E + lists
         torch._assert_async((self.full_ptr[:, lists] < self.rows).all(), "lists over the capacity")
+        self._zero_mass(bs)
+
+    def _zero_mass(self, bs: int) -> None:
+        """The side output accumulates (+=): each step of batch size ``bs`` starts from 0."""
         if self.mass is not None:
             self.mass[:, :bs] = 0
 

@@ -111,9 +111,7 @@ class TieredRadixCache(RadixCache):
         W, n = self.layout.window, view.windows.numel()
         if n_tokens <= n * W:  # most decode steps: the last window is not full yet
             return view
-        new = self._windows(req, n * W, n_tokens)
-        if not new.numel():  # most decode steps: the last window is not full yet
-            return view
+        new = self._windows(req, n * W, n_tokens)  # at least one window
         H = self.pool.head_num
         view.windows = torch.cat([view.windows, new])
         view.borrowed = torch.cat([view.borrowed, torch.zeros_like(new, dtype=torch.bool)])
