@@ -17,6 +17,9 @@ class SignalError(ValueError):
     """A policy needs a signal the caller never provided, or a signal has the wrong shape."""
 
 
+TOKEN_SIGNALS = ("attn", "colmass", "obs_attn")  # the signals indexed by token, [H, T']
+
+
 @dataclass(frozen=True)
 class Signals:
     """Signals of ONE layer, all on one device. H = KV heads, T = tokens cached so far.
@@ -37,7 +40,7 @@ class Signals:
 
     def check(self, n_heads: int, n_tokens: int, head_dim: int) -> None:
         """Raises :class:`SignalError` on a wrong shape."""
-        for name in ("attn", "colmass", "obs_attn"):
+        for name in TOKEN_SIGNALS:
             x = getattr(self, name)
             if x is not None and (x.dim() != 2 or x.shape[0] != n_heads or x.shape[1] > n_tokens):
                 raise SignalError(
@@ -54,7 +57,7 @@ def at_positions(signals: Signals, pos: Tensor, n_tokens: int) -> Signals:
     each token signal put at its token's position and 0 elsewhere (what an evicted token
     receives); ``qnorm`` (per channel) as it is."""
     out = {}
-    for name in ("attn", "colmass", "obs_attn"):
+    for name in TOKEN_SIGNALS:
         x = getattr(signals, name)
         if x is not None:
             out[name] = x.new_zeros(x.shape[0], n_tokens).index_copy_(1, pos[: x.shape[1]], x)
