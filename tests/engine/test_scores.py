@@ -123,3 +123,44 @@ def test_missing_signal_is_a_typed_error_and_wrong_shape_too():
         sc.update(0, Signals(attn=torch.rand(H, 9)), cache=cache(5))
     with pytest.raises(SignalError, match="per K channel"):
         sc.evaluate(0, expr("knorm"), UnitLayout("token", 1, D), cache=cache(5))
+
+
+@pytest.mark.parametrize(
+    ("score", "decay"),
+    [
+        ("cumulative(attn, decay=0.9)", 0.9),
+        ("cumulative(attn)", 1.0),
+        ("log(cumulative(attn, decay=0.5)) + colmass", 0.5),  # the state folds; the rest reads it
+        ("cumulative(attn, decay=0.9) + cumulative(colmass, decay=0.2)", 0.9),  # prefill-only
+        ("attn", None),  # the latest step itself
+        ("cumulative(attn, decay=0.9) + attn", None),
+        ("cumulative(attn * 2, decay=0.9)", None),  # not a sum of attn alone
+        ("cumulative(attn, decay=0.9) + cumulative(attn, decay=0.5)", None),  # two decays
+        ("cumulative(attn, decay=0.9) + cumulative(position, decay=0.5)", None),  # every call
+        ("position", None),  # no attention at all
+    ],
+)
+def test_attn_decay_says_when_decode_attention_can_be_folded(score, decay):
+    assert ScoreEvaluator(policy(score), 1, H).attn_decay() == decay
+
+
+def test_fold_attn_equals_one_update_per_step():
+    """k steps of attention summed as acc = g * acc + attn and folded at once leave the state
+    (and so every score) where k update_attn calls leave it."""
+    pol = policy("cumulative(attn, decay=0.9) + colmass")
+    L, t = 2, 12
+    steps, fold = ScoreEvaluator(pol, L, H), ScoreEvaluator(pol, L, H)
+    g = torch.Generator().manual_seed(2)
+    first = torch.rand(L, H, t, generator=g)
+    for sc in (steps, fold):
+        sc.update_attn(first)
+    acc = torch.zeros(L, H, t)
+    for _ in range(5):
+        a = torch.rand(L, H, t, generator=g)
+        steps.update_attn(a)
+        acc = 0.9 * acc + a
+    fold.fold_attn(acc, 5)
+    (node,) = steps._state
+    torch.testing.assert_close(fold._state[node], steps._state[node], rtol=1e-6, atol=1e-6)
+    with pytest.raises(SignalError, match="cannot be folded"):
+        ScoreEvaluator(policy("attn"), L, H).fold_attn(acc, 5)

@@ -102,3 +102,46 @@ def test_observe_attn_of_all_layers_equals_per_layer_observe(path):
         assert torch.equal(stores[0].tiers(li), stores[1].tiers(li))
     for node, buf in stores[0].scores._state.items():
         assert torch.equal(buf, stores[1].scores._state[node])
+
+
+@pytest.mark.parametrize("path", COUPLED, ids=lambda p: p.stem)
+def test_folded_decode_attention_routes_like_one_observe_per_step(path):
+    """Where the policy allows it (``attn_decay``), decode attention summed over the steps
+    between routings and folded in before each routing decides the same tiers as observing
+    every step."""
+    policy = load_policy(str(path))
+    L, H, d, T = 2, 2, 16, 120
+    decay = TierStore(policy, n_layers=L, n_heads=H, head_dim=d).attn_decay()
+    if decay is None:
+        with pytest.raises(Exception, match="cannot be folded"):
+            TierStore(policy, n_layers=L, n_heads=H, head_dim=d).fold_attn(
+                torch.zeros(L, H, 0), 1
+            )
+        return
+    g = torch.Generator().manual_seed(7)
+    k, v = torch.randn(L, H, T + 40, d, generator=g), torch.randn(L, H, T + 40, d, generator=g)
+    stores = [TierStore(policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32)
+              for _ in range(2)]  # fmt: skip
+    for s in stores:
+        for li in range(L):
+            s.append(li, k[li, :, :T], v[li, :, :T])
+            s.observe(li, signals(torch.Generator().manual_seed(li), s.view(li)[2], d, True))
+        s.after_prefill()
+    acc, pending = None, 0
+    for step in range(40):
+        t = T + step + 1
+        attn = torch.rand(L, H, t, generator=g)
+        for s in stores:
+            for li in range(L):
+                s.append(li, k[li, :, t - 1 : t], v[li, :, t - 1 : t])
+        stores[0].observe_attn(attn)
+        acc = attn if acc is None else torch.nn.functional.pad(acc, (0, 1)) * decay + attn
+        pending += 1
+        if stores[0].schedule_due(step):
+            stores[1].fold_attn(acc, pending)
+            acc, pending = None, 0
+            for s in stores:
+                s.route(f"step {step}")
+    assert stores[0].events.steps and len(stores[0].events.steps) == len(stores[1].events.steps)
+    for li in range(L):
+        assert torch.equal(stores[0].tiers(li), stores[1].tiers(li))

@@ -58,6 +58,7 @@ _UNARY = {
     "sqrt": lambda x: x.clamp(min=0).sqrt(),
     "abs": torch.abs,
 }
+_UNSET = object()
 _HEADS = {"sum_heads": "sum", "mean_heads": "mean", "max_heads": "amax"}
 _WINDOW = {"sum_window": "sum", "mean_window": "mean", "max_window": "max"}
 
@@ -110,6 +111,7 @@ class ScoreEvaluator:
         # cumulative state per node: float32 [L, H, capacity] per token (zeros past each
         # layer's tokens, so unit sums need no padding) or [L, H, d] per channel
         self._state: dict[Call, Tensor] = {}
+        self._attn_decay: float | None | object = _UNSET
         self._cumulative = list(
             dict.fromkeys(
                 n
@@ -157,6 +159,47 @@ class ScoreEvaluator:
                 continue
             for li in range(L):
                 self._update_node(node, li, Signals(attn=attn[li]), self._cache(li, None))
+
+    def attn_decay(self) -> float | None:
+        """The decay ``g`` when decode steps advance no state but ``cumulative(attn, decay=g)``
+        (one ``g``; ``attn`` read nowhere else, and no ``cumulative`` that advances on every
+        call, like one of ``position``): then ``k`` steps of attention can be summed on the
+        device, ``acc = sum_i g^(k-i) attn_i``, and folded in at once (:meth:`fold_attn`),
+        leaving every state as ``k`` calls of :meth:`update_attn` would. None otherwise, and for
+        policies that read no ``attn``."""
+        if self._attn_decay is not _UNSET:
+            return self._attn_decay
+        self._attn_decay = self._fold_decay()
+        return self._attn_decay
+
+    def _fold_decay(self) -> float | None:
+        attn = Name("attn")
+        uses = sum(isinstance(n, Name) and n == attn for e in _policy_exprs(self.policy)
+                   for n in self._walk(e))  # fmt: skip
+        decays = set()
+        for node in self._cumulative:
+            if node.args[0] == attn:
+                decays.add(_const(node.kwarg("decay", Num(1.0))))
+            elif not self._uses(node.args[0], tuple(n for n in OBSERVED if n != "attn")):
+                return None  # advances on every decode step, whatever it observes
+        n_cum = sum(isinstance(n, Call) and n.fn == "cumulative" and n.args[0] == attn
+                    for e in _policy_exprs(self.policy) for n in self._walk(e))  # fmt: skip
+        if not uses or uses != n_cum or len(decays) != 1:
+            return None
+        return decays.pop()
+
+    def fold_attn(self, acc: Tensor, steps: int) -> None:
+        """``steps`` decode steps of attention at once: ``acc [L, H, T]`` float32 is
+        ``sum_i g^(steps-i) attn_i`` over them (``g`` = :meth:`attn_decay`, which must not be
+        None): each ``cumulative(attn)`` state becomes ``g^steps * state + acc``."""
+        decay = self.attn_decay()
+        if decay is None:
+            raise SignalError("this policy's decode attention cannot be folded (attn_decay)")
+        L, H, t = acc.shape
+        assert (L, H) == (self.n_layers, self.n_heads), (acc.shape, self.n_layers)
+        for node in self._cumulative:
+            if node.args[0] == Name("attn"):
+                self._buffer(node, t, acc.device)[:, :, :t].mul_(decay**steps).add_(acc.float())
 
     def evaluate(
         self, layer: int, expr: Expr, part: UnitLayout, *, cache: CacheState | None = None

@@ -163,6 +163,22 @@ class TierStore:
             )
         self.scores.update_attn(attn)
 
+    def attn_decay(self) -> float | None:
+        """See :meth:`~.scores.ScoreEvaluator.attn_decay`: whether (and at which decay) decode
+        steps' attention may be summed elsewhere and folded in with :meth:`fold_attn`."""
+        return self.scores.attn_decay()
+
+    def fold_attn(self, acc: Tensor, steps: int) -> None:
+        """``steps`` decode steps of :meth:`observe_attn` at once: ``acc [L, H, T]`` float32,
+        each step's attention summed as ``acc = decay * acc + attn`` (the last step's ``T``
+        tokens)."""
+        t = self.stack.n_tokens
+        if len(set(t)) != 1 or acc.shape[2] != t[0]:
+            raise ValueError(
+                f"fold_attn needs [L, H, T={t[0]}] over equal layers, got {list(acc.shape)}"
+            )
+        self.scores.fold_attn(acc, steps)
+
     def schedule_due(self, decode_step: int) -> bool:
         """After decode step ``decode_step`` (0-based): route every N steps (after steps N-1,
         2N-1, ...) or when bytes reach the ``on_pressure`` fraction of the budget (bytes of all

@@ -389,18 +389,21 @@ def _addresses(db) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("observe", ["fold", "step"])
 @pytest.mark.parametrize("policy", [KERNEL_POLICY, POSITION_POLICY], ids=["attn", "position"])
-def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy):
+def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy, observe):
     """Decode as SGLang's graph runner drives it (capture with all-padding batches, then replays
     whose metadata has no rids and whose batches are padded): every real row equals eager
     decode's, the tiers routing decides (one step late, at flush) are the same, the kernels read
     the buffers they were captured with, and every block comes back at the end. Between
     routings and new windows, replays append each step's rows to the lists in place
-    (``GraphDecode.advance``) instead of rebuilding them."""
+    (``GraphDecode.advance``) instead of rebuilding them, and (``observe=fold``) sum their
+    attention on the device, folded into the engines before routing."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TIERED_RADIX_OBSERVE", observe)
     kw = dict(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
     eager, graphed = Harness(**kw), Harness(**kw)
     sim = graphed.sim
@@ -427,6 +430,11 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy):
             pad = ptr[:, lists : lists * bs // 2 + 1]
             assert bool((pad == pad[:, :1]).all()), t
     graphed.backend.flush()
+    folds = graphed.backend.graph.decay is not None
+    assert folds == (observe == "fold" and policy == KERNEL_POLICY)
+    assert graphed.backend.graph.steps > 0 or not folds  # steps since the last routing wait
+    graphed.backend.fold_pending()
+    assert graphed.backend.graph.steps == 0 or not folds
     for r in "ab":
         for li in range(sim.L):
             x = eager.backend.sessions[r].store.tiers(li)

@@ -53,6 +53,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from tiered_radix.adapters.transformers.attention import attend, attend_sdpa
 from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_reads
+from tiered_radix.engine.scores import ScoreEvaluator
 from tiered_radix.engine.shard import HeadShard
 from tiered_radix.engine.signals import at_positions
 from tiered_radix.engine.store import TierStore
@@ -65,6 +66,7 @@ from .stats import BackendStats, log
 
 CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}  # float32 scores per attention block
 DECODE_ENV = "TIERED_RADIX_DECODE"  # "kernel" (default where supported) or "gather"
+OBSERVE_ENV = "TIERED_RADIX_OBSERVE"  # graph steps' attention: "fold" (default) or "step"
 EXTEND_ENV = "TIERED_RADIX_EXTEND"  # "sdpa" (default on CUDA) or "exact" (default on CPU)
 
 
@@ -127,6 +129,10 @@ class TieredAttnBackend(AttentionBackend):
         self.prefill_needs = frozenset(reads & set(PREFILL_SIGNALS))
         # decode attention mass (the kernel's side output): only for policies that read it
         self.decode_attn = "attn" in reads
+        # replayed steps sum the side output on the device and fold it in before routing, where
+        # the policy's scores allow it (TierStore.attn_decay); else every step is observed
+        fold = _env_choice(OBSERVE_ENV, "fold", "fold", "step") == "fold"
+        self.fold_decay = ScoreEvaluator(self.policy, 1, 1).attn_decay() if fold else None
         self.sessions: dict[str, Session] = {}
         self.batch: list[_Req] = []
         self.extend = False
@@ -183,6 +189,7 @@ class TieredAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb) -> None:
         self.flush()
+        self.fold_pending()  # an eager forward may open windows, route or change the batch
         self.graph_last = None  # an eager forward may open windows or route: lists rebuild
         extend = fb.forward_mode.is_extend()
         with self._timed("metadata_extend" if extend else "metadata"):
@@ -247,7 +254,7 @@ class TieredAttnBackend(AttentionBackend):
             )
         tokens = graph.capacity(self.context_len)
         self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
-                                       self.decode_attn)  # fmt: skip
+                                       self.decode_attn, self.fold_decay)  # fmt: skip
         log.info("tiered-radix: decode CUDA graphs up to batch %d, %d tokens", max_bs, tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -263,10 +270,11 @@ class TieredAttnBackend(AttentionBackend):
         write rows and index lists, into the graph's buffers."""
         self.flush()
         bs, g, H = fb.batch_size, self.graph, self.pool.head_num
-        self.batch, self.extend, self.graph_bs = [], False, bs
-        self.dbatch = g.batches.get(bs)  # made by the capture's first layer (it knows q heads)
-        self.pool.end_step()
         if in_capture:
+            self.fold_pending()
+            self.batch, self.extend, self.graph_bs = [], False, bs
+            self.dbatch = g.batches.get(bs)  # made by the capture's first layer (knows q heads)
+            self.pool.end_step()
             self.graph_last = None
             g.clear(bs)
             self.pool.graph_write(fb.out_cache_loc[:0], g.dest[:, : bs * H])
@@ -279,6 +287,11 @@ class TieredAttnBackend(AttentionBackend):
             W = self.pool.layout.window
             # the same requests, one token more each, none of them in a new window
             steady = self.graph_last == (bs, pools, prev) and all(p % W for p in prev)
+            if not steady:  # the lists change: the summed steps go to the engines first
+                self.fold_pending()
+            self.batch, self.extend, self.graph_bs = [], False, bs
+            self.dbatch = g.batches.get(bs)
+            self.pool.end_step()
             rids = [self.rid_of[p] for p in pools]
             self._admit(rids, pools, seqs, prev, [1] * raw)
             if not steady:
@@ -305,12 +318,27 @@ class TieredAttnBackend(AttentionBackend):
             return
         self.pending = False
         self.counters.kernel_steps += 1
-        if self.dbatch is not None and self.dbatch.mass is not None:
+        folds = self.graph.decay is not None
+        if self.dbatch is not None and self.dbatch.mass is not None and not folds:
             with self._timed("observe"):
                 self._observe_decode()
         with self._timed("route"):
             if self._route_due():  # blocks moved: the next step rebuilds its lists
                 self.graph_last = None
+
+    def fold_pending(self) -> None:
+        """The side output summed over replayed steps (:class:`~.graph.GraphDecode` with a
+        decay) into each request's engine, in one fold: before routing, and before the batch's
+        lists change (a new window, another batch, an eager forward)."""
+        g = self.graph
+        db = g.pending() if g is not None else None
+        if db is None:
+            return
+        with self._timed("observe"):
+            attn = trizone.window_attn(db, self.pool.layout.window)
+            for b, r in enumerate(self.batch):
+                r.session.store.fold_attn(attn[:, b, :, : r.seq], g.steps)
+            g.folded()
 
     def _open(self, tree, req, prefix_len: int) -> Session:
         """Borrow the matched prefix; the store's tiers start at the borrowed states."""
@@ -430,24 +458,28 @@ class TieredAttnBackend(AttentionBackend):
     def _route_due(self) -> bool:
         alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
         self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
-        routed = False
+        due = []
         for r in self.batch:
             s = r.session
             if self.extend:
                 s.prefills += 1
-                due, why = self.policy.schedule.after_prefill, f"after prefill {s.prefills}"
+                if self.policy.schedule.after_prefill:
+                    due.append((r, f"after prefill {s.prefills}"))
             else:
                 step, s.decode_steps = s.decode_steps, s.decode_steps + 1
-                due, why = s.store.schedule_due(step), f"decode step {step}"
-            if due:
-                moves = s.store.route(why)
-                self.tree.route(r.rid, moves)
-                if self.shard is not None:  # read at stats(): no host sync here
-                    self._tp_pending.append((r.rid, why, s.store.events.steps[-1]))
-                self.counters.routed(moves)
-                routed = True
-        self.counters.publish(self.stats, routed)
-        return routed
+                if s.store.schedule_due(step):
+                    due.append((r, f"decode step {step}"))
+        if due:
+            self.fold_pending()  # scores up to date (replayed steps summed their attention)
+        for r, why in due:
+            s = r.session
+            moves = s.store.route(why)
+            self.tree.route(r.rid, moves)
+            if self.shard is not None:  # read at stats(): no host sync here
+                self._tp_pending.append((r.rid, why, s.store.events.steps[-1]))
+            self.counters.routed(moves)
+        self.counters.publish(self.stats, bool(due))
+        return bool(due)
 
     def stats(self) -> dict:
         """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and

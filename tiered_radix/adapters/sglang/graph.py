@@ -10,6 +10,10 @@ capacity (:class:`GraphDecode`), and each step only overwrites their contents:
 - ``dest [L, bs * H]``: each new token's row in the pool (:meth:`.pool.TieredKVPool.graph_write`),
   padding tokens to the pool's scratch row block;
 - ``mass [L, bs, H * N]``: the side output, ``N`` windows per request (the context length's).
+  With ``decay`` (the policy's :meth:`~tiered_radix.engine.store.TierStore.attn_decay`) it sums
+  the steps since the last :meth:`GraphDecode.load` as ``mass = decay * mass + step``
+  (``steps`` of them), so the engines take them in one fold before routing instead of one
+  observation per step.
 
 Capacity is in tokens of the batch: a request lists at most its ``seq`` tokens per (layer, head)
 as rows plus pages, so a batch whose ``sum(seq_lens) < tokens`` fits; larger batches run
@@ -43,10 +47,16 @@ class GraphDecode:
     batch size uses their first rows), ``tokens`` tokens a batch, requests of up to
     ``context_len`` tokens."""
 
-    def __init__(self, pool, max_bs: int, tokens: int, context_len: int, side_output: bool):
+    def __init__(
+        self, pool, max_bs: int, tokens: int, context_len: int, side_output: bool,
+        decay: float | None = None,
+    ):  # fmt: skip
         L, H, W, d = pool.layer_num, pool.head_num, pool.layout.window, pool.head_dim
         dev = pool.device
         self.pool, self.max_bs, self.tokens, self.side_output = pool, max_bs, tokens, side_output
+        self.decay = decay if side_output else None
+        self.steps = 0  # steps summed in mass (with decay) since load() or folded()
+        self.bs = 0  # the batch size of the last load() or clear()
         self.context_len = context_len
         self.n_max = -(-context_len // W)  # windows of a request: units are h * n_max + j
         self.rows, self.pages = H * tokens, H * (-(-tokens // W) + max_bs)
@@ -120,17 +130,18 @@ class GraphDecode:
 
     def clear(self, bs: int) -> None:
         """Every request of ``bs`` lists nothing (a capture: all of them are padding)."""
-        H = self.pool.head_num
+        H, self.bs = self.pool.head_num, bs
         self.full_ptr[:, : bs * H + 1] = 0
         self.page_ptr[:, : bs * H * 4 + 1] = 0
         self._zero_mass(bs)
+        self.steps = 0
 
     def load(self, bs: int, ls: trizone.Lists) -> None:
         """Copy one step's lists (``len(ls.n) <= bs`` requests, units numbered with
         ``n_max``) into the buffers of batch size ``bs``; the rest of ``bs`` lists nothing.
         One host sync (the longest layer, for :meth:`advance`)."""
         assert ls.n_max == self.n_max and len(ls.n) <= bs
-        lists, W = len(ls.n) * self.pool.head_num, self.pool.layout.window
+        lists, W, self.bs = len(ls.n) * self.pool.head_num, self.pool.layout.window, bs
         local, at = self._place(ls.full_ptr, lists, self.rows, ls.slots.numel())
         self.nnz = int(local[:, -1].max()) if ls.slots.numel() else 0  # one host sync
         self.slots.view(-1).index_copy_(0, at, ls.slots)
@@ -142,6 +153,7 @@ class GraphDecode:
         self.page_units.view(-1, W).index_copy_(0, at, ls.page_unit[:, None].expand(-1, W))
         _pad(self.page_ptr, local, bs * self.pool.head_num * 4 + 1)
         self._zero_mass(bs)
+        self.steps = 1
 
     def advance(self, bs: int, raw: int, seqs: list[int]) -> None:
         """The next decode step of the same ``raw`` requests when none of them opens a window and
@@ -169,7 +181,21 @@ class GraphDecode:
         _pad(self.full_ptr, ptr + k, bs * H + 1)
         self.nnz = E + lists
         torch._assert_async((self.full_ptr[:, lists] < self.rows).all(), "lists over the capacity")
-        self._zero_mass(bs)
+        if self.decay is None:
+            self._zero_mass(bs)
+        elif self.decay != 1.0:
+            self.mass[:, :bs] *= self.decay
+        self.steps += 1
+
+    def pending(self) -> trizone.DecodeBatch | None:
+        """The batch whose ``mass`` holds steps not folded into the engines yet (``steps`` of
+        them, summed with ``decay``), or None."""
+        return self.batches.get(self.bs) if self.decay is not None and self.steps else None
+
+    def folded(self) -> None:
+        """The engines took the summed steps: start again from 0."""
+        self._zero_mass(self.bs)
+        self.steps = 0
 
     def _zero_mass(self, bs: int) -> None:
         """The side output accumulates (+=): each step of batch size ``bs`` starts from 0."""
