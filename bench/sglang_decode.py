@@ -5,7 +5,13 @@ Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`
 - ``plain``: SGLang 0.5.17 with its Triton attention backend, bf16 KV, CUDA graphs on;
 - ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), chunked prefill of
   ``--chunk`` tokens so routing runs between chunks, decode CUDA graphs on;
-- ``tiered_eager``: the same with CUDA graphs off (what every run before GPU run 8 measured).
+- ``tiered_eager``: the same with CUDA graphs off (what every run before GPU run 8 measured);
+- ``tiered_step``: ``tiered`` observing each replayed step's attention on the host
+  (``$TIERED_RADIX_OBSERVE=step``, every run before GPU run 9) instead of summing it on the
+  device between routings.
+
+Tiered runs time each graph replay on the device (``$TIERED_RADIX_DEVICE_TIMES=1``: two CUDA
+events a step), reported per step as ``replay_device`` beside the host phases.
 
 Every kind captures decode graphs up to batch ``--graph-max-bs`` (startup time on a shared
 device; the measured batches are below it).
@@ -45,8 +51,14 @@ def timed(engine, prompts: list[list[int]], n: int) -> float:
 
 def _host_s(stats: Path) -> dict:
     """The backend's host seconds per phase so far (the stats file, rewritten at each routing:
-    up to one routing interval stale)."""
-    return json.loads(stats.read_text()).get("host_s", {}) if stats.exists() else {}
+    up to one routing interval stale), with the device seconds of graph replays as
+    ``replay_device`` (``$TIERED_RADIX_DEVICE_TIMES=1``; counted by ``replays_steps``)."""
+    if not stats.exists():
+        return {}
+    st = json.loads(stats.read_text())
+    dev = st.get("device_s", {})
+    extra = {"replay_device": dev["replay"], "replays_steps": dev["replays"]} if dev else {}
+    return st.get("host_s", {}) | extra
 
 
 def _per_step(before: dict, after: dict) -> dict:
@@ -77,6 +89,7 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
 
     stats = Path(tempfile.mkdtemp()) / "stats.json"
     os.environ["TIERED_RADIX_STATS"] = str(stats)
+    os.environ["TIERED_RADIX_DEVICE_TIMES"] = "1"  # two CUDA events a replay
     kw = dict(model_path=a.model, mem_fraction_static=0.6, context_length=a.context + 512,
               attention_backend="triton", log_level="error",
               cuda_graph_max_bs_decode=a.graph_max_bs)  # fmt: skip
@@ -87,6 +100,8 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
             kw["kv_budget"] = a.budget
     if kind == "tiered_eager":
         kw["disable_cuda_graph"] = True
+    # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
+    os.environ["TIERED_RADIX_OBSERVE"] = "step" if kind == "tiered_step" else "fold"
     t0 = time.perf_counter()
     engine = sglang.Engine(**kw)
     startup = time.perf_counter() - t0
@@ -131,7 +146,7 @@ def main() -> None:
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--long", type=int, default=40)
     p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--kinds", nargs="+", default=["plain", "tiered", "tiered_eager"])
+    p.add_argument("--kinds", nargs="+", default=["plain", "tiered", "tiered_step"])
     p.add_argument("--graph-max-bs", type=int, default=16)
     p.add_argument("--out", default="bench/results")
     a = p.parse_args()
@@ -154,7 +169,7 @@ def main() -> None:
             print(kind, "FAILED", repr(e)[:2000], flush=True)
         Path(a.out, "sglang_decode.json").write_text(json.dumps(res, indent=1))
     by = {r["kind"]: r for r in res["runs"] if "rows" in r}
-    for kind in ("tiered", "tiered_eager"):
+    for kind in ("tiered", "tiered_step", "tiered_eager"):
         if {"plain", kind} <= by.keys():
             for pr, tr in zip(by["plain"]["rows"], by[kind]["rows"], strict=False):
                 tr["ratio_vs_plain"] = tr["decode_ms_per_token"] / pr["decode_ms_per_token"]

@@ -114,9 +114,7 @@ def test_folded_decode_attention_routes_like_one_observe_per_step(path):
     decay = TierStore(policy, n_layers=L, n_heads=H, head_dim=d).attn_decay()
     if decay is None:
         with pytest.raises(Exception, match="cannot be folded"):
-            TierStore(policy, n_layers=L, n_heads=H, head_dim=d).fold_attn(
-                torch.zeros(L, H, 0), 1
-            )
+            TierStore(policy, n_layers=L, n_heads=H, head_dim=d).fold_attn(torch.zeros(L, H, 0), 1)
         return
     g = torch.Generator().manual_seed(7)
     k, v = torch.randn(L, H, T + 40, d, generator=g), torch.randn(L, H, T + 40, d, generator=g)

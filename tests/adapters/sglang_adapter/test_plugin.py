@@ -94,6 +94,24 @@ def test_a_decode_batch_over_the_graph_buffers_runs_eagerly():
     assert plugin.can_run_graph(lambda _s, _fb: True, runner, fb) is True
 
 
+def test_a_graph_replay_ends_with_the_backends_mark():
+    """The AROUND hook on the graph runner's ``execute``: SGLang's output, then the tiered
+    backend's ``replay_done`` (after the replay was launched); other backends pass through."""
+    calls = []
+    tiered = SimpleNamespace(replay_done=lambda: calls.append("done"))
+
+    def execute(_self, fb, pp=None):
+        calls.append(("replay", fb, pp))
+        return "logits"
+
+    runner = SimpleNamespace(attn_backend=tiered)
+    assert plugin.graph_execute(execute, runner, "fb", pp="pp") == "logits"
+    assert calls == [("replay", "fb", "pp"), "done"]
+    stock = SimpleNamespace(attn_backend=SimpleNamespace())
+    assert plugin.graph_execute(execute, stock, "fb2") == "logits"
+    assert calls[-1] == ("replay", "fb2", None)
+
+
 def test_decode_retracts_when_the_row_blocks_cannot_hold_the_new_windows():
     """The AROUND hook on ``ScheduleBatch.check_decode_mem``: SGLang's logical answer, then the
     tiered pool's row blocks for the step's new windows (2 heads: 2 blocks a window a layer)."""

@@ -67,6 +67,7 @@ from .stats import BackendStats, log
 CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}  # float32 scores per attention block
 DECODE_ENV = "TIERED_RADIX_DECODE"  # "kernel" (default where supported) or "gather"
 OBSERVE_ENV = "TIERED_RADIX_OBSERVE"  # graph steps' attention: "fold" (default) or "step"
+TIMES_ENV = "TIERED_RADIX_DEVICE_TIMES"  # "1": CUDA events time every graph replay (device_s)
 EXTEND_ENV = "TIERED_RADIX_EXTEND"  # "sdpa" (default on CUDA) or "exact" (default on CPU)
 
 
@@ -149,6 +150,9 @@ class TieredAttnBackend(AttentionBackend):
         self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
         self.graph_last: tuple | None = None  # the last replay's (bs, pools, seqs)
         self.host_s: dict[str, float] = defaultdict(float)  # host seconds per phase, see stats()
+        self.device_s: dict[str, float] = defaultdict(float)  # device seconds of graph replays
+        timing = os.environ.get(TIMES_ENV) == "1" and torch.device(pool.device).type == "cuda"
+        self.replay_events: list | None = [] if timing else None  # the replay in flight
         self.shard = tp_shard(runner, pool.head_num)
         if self.shard is not None:
             self.counters.rank = self.shard.rank
@@ -306,6 +310,16 @@ class TieredAttnBackend(AttentionBackend):
                 g.load(bs, trizone.lists(self.pool, views, seqs, g.n_max))
         self.graph_last = (bs, pools, seqs)
         self.pending = True
+        if self.replay_events is not None:  # the replay starts after this (SGLang launches it)
+            self.replay_events = [torch.cuda.Event(enable_timing=True)]
+            self.replay_events[0].record()
+
+    def replay_done(self) -> None:
+        """After SGLang launched a decode graph (its runner's ``execute``): with
+        ``$TIERED_RADIX_DEVICE_TIMES=1``, the end mark of the replay's device time."""
+        if self.replay_events is not None and len(self.replay_events) == 1:
+            self.replay_events.append(torch.cuda.Event(enable_timing=True))
+            self.replay_events[1].record()
         self.host_s["decode_steps"] += 1
         self.host_s["graph_steps"] += 1
 
@@ -318,6 +332,12 @@ class TieredAttnBackend(AttentionBackend):
             return
         self.pending = False
         self.counters.kernel_steps += 1
+        if self.replay_events is not None and len(self.replay_events) == 2:
+            start, end = self.replay_events
+            end.synchronize()  # SGLang has already waited for the step's tokens
+            self.device_s["replay"] += start.elapsed_time(end) / 1e3
+            self.device_s["replays"] += 1
+            self.replay_events = []
         folds = self.graph.decay is not None
         if self.dbatch is not None and self.dbatch.mass is not None and not folds:
             with self._timed("observe"):
@@ -489,10 +509,14 @@ class TieredAttnBackend(AttentionBackend):
         (``metadata_extend``, ``write_extend``, ``extend_attend``, ``route_extend``), and the
         ``decode_steps``/``extend_batches`` counts they divide by. On the GPU a phase's time is
         what it costs the host to launch it (plus any host sync in it): where their sum per step
-        nears the step time, the step is launch-bound."""
+        nears the step time, the step is launch-bound. With ``$TIERED_RADIX_DEVICE_TIMES=1``,
+        ``device_s``: the device seconds of graph replays (``replay``, CUDA events around
+        SGLang's replay of the forward) and their count (``replays``)."""
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
         out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
+        if self.replay_events is not None:
+            out["device_s"] = {k: round(v, 6) for k, v in self.device_s.items()}
         if self.shard is not None:
             out["tp"] = self._tp_record()
         return out

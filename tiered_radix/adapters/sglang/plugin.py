@@ -16,6 +16,8 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   :func:`~.pool.logical_tokens` slots and the pool is a :class:`~.pool.TieredKVPool`;
 - ``DecodeCudaGraphRunner.can_run_graph`` (AROUND): a decode batch over the backend's graph
   buffers (:mod:`.graph`) runs eagerly;
+- ``DecodeCudaGraphRunner.execute`` (AROUND): after a replay, the tiered backend's
+  ``replay_done`` (the device time of replays, when ``$TIERED_RADIX_DEVICE_TIMES=1``).
 - ``ScheduleBatch.check_decode_mem`` (AROUND): a decode step whose new windows find too few row
   blocks makes SGLang retract requests, as a full pool does;
 - radix cache backend ``tiered`` and attention backend ``tiered_triton``.
@@ -191,6 +193,16 @@ def can_run_graph(original, self, forward_batch) -> bool:
     return fits((seqs if seqs is not None else forward_batch.seq_lens).tolist())
 
 
+def graph_execute(original, self, *args, **kwargs):
+    """SGLang's decode graph replay, then the tiered backend's end-of-replay mark (device time
+    of each replay with ``$TIERED_RADIX_DEVICE_TIMES=1``; nothing otherwise)."""
+    out = original(self, *args, **kwargs)
+    done = getattr(self.attn_backend, "replay_done", None)
+    if done is not None:
+        done()
+    return out
+
+
 def check_decode_mem(original, self, selected_indices=None) -> bool:
     """SGLang's answer (logical slots for the next decode step) and, over a tiered pool, whether
     its row blocks hold the step's new windows: when they do not, SGLang retracts requests
@@ -245,6 +257,11 @@ def register() -> None:
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner"
         ".can_run_graph",
         can_run_graph,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
+        graph_execute,
         HookType.AROUND,
     )
     HookRegistry.register(
