@@ -87,7 +87,7 @@ def _split(ver: int, uniform: bool, mix: str, d: int, side: bool, ppi: int, warp
     grp, hkv = FAMILIES[d]
     vb, kb = MIXES[mix]
     pages = bool(vb)
-    ptr = {n: "*i32" for n in ("perm_ptr", "full_indptr_ptr", "full_slots_ptr",
+    ptr = {n: "*i32" for n in ("perm_ptr", "full_indptr_ptr", "full_end_ptr", "full_slots_ptr",
                                "fresh_indptr_ptr", "fresh_slots_ptr", "page_ntok_ptr",
                                "page_indptr_ptr", "page_ids_ptr", "k_table_ptr")}  # fmt: skip
     args = dict(ptr, q_ptr="*bf16", k_pool="*bf16", v_pool="*bf16", arena8="*u8",
@@ -122,9 +122,9 @@ def _merge(ver: int, d: int, s: int) -> Config:
 
 def _mass(ver: int, d: int) -> Config:
     grp, hkv = FAMILIES[d]
-    args = {n: "*i32" for n in ("full_indptr_ptr", "full_units_ptr", "fresh_indptr_ptr",
-                                "fresh_units_ptr", "page_indptr_ptr", "page_ids_ptr",
-                                "page_ntok_ptr", "page_units_ptr")}  # fmt: skip
+    args = {n: "*i32" for n in ("full_indptr_ptr", "full_end_ptr", "full_units_ptr",
+                                "fresh_indptr_ptr", "fresh_units_ptr", "page_indptr_ptr",
+                                "page_ids_ptr", "page_ntok_ptr", "page_units_ptr")}  # fmt: skip
     args.update(
         score_ptr="*fp32",
         lse_ptr="*fp32",

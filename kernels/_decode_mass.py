@@ -42,8 +42,9 @@ def _mass_rows(score_ptr, units_ptr, mass_row, lse, start, end, row0, row_mul, r
 
 @triton.jit
 def _decode_mass_kernel(
-    score_ptr, lse_ptr, mass_ptr, mass_stride, full_indptr_ptr, full_units_ptr, fresh_indptr_ptr,
-    fresh_units_ptr, page_indptr_ptr, page_ids_ptr, page_ntok_ptr, page_units_ptr, row_full,
+    score_ptr, lse_ptr, mass_ptr, mass_stride, full_indptr_ptr, full_end_ptr, full_units_ptr,
+    fresh_indptr_ptr, fresh_units_ptr, page_indptr_ptr, page_ids_ptr, page_ntok_ptr,
+    page_units_ptr, row_full,
     row_fresh, H_KV, G, S, G_PAD: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Side output: mass[r, unit] += sum over the group's heads of exp2(s - lse) per token."""
@@ -62,7 +63,7 @@ def _decode_mass_kernel(
         rows = pid * P + t
         _token_mass(score_ptr, mass_row, lse, g, rows, page_units_ptr + rows,
                     t < tl.load(page_ntok_ptr + pid), G)  # fmt: skip
-    fs, fe = _split_range(tl.load(full_indptr_ptr + rh), tl.load(full_indptr_ptr + rh + 1), j, S)
+    fs, fe = _split_range(tl.load(full_indptr_ptr + rh), tl.load(full_end_ptr + rh), j, S)
     _mass_rows(score_ptr, full_units_ptr, mass_row, lse, fs, fe, row_full, 1, 0, G, G_PAD, BLOCK_N)
     cs, ce = _split_range(tl.load(fresh_indptr_ptr + r), tl.load(fresh_indptr_ptr + r + 1), j, S)
     _mass_rows(score_ptr, fresh_units_ptr, mass_row, lse, cs, ce, row_fresh, H_KV, h, G, G_PAD,
@@ -101,8 +102,9 @@ def _mass_rows_v2(score_ptr, units_ptr, mass_row, lse, g, gm, start, end, row0, 
 
 @triton.jit
 def _decode_mass_kernel_v2(
-    score_ptr, lse_ptr, mass_ptr, mass_stride, full_indptr_ptr, full_units_ptr, fresh_indptr_ptr,
-    fresh_units_ptr, page_indptr_ptr, page_ids_ptr, page_ntok_ptr, page_units_ptr, page_unit_ptr,
+    score_ptr, lse_ptr, mass_ptr, mass_stride, full_indptr_ptr, full_end_ptr, full_units_ptr,
+    fresh_indptr_ptr, fresh_units_ptr, page_indptr_ptr, page_ids_ptr, page_ntok_ptr,
+    page_units_ptr, page_unit_ptr,
     row_full, row_fresh, H_KV, G, S, G_PAD: tl.constexpr, G_P2: tl.constexpr, P: tl.constexpr,
     BLOCK_N: tl.constexpr, NT: tl.constexpr, NBLK: tl.constexpr,
 ):  # fmt: skip
@@ -130,7 +132,7 @@ def _decode_mass_kernel_v2(
         rows = pid[:, None] * P + t[None, :]
         u = tl.load(page_units_ptr + rows, mask=tm, other=0)
         _mass_add(score_ptr, mass_row, lse, g, gm, pid * P, u0, ok & (u0 >= 0), rows, u, tm, G)
-    fs, fe = _split_range(tl.load(full_indptr_ptr + rh), tl.load(full_indptr_ptr + rh + 1), j, S)
+    fs, fe = _split_range(tl.load(full_indptr_ptr + rh), tl.load(full_end_ptr + rh), j, S)
     _mass_rows_v2(score_ptr, full_units_ptr, mass_row, lse, g, gm, fs, fe, row_full, 1, 0, G,
                   BLOCK_N, NBLK)  # fmt: skip
     cs, ce = _split_range(tl.load(fresh_indptr_ptr + r), tl.load(fresh_indptr_ptr + r + 1), j, S)

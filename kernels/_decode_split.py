@@ -53,7 +53,8 @@ def _rows(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, q_stride_b, q_stride_h, perm_ptr, k_pool, v_pool, pool_stride_s, pool_stride_h,
-    full_indptr_ptr, full_slots_ptr, fresh_indptr_ptr, fresh_slots_ptr, arena8, arena16, arenadt,
+    full_indptr_ptr, full_end_ptr, full_slots_ptr, fresh_indptr_ptr, fresh_slots_ptr, arena8,
+    arena16, arenadt,
     page_off_ptr, page_ntok_ptr, page_indptr_ptr, page_ids_ptr, k_table_ptr, part_acc_ptr,
     part_ml_ptr, score_ptr, row_full, row_fresh, qk_scale, H_KV, G, S,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr, VG: tl.constexpr,
@@ -97,7 +98,7 @@ def _decode_split_kernel(
                     page_off_ptr, page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps,
                     pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, KBITS, VER2, IL,
                 )  # fmt: skip
-    fs, fe = _split_range(tl.load(full_indptr_ptr + rh), tl.load(full_indptr_ptr + rh + 1), j, S)
+    fs, fe = _split_range(tl.load(full_indptr_ptr + rh), tl.load(full_end_ptr + rh), j, S)
     m, l_i, acc = _rows(q, m, l_i, acc, k_pool, v_pool, pool_stride_s, pool_stride_h,
                         full_slots_ptr, full_units_ptr, fs, fe, h, score_ptr, row_full, 1, 0,
                         qk_scale, G, DT, D, G_PAD, BLOCK_N, MASS, VER2)  # fmt: skip

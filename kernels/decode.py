@@ -207,6 +207,10 @@ def _check(q: torch.Tensor, layout: TriZoneLayout, p: DecodePlan, out, mass) -> 
         raise DecodeInputError(f"q must be {layout.dtype} {list(want)} (last dim contiguous)")
     if (layout.batch, layout.num_kv_heads, layout.head_dim) != (p.batch, p.num_kv_heads, want[2]):
         raise DecodeInputError("layout batch/heads/head_dim differ from the plan's")
+    end = layout.full_end
+    if end is not None and (end.shape != (p.batch * p.num_kv_heads,) or end.dtype != torch.int32
+                            or end.stride(0) != 1):  # fmt: skip
+        raise DecodeInputError(f"full_end must be int32 [{p.batch * p.num_kv_heads}], contiguous")
     if not set(layout.v_bits_present) <= set(p.v_bits):
         raise DecodeInputError(f"layout has V bits {layout.v_bits_present}, plan {p.v_bits}")
     if not set(layout.k_bits_present) <= set(p.k_bits):
@@ -250,6 +254,7 @@ def run(
     if p.uniform and not layout.k_uniform:
         raise DecodeInputError("plan made for a k_uniform layout; this layout has per-channel K")
     v2 = p.version == 2
+    full_end = layout.full_indptr[1:] if layout.full_end is None else layout.full_end
     extra = {}
     if v2:
         extra = dict(
@@ -261,7 +266,7 @@ def run(
     _decode_split_kernel[(bh, s)](
         q, q.stride(0), q.stride(1), layout.perm,
         layout.k_pool, layout.v_pool, layout.k_pool.stride(0), layout.k_pool.stride(1),
-        layout.full_indptr, layout.full_slots, layout.fresh_indptr, layout.fresh_slots,
+        layout.full_indptr, full_end, layout.full_slots, layout.fresh_indptr, layout.fresh_slots,
         arena, arena.view(torch.float16), arena.view(q.dtype), layout.page_off, layout.page_ntok,
         layout.page_indptr, layout.page_ids, layout.k_table, p.part_acc, p.part_ml, p.score,
         row_full, row_fresh, qk, hkv, p.group, s,
@@ -282,7 +287,7 @@ def run(
         )  # fmt: skip
     if p.side_output and v2:
         _decode_mass_kernel_v2[(bh, s)](
-            p.score, p.lse, mass, mass.stride(0), layout.full_indptr, layout.full_units,
+            p.score, p.lse, mass, mass.stride(0), layout.full_indptr, full_end, layout.full_units,
             layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,
             layout.page_ntok, layout.page_units, layout.page_unit, row_full, row_fresh, hkv,
             p.group, s, G_PAD=p.g_pad, G_P2=max(2, 1 << (p.group - 1).bit_length()),
@@ -290,7 +295,7 @@ def run(
         )  # fmt: skip
     elif p.side_output:
         _decode_mass_kernel[(bh, s)](
-            p.score, p.lse, mass, mass.stride(0), layout.full_indptr, layout.full_units,
+            p.score, p.lse, mass, mass.stride(0), layout.full_indptr, full_end, layout.full_units,
             layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,
             layout.page_ntok, layout.page_units, row_full, row_fresh, hkv, p.group, s,
             G_PAD=p.g_pad, P=layout.page_size, BLOCK_N=32, num_warps=4,

@@ -13,7 +13,8 @@ Three zones per (request r, KV head h), read by one decode kernel in one pass::
             K is quantized per channel (group = the page's P tokens), V per token (group g along d),
             with the engine codec, bit-exact.  Each section is padded to 16 bytes.
     zone B  full-precision rows of one head        pool k_pool/v_pool [slots, H_kv, d] dt
-            listed per (r, h): full_indptr [B*H_kv+1] -> full_slots, full_units
+            listed per (r, h): full_indptr [B*H_kv+1] -> full_slots, full_units; optional
+            full_end [B*H_kv]: list (r, h) is read up to full_end, not full_indptr[rh+1]
     zone C  fresh full-precision rows (tokens generated since the last routing), all heads
             listed per r: fresh_indptr [B+1] -> fresh_slots, fresh_units
 
@@ -118,6 +119,10 @@ class TriZoneLayout:
     k_uniform: bool
     bytes_kv: int  # bytes of K/V data + indices the kernel reads, without the side output
     bytes_side: int  # extra bytes read for the side output (units)
+    # [B*H_kv] int32: where list (r, h) of zone B stops being read (default: full_indptr[1:]);
+    # entries from there to the next list are listed but unread (a CUDA-graph decode step lists
+    # its last window's future rows ahead and moves the ends one row a step)
+    full_end: torch.Tensor | None = None
 
     @property
     def dtype(self) -> torch.dtype:

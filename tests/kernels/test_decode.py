@@ -181,6 +181,57 @@ def test_v2_windowed_pages_and_unit_side_output(case, uniform):
     torch.testing.assert_close(decode.run(q, lay, p1), out, atol=tol, rtol=tol)
 
 
+def with_unread_rows(lay, extra: list[int], unit: int = 0):
+    """``lay`` with ``extra[rh]`` more zone-B entries at the end of each list (r, h), pointing at
+    NaN rows appended to the pools, and ``full_end`` at each list's real end: what the kernel
+    computes must not change (the CUDA-graph decode lists a window's future rows ahead)."""
+    import dataclasses
+
+    ptr = lay.full_indptr.long().tolist()
+    nan_row = lay.k_pool.shape[0]
+    slots, units, new_ptr, end = [], [], [0], []
+    for rh, more in enumerate(extra):
+        a, b = ptr[rh], ptr[rh + 1]
+        slots += [lay.full_slots[a:b], torch.full((more,), nan_row, dtype=torch.int32, device=DEV)]
+        units += [lay.full_units[a:b], torch.full((more,), unit, dtype=torch.int32, device=DEV)]
+        end.append(new_ptr[-1] + b - a)
+        new_ptr.append(end[-1] + more)
+    pad = torch.full((1, *lay.k_pool.shape[1:]), float("nan"), dtype=lay.dtype, device=DEV)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    return dataclasses.replace(
+        lay, k_pool=torch.cat([lay.k_pool, pad]), v_pool=torch.cat([lay.v_pool, pad]),
+        full_slots=torch.cat(slots), full_units=torch.cat(units),
+        full_indptr=torch.tensor(new_ptr, **i32), full_end=torch.tensor(end, **i32),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("version", [2, 1])
+@pytest.mark.parametrize("case", [0, 2])
+def test_rows_past_full_end_are_listed_but_never_read(case, version):
+    """Zone-B entries between a list's ``full_end`` and the next list (NaN rows here) change
+    neither the output nor the side output, in the kernel and in its reference twin."""
+    lens, hkv, grp, d, dt, bits, win, page, splits, ppi = WINDOWED[case]
+    q, k, v, tp = windowed_case(case, lens, hkv, grp, d, dt, bits, win, [5] * len(lens))
+    lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=win)
+    more = with_unread_rows(lay, [(3 * i) % 7 + 1 for i in range(len(lens) * hkv)])
+    assert more.full_slots.numel() > lay.full_slots.numel()
+    outs = []
+    for layout in (lay, more):
+        p = decode.plan(layout, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
+                        version=version)  # fmt: skip
+        poison(p)
+        out = torch.full_like(q, float("nan"))
+        mass = torch.zeros(len(lens), lay.max_units, device=DEV)
+        decode.run(q, layout, p, out=out, mass=mass)
+        outs.append((out, mass, *decode_attention_ref(q, layout)))
+    (o, m, ro, rm), (o2, m2, ro2, rm2) = outs
+    assert o2.isfinite().all() and m2.isfinite().all()
+    torch.testing.assert_close(o2, o, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(m2, m, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ro2, ro)
+    torch.testing.assert_close(rm2, rm)
+
+
 @pytest.mark.parametrize("unpack", ["interleave", "shift"])
 @pytest.mark.parametrize("d,grp,page", [(64, 7, 16), (128, 4, 32)], ids=["d64g7", "d128g4"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -262,9 +313,14 @@ def test_side_output_off_and_accumulates():
 
 
 def test_input_errors():
+    import dataclasses
+
     q, k, v, tp = make_case(3, [20], 2, 1, 64, torch.float16, [16], None, None, 1)
     lay = build_trizone(k, v, tp, page_size=16)
     p = decode.plan(lay, num_q_heads=2)
+    short = dataclasses.replace(lay, full_end=lay.full_indptr[:1])
+    with pytest.raises(decode.DecodeInputError, match="full_end"):
+        decode.run(q, short, p)
     with pytest.raises(decode.DecodeInputError, match="q must be"):
         decode.run(q[:, :1], lay, p)
     with pytest.raises(decode.DecodeInputError, match="side_output=False"):

@@ -63,14 +63,16 @@ def gather_head(layout: TriZoneLayout, r: int, h: int):
             ks.append(knat)
             vs.append(vp)
             us.append(layout.page_units[pid, : kp.shape[0]].long())
-    for ind, slots, units, idx in (
-        (layout.full_indptr, layout.full_slots, layout.full_units, rh),
-        (layout.fresh_indptr, layout.fresh_slots, layout.fresh_units, r),
-    ):
-        sl = slots[int(ind[idx]) : int(ind[idx + 1])].long()
+    full_end = layout.full_indptr[1:] if layout.full_end is None else layout.full_end
+    for start, end, slots, units in (
+        (layout.full_indptr[rh], full_end[rh], layout.full_slots, layout.full_units),
+        (layout.fresh_indptr[r], layout.fresh_indptr[r + 1], layout.fresh_slots,
+         layout.fresh_units),
+    ):  # fmt: skip
+        sl = slots[int(start) : int(end)].long()
         ks.append(layout.k_pool[sl, h].float())
         vs.append(layout.v_pool[sl, h].float())
-        us.append(units[int(ind[idx]) : int(ind[idx + 1])].long())
+        us.append(units[int(start) : int(end)].long())
     return torch.cat(ks), torch.cat(vs), torch.cat(us)
 
 

@@ -463,7 +463,8 @@ def test_a_batch_over_the_graph_capacity_runs_eagerly(monkeypatch):
     h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64), context=64)
     h.backend.init_cuda_graph_state(4, 4)
     assert h.backend.graph.tokens == 100
-    assert h.backend.graph_fits([50, 49]) and not h.backend.graph_fits([50, 50])
+    # each request lists its tokens and its last window's W - 1 future rows (W = 16 here)
+    assert h.backend.graph_fits([34, 34]) and not h.backend.graph_fits([35, 34])
     assert not h.backend.graph_fits([1] * 5)  # more requests than captured
 
 

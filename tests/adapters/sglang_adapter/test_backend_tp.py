@@ -141,10 +141,13 @@ def _rank_graphs(rank: int) -> dict:
 
 def test_ranks_decide_alike_under_cuda_graph_replays(tmp_path):
     """Decode replays route at ``flush`` (its all-gather outside the graph): both ranks decide,
-    per head, what one eager backend over both heads decides, and attend alike."""
+    per head, what one backend over both heads replaying graphs decides, and attend alike.
+    (Against eager decode the kernel's splits differ, so its masses differ in the last bits:
+    2e-7 relative here, enough to flip one window at this proportional spread's budget edge;
+    test_backend.py compares graphs with eager decode.)"""
     pytest.importorskip("triton")
     ranks = run_ranks(_rank_graphs, WORLD, tmp_path)
-    whole = serve_graphs(graphs=False)
+    whole = serve_graphs(graphs=True)
     assert whole["demote"] > 0 and all(p["host"]["graph_steps"] == STEPS for p in ranks)
     tp = [part["tp"] for part in ranks]
     assert tp[0]["digest"] == tp[1]["digest"] and tp[0]["routes"] == tp[1]["routes"] > 1

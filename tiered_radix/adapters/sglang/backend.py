@@ -301,15 +301,17 @@ class TieredAttnBackend(AttentionBackend):
             if not steady:
                 self.pool.graph_write(fb.out_cache_loc, g.dest[:, : bs * H])
         with self._timed("decode_lists"):
-            if steady:  # only the new rows change: append them on the device
-                g.advance(bs, raw, seqs)
+            if steady:  # the lists hold the new rows already: their ends move on
+                g.advance(raw)
                 self.pool.graph_dest = g.dest[:, : bs * H]
                 self.host_s["steady_steps"] += 1
             else:
                 views = [self.tree.views[r.rid] for r in self.batch]
-                g.load(bs, trizone.lists(self.pool, views, seqs, g.n_max))
+                g.load(bs, trizone.lists(self.pool, views, seqs, g.n_max, ahead=True))
         self.graph_last = (bs, pools, seqs)
         self.pending = True
+        self.host_s["decode_steps"] += 1
+        self.host_s["graph_steps"] += 1
         if self.replay_events is not None:  # the replay starts after this (SGLang launches it)
             self.replay_events = [torch.cuda.Event(enable_timing=True)]
             self.replay_events[0].record()
@@ -320,8 +322,6 @@ class TieredAttnBackend(AttentionBackend):
         if self.replay_events is not None and len(self.replay_events) == 1:
             self.replay_events.append(torch.cuda.Event(enable_timing=True))
             self.replay_events[1].record()
-        self.host_s["decode_steps"] += 1
-        self.host_s["graph_steps"] += 1
 
     def flush(self) -> None:
         """A replayed decode step's work after its last layer, which a graph cannot record:

@@ -6,7 +6,9 @@ capacity (:class:`GraphDecode`), and each step only overwrites their contents:
 
 - index lists per layer (``[L, capacity]``, offsets local to the layer): the lists
   :func:`.trizone.lists` builds for the real requests are copied in, and the padded requests of
-  a captured batch size list nothing (their output rows are discarded by SGLang);
+  a captured batch size list nothing (their output rows are discarded by SGLang). Each list
+  ends in its last window's future rows, unread past ``full_end [L, bs * H]`` (the kernel's
+  per-list end), so the steps until a new window opens only move ``full_end`` on;
 - ``dest [L, bs * H]``: each new token's row in the pool (:meth:`.pool.TieredKVPool.graph_write`),
   padding tokens to the pool's scratch row block;
 - ``mass [L, bs, H * N]``: the side output, ``N`` windows per request (the context length's).
@@ -15,8 +17,9 @@ capacity (:class:`GraphDecode`), and each step only overwrites their contents:
   (``steps`` of them), so the engines take them in one fold before routing instead of one
   observation per step.
 
-Capacity is in tokens of the batch: a request lists at most its ``seq`` tokens per (layer, head)
-as rows plus pages, so a batch whose ``sum(seq_lens) < tokens`` fits; larger batches run
+Capacity is in tokens of the batch: a request lists at most its ``seq`` tokens and the ``W - 1``
+future rows of its last window per (layer, head) as rows plus pages, so a batch whose
+``sum(seq_lens) + W * len(seq_lens) <= tokens`` fits; larger batches run
 eagerly (:meth:`GraphDecode.fits`, checked before SGLang picks the graph). ``tokens`` defaults to
 ``$TIERED_RADIX_GRAPH_TOKENS`` (262,144), at least one context.
 """
@@ -62,6 +65,7 @@ class GraphDecode:
         self.rows, self.pages = H * tokens, H * (-(-tokens // W) + max_bs)
         i32 = dict(dtype=torch.int32, device=dev)
         self.full_ptr = torch.zeros(L, max_bs * H + 1, **i32)
+        self.full_end = torch.zeros(L, max_bs * H, **i32)
         self.slots = torch.zeros(L, self.rows, **i32)
         self.units = torch.zeros(L, self.rows, **i32)
         self.page_ptr = torch.zeros(L, max_bs * H * 4 + 1, **i32)
@@ -79,13 +83,13 @@ class GraphDecode:
         )
         self.dest = torch.zeros(L, max_bs * H, dtype=torch.long, device=dev)
         self.batches: dict[int, trizone.DecodeBatch] = {}
-        self.nnz = 0  # the most full-row entries a layer lists now (advance() shifts that many)
         self.score: Tensor | None = None  # the side output's logits, shared by every plan
 
     def fits(self, seq_lens: list[int]) -> bool:
-        """Whether a batch with these lengths fits the buffers (strictly: :meth:`advance` keeps
-        each layer's last list slot as a scratch target)."""
-        return len(seq_lens) <= self.max_bs and sum(seq_lens) < self.tokens
+        """Whether a batch with these lengths fits the buffers (each request lists at most its
+        tokens and its last window's future rows per layer and head)."""
+        W = self.pool.layout.window
+        return len(seq_lens) <= self.max_bs and sum(seq_lens) + W * len(seq_lens) <= self.tokens
 
     def batch(self, bs: int, num_q_heads: int) -> trizone.DecodeBatch:
         """The :class:`~.trizone.DecodeBatch` of captured size ``bs`` over the buffers (made
@@ -99,6 +103,7 @@ class GraphDecode:
                 li,
                 bs,
                 full_indptr=self.full_ptr[li, : bs * H + 1],
+                full_end=self.full_end[li, : bs * H],
                 full_slots=self.slots[li],
                 full_units=self.units[li],
                 page_indptr=self.page_ptr[li, : bs * H * 4 + 1],
@@ -132,59 +137,45 @@ class GraphDecode:
         """Every request of ``bs`` lists nothing (a capture: all of them are padding)."""
         H, self.bs = self.pool.head_num, bs
         self.full_ptr[:, : bs * H + 1] = 0
+        self.full_end[:, : bs * H] = 0
         self.page_ptr[:, : bs * H * 4 + 1] = 0
         self._zero_mass(bs)
         self.steps = 0
 
     def load(self, bs: int, ls: trizone.Lists) -> None:
-        """Copy one step's lists (``len(ls.n) <= bs`` requests, units numbered with
-        ``n_max``) into the buffers of batch size ``bs``; the rest of ``bs`` lists nothing.
-        One host sync (the longest layer, for :meth:`advance`)."""
-        assert ls.n_max == self.n_max and len(ls.n) <= bs
-        lists, W, self.bs = len(ls.n) * self.pool.head_num, self.pool.layout.window, bs
+        """Copy one step's lists (``len(ls.n) <= bs`` requests, units numbered with ``n_max``,
+        built with ``ahead``: each list ends in its last window's future rows) into the buffers
+        of batch size ``bs``; the rest of ``bs`` lists nothing."""
+        assert ls.n_max == self.n_max and len(ls.n) <= bs and ls.full_end is not None
+        L, H, W = self.pool.layer_num, self.pool.head_num, self.pool.layout.window
+        lists, self.bs = len(ls.n) * H, bs
         local, at = self._place(ls.full_ptr, lists, self.rows, ls.slots.numel())
-        self.nnz = int(local[:, -1].max()) if ls.slots.numel() else 0  # one host sync
         self.slots.view(-1).index_copy_(0, at, ls.slots)
         self.units.view(-1).index_copy_(0, at, ls.units)
-        _pad(self.full_ptr, local, bs * self.pool.head_num + 1)
+        _pad(self.full_ptr, local, bs * H + 1)
+        first = ls.full_ptr.long()[torch.arange(L, device=ls.full_ptr.device) * lists]
+        self.full_end[:, :lists] = (ls.full_end.view(L, lists).long() - first[:, None]).int()
+        self.full_end[:, lists : bs * H] = local[:, -1:].int()
         local, at = self._place(ls.page_ptr, lists * 4, self.pages, ls.pages.numel())
         self.page_off.view(-1).index_copy_(0, at, ls.pages * self.pool.page_bytes)
         self.page_unit.view(-1).index_copy_(0, at, ls.page_unit)
         self.page_units.view(-1, W).index_copy_(0, at, ls.page_unit[:, None].expand(-1, W))
-        _pad(self.page_ptr, local, bs * self.pool.head_num * 4 + 1)
+        _pad(self.page_ptr, local, bs * H * 4 + 1)
         self._zero_mass(bs)
         self.steps = 1
 
-    def advance(self, bs: int, raw: int, seqs: list[int]) -> None:
+    def advance(self, raw: int) -> None:
         """The next decode step of the same ``raw`` requests when none of them opens a window and
-        nothing was routed since :meth:`load`: each new token's row goes to the row after the
-        last one (``dest += 1``) and is appended to its (layer, request, head) list, after that
-        list's rows (the lists' last window is the one the token lands in). ``seqs``: lengths
-        with the new tokens. A few device ops, no host sync."""
-        L, H, dev = self.pool.layer_num, self.pool.head_num, self.pool.device
-        lists = raw * H
+        nothing was routed since :meth:`load`: each new token goes to the row after the last
+        one (``dest += 1``), which its list already holds (listed ahead): the list's end moves
+        on by one. Two device ops (three with a decayed side output), no host sync."""
+        lists = raw * self.pool.head_num
         self.dest[:, :lists] += 1
-        ptr = self.full_ptr[:, : lists + 1].long()  # [L, lists + 1]
-        k = torch.arange(lists + 1, device=dev)
-        E = self.nnz
-        if E:  # entry e of list j moves to e + j (the j lists before it grew by one)
-            e = torch.arange(E, device=dev).expand(L, E)
-            j = torch.searchsorted(ptr[:, 1:].contiguous(), e.contiguous(), right=True)
-            to = torch.where(e < ptr[:, -1:], e + j, self.rows - 1)  # past a layer's lists: dump
-            for buf in (self.slots, self.units):
-                buf.scatter_(1, to, buf[:, :E].clone())
-        at = ptr[:, 1:] + k[:-1]  # the new entries, last of each list
-        self.slots.scatter_(1, at, self.dest[:, :lists].to(torch.int32))
-        last = torch.tensor([(s - 1) // self.pool.layout.window for s in seqs], device=dev)
-        unit = (torch.arange(H, device=dev) * self.n_max + last[:, None]).flatten()
-        self.units.scatter_(1, at, unit.to(torch.int32).expand(L, lists))
-        _pad(self.full_ptr, ptr + k, bs * H + 1)
-        self.nnz = E + lists
-        torch._assert_async((self.full_ptr[:, lists] < self.rows).all(), "lists over the capacity")
+        self.full_end[:, :lists] += 1
         if self.decay is None:
-            self._zero_mass(bs)
+            self._zero_mass(self.bs)
         elif self.decay != 1.0:
-            self.mass[:, :bs] *= self.decay
+            self.mass[:, : self.bs] *= self.decay
         self.steps += 1
 
     def pending(self) -> trizone.DecodeBatch | None:
