@@ -71,14 +71,12 @@ def test_reader_store_refuses_separate_k_and_v_units():
         TierStore(load_policy("rdkv"), n_layers=1, n_heads=1, head_dim=16, reader=lambda li: None)
 
 
-@pytest.mark.parametrize("path", COUPLED, ids=lambda p: p.stem)
-def test_observe_attn_of_all_layers_equals_per_layer_observe(path):
-    """One decode step's attention for every layer at once (the SGLang decode path) advances
-    scores exactly as one observe per layer does."""
-    policy = load_policy(str(path))
-    L, H, d, T = 3, 2, 16, 120
-    g = torch.Generator().manual_seed(5)
-    k, v = torch.randn(L, H, T + 20, d, generator=g), torch.randn(L, H, T + 20, d, generator=g)
+def prefilled_pair(policy, L: int, H: int, d: int, T: int, steps: int, seed: int):
+    """Two stores holding the same ``T``-token prompt after prefill (its signals observed, routed),
+    the generator for what follows, and ``grow(t)``: both append token ``t - 1``."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(L, H, T + steps, d, generator=g)
+    v = torch.randn(L, H, T + steps, d, generator=g)
     stores = [TierStore(policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32)
               for _ in range(2)]  # fmt: skip
     for s in stores:
@@ -86,12 +84,25 @@ def test_observe_attn_of_all_layers_equals_per_layer_observe(path):
             s.append(li, k[li, :, :T], v[li, :, :T])
             s.observe(li, signals(torch.Generator().manual_seed(li), s.view(li)[2], d, True))
         s.after_prefill()
-    for step in range(20):
-        t = T + step + 1
-        attn = torch.rand(L, H, t, generator=g)
+
+    def grow(t: int) -> None:
         for s in stores:
             for li in range(L):
                 s.append(li, k[li, :, t - 1 : t], v[li, :, t - 1 : t])
+
+    return g, stores, grow
+
+
+@pytest.mark.parametrize("path", COUPLED, ids=lambda p: p.stem)
+def test_observe_attn_of_all_layers_equals_per_layer_observe(path):
+    """One decode step's attention for every layer at once (the SGLang decode path) advances
+    scores exactly as one observe per layer does."""
+    L, H, d, T = 3, 2, 16, 120
+    g, stores, grow = prefilled_pair(load_policy(str(path)), L, H, d, T, 20, seed=5)
+    for step in range(20):
+        t = T + step + 1
+        attn = torch.rand(L, H, t, generator=g)
+        grow(t)
         for li in range(L):
             stores[0].observe(li, Signals(attn=attn[li]))
         stores[1].observe_attn(attn)
@@ -116,22 +127,12 @@ def test_folded_decode_attention_routes_like_one_observe_per_step(path):
         with pytest.raises(Exception, match="cannot be folded"):
             TierStore(policy, n_layers=L, n_heads=H, head_dim=d).fold_attn(torch.zeros(L, H, 0), 1)
         return
-    g = torch.Generator().manual_seed(7)
-    k, v = torch.randn(L, H, T + 40, d, generator=g), torch.randn(L, H, T + 40, d, generator=g)
-    stores = [TierStore(policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32)
-              for _ in range(2)]  # fmt: skip
-    for s in stores:
-        for li in range(L):
-            s.append(li, k[li, :, :T], v[li, :, :T])
-            s.observe(li, signals(torch.Generator().manual_seed(li), s.view(li)[2], d, True))
-        s.after_prefill()
+    g, stores, grow = prefilled_pair(policy, L, H, d, T, 40, seed=7)
     acc, pending = None, 0
     for step in range(40):
         t = T + step + 1
         attn = torch.rand(L, H, t, generator=g)
-        for s in stores:
-            for li in range(L):
-                s.append(li, k[li, :, t - 1 : t], v[li, :, t - 1 : t])
+        grow(t)
         stores[0].observe_attn(attn)
         acc = attn if acc is None else torch.nn.functional.pad(acc, (0, 1)) * decay + attn
         pending += 1
