@@ -47,6 +47,8 @@ WRAP = [  # (module path, object, attribute)
     ("tiered_radix.adapters.sglang.graph", "GraphDecode", "load"),
     ("tiered_radix.adapters.sglang.graph", "GraphDecode", "advance"),
     ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "graph_write"),
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_gather"),
+    ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "read"),
 ]  # fmt: skip
 
 
@@ -103,6 +105,7 @@ def main() -> None:
             h.step(reqs, [[tok]] * a.batch, extend=False)
         report(prof.events(), f"layers={a.layers} batch={a.batch}, a decode step {label}")
     graph_steps(a, Harness, KERNEL_POLICY, PoolBlocks)
+    chunked_prefill(a, Harness, KERNEL_POLICY, PoolBlocks)
 
 
 def graph_steps(a, Harness, policy: str, PoolBlocks) -> None:
@@ -128,6 +131,24 @@ def graph_steps(a, Harness, policy: str, PoolBlocks) -> None:
         if kind not in seen:
             seen.add(kind)
             report(prof.events(), f"layers={a.layers} batch={a.batch}, a graph replay {kind}")
+
+
+def chunked_prefill(a, Harness, policy: str, PoolBlocks, chunks: int = 4) -> None:
+    """A prompt prefilled in ``chunks`` chunks, routing after each (``after_prefill``): the
+    second chunk, whose gathers read the first one's routed windows."""
+    pages = a.batch * (a.prompt // 16 + 4) + 8
+    h = Harness(policy=policy, head_dim=64, pages=pages, blocks=PoolBlocks(20000, 20000),
+                layers=a.layers, context=a.prompt + 64)  # fmt: skip
+    reqs = [
+        h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(a.prompt)]) for i in range(a.batch)
+    ]
+    c = a.prompt // chunks
+    h.step(reqs, [r.origin_input_ids[:c] for r in reqs], extend=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        h.step(reqs, [r.origin_input_ids[c : 2 * c] for r in reqs], extend=True)
+    gather = os.environ.get("TIERED_RADIX_GATHER", "live")
+    report(prof.events(), f"layers={a.layers} batch={a.batch}, prefill chunk 2 of {chunks} "
+           f"(gather={gather})")  # fmt: skip
 
 
 # ops that only make views or metadata: no kernel launch on the GPU

@@ -314,27 +314,31 @@ def test_stats_file_is_rewritten_after_each_routing(tmp_path, monkeypatch):
     assert phases <= host.keys() and all(host[p] > 0 for p in phases)
 
 
+def two_turns(monkeypatch, **env: str):
+    """A prompt, four decode steps, then a second turn that extends over the first (evicted and
+    quantized windows in its prefix), under the ``TIERED_RADIX_*`` variables ``env``: every
+    output, the second turn's tiers and kept masks, and the extend function's name."""
+    for name, value in env.items():
+        monkeypatch.setenv(f"TIERED_RADIX_{name.upper()}", value)
+    h = Harness()
+    r1 = h.start("t1", list(range(1, 33)))
+    outs = [h.step([r1], [r1.origin_input_ids], extend=True)]
+    for t in range(4):
+        outs.append(h.step([r1], [[60 + t]], extend=False))
+    turn1 = list(r1.tokens)
+    h.finish(r1)
+    r2 = h.start("t2", turn1 + [70, 71, 72, 73, 74, 75])
+    outs.append(h.step([r2], [r2.origin_input_ids[r2.prefix_len :]], extend=True))
+    tiers = [h.backend.sessions["t2"].store.tiers(li) for li in range(h.sim.L)]
+    kept = [h.backend._read("t2", li)[2] for li in range(h.sim.L)]
+    return outs, tiers, kept, h.backend.extend_attend.__name__
+
+
 def test_extend_through_sdpa_matches_the_float32_path(monkeypatch):
     """``$TIERED_RADIX_EXTEND=sdpa`` (the CUDA default): a second turn extends over a prefix with
     evicted and quantized windows; its outputs equal the float32 path's up to rounding, and so
     do the tiers every step decides."""
-
-    def serve(mode: str):
-        monkeypatch.setenv("TIERED_RADIX_EXTEND", mode)
-        h = Harness()
-        r1 = h.start("t1", list(range(1, 33)))
-        outs = [h.step([r1], [r1.origin_input_ids], extend=True)]
-        for t in range(4):
-            outs.append(h.step([r1], [[60 + t]], extend=False))
-        turn1 = list(r1.tokens)
-        h.finish(r1)
-        r2 = h.start("t2", turn1 + [70, 71, 72, 73, 74, 75])
-        outs.append(h.step([r2], [r2.origin_input_ids[r2.prefix_len :]], extend=True))
-        tiers = [h.backend.sessions["t2"].store.tiers(li) for li in range(h.sim.L)]
-        kept = [h.backend._read("t2", li)[2] for li in range(h.sim.L)]
-        return outs, tiers, kept, h.backend.extend_attend.__name__
-
-    exact, sdpa = serve("exact"), serve("sdpa")
+    exact, sdpa = two_turns(monkeypatch, extend="exact"), two_turns(monkeypatch, extend="sdpa")
     assert (exact[3], sdpa[3]) == ("attend", "attend_sdpa")
     assert any(not bool(k.all()) for k in sdpa[2])  # the second turn read past evicted windows
     for a, b in zip(exact[0], sdpa[0], strict=True):
@@ -344,6 +348,24 @@ def test_extend_through_sdpa_matches_the_float32_path(monkeypatch):
         assert torch.equal(x, y)
     monkeypatch.setenv("TIERED_RADIX_EXTEND", "flash")
     with pytest.raises(PoolConfigError, match="'sdpa' or 'exact'"):
+        Harness()
+
+
+@pytest.mark.parametrize("extend", ["exact", "sdpa"])
+def test_gathers_of_every_window_match_gathers_of_live_ones(monkeypatch, extend):
+    """``$TIERED_RADIX_GATHER=all`` (the CUDA default: no host sync per read) reads every window
+    of the prefix, evicted ones masked; ``live`` (the CPU default) only those some head reads.
+    Outputs agree to rounding and every tier decided is the same."""
+    live = two_turns(monkeypatch, extend=extend, gather="live")
+    every = two_turns(monkeypatch, extend=extend, gather="all")
+    assert any(not bool(k.all()) for k in live[2])  # the second turn's prefix has evicted windows
+    for a, b in zip(live[0], every[0], strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+    for x, y in zip(live[1], every[1], strict=True):
+        assert torch.equal(x, y)
+    monkeypatch.setenv("TIERED_RADIX_GATHER", "some")
+    with pytest.raises(PoolConfigError, match="'live' or 'all'"):
         Harness()
 
 

@@ -120,6 +120,26 @@ def test_read_live_skips_the_windows_every_head_evicted(sim):
     assert torch.equal(lk[live], k[:, pos][live]) and torch.equal(lv[live], v[:, pos][live])
 
 
+def test_read_live_without_live_gathers_is_read(sim):
+    """With ``gather_live`` off (the CUDA default) ``read_live`` is ``read`` cut at the tokens
+    written, every position listed, and quantized rows come out as with it on."""
+    toks = list(range(1, 15))
+    _, w, _ = written(sim, toks)
+    pool, W, li = sim.pool, sim.W, 0
+    pool.move(
+        li, torch.tensor([0, 1]), w[1:3], torch.tensor([S_FULL] * 2), torch.tensor([S_EVICT, S_Q])
+    )
+    pool.owner[li][0, w[1]], pool.owner[li][1, w[2]] = S_EVICT, S_Q
+    state = pool.owner[li][:, w]
+    live = pool.read(li, w, state)
+    pool.gather_live = False
+    k, v, kept, pos = pool.read_live(li, w, state, 14)
+    assert torch.equal(pos, torch.arange(14))
+    for got, want in zip((k, v, kept), live, strict=True):
+        torch.testing.assert_close(got, want[:, :14], equal_nan=True)
+    assert bool(kept[1, 2 * W : 3 * W].all()) and not bool(kept[0, W : 2 * W].any())
+
+
 def test_bytes_used_and_kv_size_from_first_principles(sim):
     _, w, _ = written(sim, list(range(1, 13)))  # 3 windows x 2 heads x 2 layers at full
     W, d, H = sim.W, sim.d, sim.H

@@ -61,7 +61,7 @@ from tiered_radix.kernels import decode
 
 from . import graph, trizone
 from .pool import TieredKVPool
-from .reps import S_Q, S_R, PoolConfigError
+from .reps import S_Q, S_R, PoolConfigError, env_choice
 from .stats import BackendStats, log
 
 CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}  # float32 scores per attention block
@@ -69,18 +69,6 @@ DECODE_ENV = "TIERED_RADIX_DECODE"  # "kernel" (default where supported) or "gat
 OBSERVE_ENV = "TIERED_RADIX_OBSERVE"  # graph steps' attention: "fold" (default) or "step"
 TIMES_ENV = "TIERED_RADIX_DEVICE_TIMES"  # "1": CUDA events time every graph replay (device_s)
 EXTEND_ENV = "TIERED_RADIX_EXTEND"  # "sdpa" (default on CUDA) or "exact" (default on CPU)
-
-
-def _env_choice(name: str, default: str, *choices: str) -> str:
-    """``$name`` (or ``default``), one of ``choices``.
-
-    Raises:
-        PoolConfigError: any other value.
-    """
-    want = os.environ.get(name, default)
-    if want not in choices:
-        raise PoolConfigError(f"${name}={want!r}: use {' or '.join(repr(c) for c in choices)}")
-    return want
 
 
 def tp_shard(runner, heads_local: int) -> HeadShard | None:
@@ -132,7 +120,7 @@ class TieredAttnBackend(AttentionBackend):
         self.decode_attn = "attn" in reads
         # replayed steps sum the side output on the device and fold it in before routing, where
         # the policy's scores allow it (TierStore.attn_decay); else every step is observed
-        fold = _env_choice(OBSERVE_ENV, "fold", "fold", "step") == "fold"
+        fold = env_choice(OBSERVE_ENV, "fold", "fold", "step") == "fold"
         self.fold_decay = ScoreEvaluator(self.policy, 1, 1).attn_decay() if fold else None
         self.sessions: dict[str, Session] = {}
         self.batch: list[_Req] = []
@@ -171,14 +159,14 @@ class TieredAttnBackend(AttentionBackend):
         """Extend's attention: ``attend_sdpa`` (a fused kernel in the model's dtype; GPU run 6
         spent 25 s of a 37 s prefill in the float32 path) or ``attend`` (float32, the engine's
         reference numbers)."""
-        want = _env_choice(
+        want = env_choice(
             EXTEND_ENV, "exact" if self.pool.device == "cpu" else "sdpa", "sdpa", "exact"
         )
         return attend_sdpa if want == "sdpa" else attend
 
     def _use_kernel(self) -> bool:
         """Decode with the TriZone kernel where it can read the pool (and Triton can run)."""
-        want = _env_choice(DECODE_ENV, "kernel", "kernel", "gather")
+        want = env_choice(DECODE_ENV, "kernel", "kernel", "gather")
         runs = self.pool.device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
         return want == "kernel" and runs and trizone.supported(self.pool)
 

@@ -37,9 +37,10 @@ from tiered_radix.kernels.layout import (
 )
 from tiered_radix.policy.model import Budget, Policy
 
-from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R
+from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R, env_choice
 from .sizing import PoolBlocks, plan_blocks
 
+GATHER_ENV = "TIERED_RADIX_GATHER"  # "live" (default on CPU) or "all" (default on CUDA)
 log = logging.getLogger(__name__)
 
 
@@ -86,6 +87,11 @@ class TieredKVPool(MHATokenToKVPool):
         self.prepared: tuple | None = None  # prepare_write's (loc, dest, keep, layers)
         self.graph_dest: Tensor | None = None  # graph_write's rows [L, bs * H]
         self.v_group = min(self.layout.v_group, head_dim)  # as the engine's V codec groups
+        # gathers skip evicted windows and dequantize only quantized ones (two host syncs per
+        # read: 2x faster extend on CPU) or read everything without a sync (the GPU's choice:
+        # run 9's prefill spent 2.6x run 8's time in extend attention with the syncs)
+        self.gather_live = env_choice(GATHER_ENV, "all" if torch.device(device).type == "cuda"
+                                       else "live", "live", "all") == "live"  # fmt: skip
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
@@ -312,8 +318,13 @@ class TieredKVPool(MHATokenToKVPool):
         ``windows [n]`` (the request's, in sequence order; its first ``n_tokens`` tokens):
         float32 ``k, v [H, T', d]``, ``kept [H, T']`` and ``pos`` int64 ``[T']``, each row's token
         position. The last window must be read (attention's newest tokens are in it). One host
-        sync more than :meth:`read`."""
+        sync more than :meth:`read`; without ``gather_live`` (``$TIERED_RADIX_GATHER=all``, the
+        default on CUDA) every window, ``pos`` every position, and no sync."""
         W = self.layout.window
+        if not self.gather_live:  # every window, no host sync
+            k, v, kept = self.read(layer_id, windows, state)
+            pos = torch.arange(n_tokens, device=windows.device)
+            return k[:, :n_tokens], v[:, :n_tokens], kept[:, :n_tokens], pos
         live = (state != S_EVICT).any(0).nonzero().squeeze(1)  # host sync
         k, v, kept = self.read(layer_id, windows[live], state[:, live])
         pos = (live[:, None] * W + torch.arange(W, device=live.device)).flatten()
@@ -323,13 +334,18 @@ class TieredKVPool(MHATokenToKVPool):
     def _rows_of(self, li: int | Tensor, h: Tensor, w: Tensor, state: Tensor):
         """float32 ``k, v [m, W, d]`` of pairs ``(h, w)`` of layers ``li`` (one, or ``[m]``) as
         read in ``state [m]``: rows of the state's block (block 0, the NaN trap, for states
-        without rows), ``dequantize(Q)`` where quantized. One host sync (which are quantized)."""
+        without rows), ``dequantize(Q)`` where quantized: only those, after one host sync
+        (``gather_live``), or every pair's ledger block, selected without a sync."""
         ly = self._layer_ids(li, h)
         blk = self.block_all[ly, :, h, w]  # [m, 3]
         state = state.long()
         b = torch.where(state == S_FULL, blk[:, FULL], torch.where(state == S_R, blk[:, R], 0))
         k, v = self.rows_k_all[ly, b].float(), self.rows_v_all[ly, b].float()
-        if self.layout.quant is not None:
+        if self.layout.quant is not None and not self.gather_live:
+            kq, vq = self._unpage(ly, blk[:, Q])
+            q = (state == S_Q)[:, None, None]
+            k, v = torch.where(q, kq, k), torch.where(q, vq, v)
+        elif self.layout.quant is not None:
             q = (state == S_Q).nonzero().squeeze(1)  # dequantize only those
             if q.numel():
                 k[q], v[q] = self._unpage(ly[q], blk[q, Q])
