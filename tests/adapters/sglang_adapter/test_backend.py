@@ -334,6 +334,15 @@ def two_turns(monkeypatch, **env: str):
     return outs, tiers, kept, h.backend.extend_attend.__name__
 
 
+def assert_same_turns(want, got) -> None:
+    """Two :func:`two_turns` runs: outputs equal up to rounding, tiers identical."""
+    for a, b in zip(want[0], got[0], strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
+    for x, y in zip(want[1], got[1], strict=True):
+        assert torch.equal(x, y)
+
+
 def test_extend_through_sdpa_matches_the_float32_path(monkeypatch):
     """``$TIERED_RADIX_EXTEND=sdpa`` (the CUDA default): a second turn extends over a prefix with
     evicted and quantized windows; its outputs equal the float32 path's up to rounding, and so
@@ -341,11 +350,7 @@ def test_extend_through_sdpa_matches_the_float32_path(monkeypatch):
     exact, sdpa = two_turns(monkeypatch, extend="exact"), two_turns(monkeypatch, extend="sdpa")
     assert (exact[3], sdpa[3]) == ("attend", "attend_sdpa")
     assert any(not bool(k.all()) for k in sdpa[2])  # the second turn read past evicted windows
-    for a, b in zip(exact[0], sdpa[0], strict=True):
-        for x, y in zip(a, b, strict=True):
-            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
-    for x, y in zip(exact[1], sdpa[1], strict=True):
-        assert torch.equal(x, y)
+    assert_same_turns(exact, sdpa)
     monkeypatch.setenv("TIERED_RADIX_EXTEND", "flash")
     with pytest.raises(PoolConfigError, match="'sdpa' or 'exact'"):
         Harness()
@@ -359,11 +364,7 @@ def test_gathers_of_every_window_match_gathers_of_live_ones(monkeypatch, extend)
     live = two_turns(monkeypatch, extend=extend, gather="live")
     every = two_turns(monkeypatch, extend=extend, gather="all")
     assert any(not bool(k.all()) for k in live[2])  # the second turn's prefix has evicted windows
-    for a, b in zip(live[0], every[0], strict=True):
-        for x, y in zip(a, b, strict=True):
-            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-4)
-    for x, y in zip(live[1], every[1], strict=True):
-        assert torch.equal(x, y)
+    assert_same_turns(live, every)
     monkeypatch.setenv("TIERED_RADIX_GATHER", "some")
     with pytest.raises(PoolConfigError, match="'live' or 'all'"):
         Harness()
