@@ -29,7 +29,9 @@ batch has no request ids: they come from ``req_pool_idx``, recorded at each requ
 the recorded forward only writes rows and launches the kernels. What follows the last layer
 (observing the side output, routing) cannot be recorded: it runs at :meth:`flush`, before the
 next forward's metadata or a request's view closes, so routing sees the same state as eager
-routing after the step. Batches over the buffers' capacity run eagerly. The overlap scheduler
+routing after the step. Where the policy's scores allow it (``TierStore.attn_decay``) the side
+output is not observed per step: the graph's buffer sums the steps (with the score's decay)
+and :meth:`fold_pending` hands them to the engines at once, before routing or a list rebuild. Batches over the buffers' capacity run eagerly. The overlap scheduler
 stays off (its next-batch preparation would race the views).
 
 Tensor parallelism (``--tp N``): each rank's pool holds its ``H / N`` KV heads and each request's
