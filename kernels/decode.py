@@ -254,7 +254,7 @@ def run(
     if p.uniform and not layout.k_uniform:
         raise DecodeInputError("plan made for a k_uniform layout; this layout has per-channel K")
     v2 = p.version == 2
-    full_end = layout.full_indptr[1:] if layout.full_end is None else layout.full_end
+    full_end = layout.full_ends
     extra = {}
     if v2:
         extra = dict(

@@ -125,6 +125,12 @@ class TriZoneLayout:
     full_end: torch.Tensor | None = None
 
     @property
+    def full_ends(self) -> torch.Tensor:
+        """[B*H_kv] int32: where each zone-B list stops being read (``full_end``, else the next
+        list's start)."""
+        return self.full_indptr[1:] if self.full_end is None else self.full_end
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.k_pool.dtype
 

@@ -63,9 +63,8 @@ def gather_head(layout: TriZoneLayout, r: int, h: int):
             ks.append(knat)
             vs.append(vp)
             us.append(layout.page_units[pid, : kp.shape[0]].long())
-    full_end = layout.full_indptr[1:] if layout.full_end is None else layout.full_end
     for start, end, slots, units in (
-        (layout.full_indptr[rh], full_end[rh], layout.full_slots, layout.full_units),
+        (layout.full_indptr[rh], layout.full_ends[rh], layout.full_slots, layout.full_units),
         (layout.fresh_indptr[r], layout.fresh_indptr[r + 1], layout.fresh_slots,
          layout.fresh_units),
     ):  # fmt: skip

@@ -173,20 +173,16 @@ class ScoreEvaluator:
         return self._attn_decay
 
     def _fold_decay(self) -> float | None:
-        attn = Name("attn")
-        uses = sum(isinstance(n, Name) and n == attn for e in _policy_exprs(self.policy)
-                   for n in self._walk(e))  # fmt: skip
-        decays = set()
-        for node in self._cumulative:
-            if node.args[0] == attn:
-                decays.add(_const(node.kwarg("decay", Num(1.0))))
-            elif not self._uses(node.args[0], tuple(n for n in OBSERVED if n != "attn")):
-                return None  # advances on every decode step, whatever it observes
-        n_cum = sum(isinstance(n, Call) and n.fn == "cumulative" and n.args[0] == attn
-                    for e in _policy_exprs(self.policy) for n in self._walk(e))  # fmt: skip
-        if not uses or uses != n_cum or len(decays) != 1:
-            return None
-        return decays.pop()
+        attn, others = Name("attn"), tuple(n for n in OBSERVED if n != "attn")
+        if any(n.args[0] != attn and not self._uses(n.args[0], others) for n in self._cumulative):
+            return None  # a cumulative that advances on every decode step, whatever it observes
+        nodes = [n for e in _policy_exprs(self.policy) for n in self._walk(e)]
+        reads = sum(n == attn for n in nodes)  # attn anywhere, or as cumulative(attn, ...)
+        folded = [
+            n for n in nodes if isinstance(n, Call) and n.fn == "cumulative" and n.args[0] == attn
+        ]
+        decays = {_const(n.kwarg("decay", Num(1.0))) for n in folded}
+        return decays.pop() if reads and reads == len(folded) and len(decays) == 1 else None
 
     def fold_attn(self, acc: Tensor, steps: int) -> None:
         """``steps`` decode steps of attention at once: ``acc [L, H, T]`` float32 is

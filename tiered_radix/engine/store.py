@@ -156,11 +156,7 @@ class TierStore:
     def observe_attn(self, attn: Tensor) -> None:
         """Every layer's decode-step attention mass at once: ``attn [L, H, T]`` float32 (all
         layers hold ``T`` tokens); the same as ``observe(l, Signals(attn=attn[l]))`` per layer."""
-        t = self.stack.n_tokens
-        if len(set(t)) != 1 or attn.shape[2] != t[0]:
-            raise ValueError(
-                f"observe_attn needs [L, H, T={t[0]}] over equal layers, got {list(attn.shape)}"
-            )
+        self._check_all_layers("observe_attn", attn)
         self.scores.update_attn(attn)
 
     def attn_decay(self) -> float | None:
@@ -172,12 +168,16 @@ class TierStore:
         """``steps`` decode steps of :meth:`observe_attn` at once: ``acc [L, H, T]`` float32,
         each step's attention summed as ``acc = decay * acc + attn`` (the last step's ``T``
         tokens)."""
-        t = self.stack.n_tokens
-        if len(set(t)) != 1 or acc.shape[2] != t[0]:
-            raise ValueError(
-                f"fold_attn needs [L, H, T={t[0]}] over equal layers, got {list(acc.shape)}"
-            )
+        self._check_all_layers("fold_attn", acc)
         self.scores.fold_attn(acc, steps)
+
+    def _check_all_layers(self, what: str, x: Tensor) -> None:
+        """``x`` is ``[L, H, T]`` over layers that all hold ``T`` tokens."""
+        t = self.stack.n_tokens
+        if len(set(t)) != 1 or x.shape[2] != t[0]:
+            raise ValueError(
+                f"{what} needs [L, H, T={t[0]}] over equal layers, got {list(x.shape)}"
+            )
 
     def schedule_due(self, decode_step: int) -> bool:
         """After decode step ``decode_step`` (0-based): route every N steps (after steps N-1,

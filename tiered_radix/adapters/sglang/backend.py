@@ -31,8 +31,9 @@ the recorded forward only writes rows and launches the kernels. What follows the
 next forward's metadata or a request's view closes, so routing sees the same state as eager
 routing after the step. Where the policy's scores allow it (``TierStore.attn_decay``) the side
 output is not observed per step: the graph's buffer sums the steps (with the score's decay)
-and :meth:`fold_pending` hands them to the engines at once, before routing or a list rebuild. Batches over the buffers' capacity run eagerly. The overlap scheduler
-stays off (its next-batch preparation would race the views).
+and :meth:`fold_pending` hands them to the engines at once, before routing or a list rebuild.
+Batches over the buffers' capacity run eagerly. The overlap scheduler stays off (its next-batch
+preparation would race the views).
 
 Tensor parallelism (``--tp N``): each rank's pool holds its ``H / N`` KV heads and each request's
 store is built with that rank's :class:`~tiered_radix.engine.shard.HeadShard` over SGLang's TP
@@ -265,10 +266,7 @@ class TieredAttnBackend(AttentionBackend):
         self.flush()
         bs, g, H = fb.batch_size, self.graph, self.pool.head_num
         if in_capture:
-            self.fold_pending()
-            self.batch, self.extend, self.graph_bs = [], False, bs
-            self.dbatch = g.batches.get(bs)  # made by the capture's first layer (knows q heads)
-            self.pool.end_step()
+            self._graph_step(bs, steady=False)
             self.graph_last = None
             g.clear(bs)
             self.pool.graph_write(fb.out_cache_loc[:0], g.dest[:, : bs * H])
@@ -281,11 +279,7 @@ class TieredAttnBackend(AttentionBackend):
             W = self.pool.layout.window
             # the same requests, one token more each, none of them in a new window
             steady = self.graph_last == (bs, pools, prev) and all(p % W for p in prev)
-            if not steady:  # the lists change: the summed steps go to the engines first
-                self.fold_pending()
-            self.batch, self.extend, self.graph_bs = [], False, bs
-            self.dbatch = g.batches.get(bs)
-            self.pool.end_step()
+            self._graph_step(bs, steady)
             rids = [self.rid_of[p] for p in pools]
             self._admit(rids, pools, seqs, prev, [1] * raw)
             if not steady:
@@ -305,6 +299,15 @@ class TieredAttnBackend(AttentionBackend):
         if self.replay_events is not None:  # the replay starts after this (SGLang launches it)
             self.replay_events = [torch.cuda.Event(enable_timing=True)]
             self.replay_events[0].record()
+
+    def _graph_step(self, bs: int, steady: bool) -> None:
+        """A step of captured batch size ``bs`` begins (no requests yet). Unless ``steady``, the
+        lists change: the summed side output goes to the engines first."""
+        if not steady:
+            self.fold_pending()
+        self.batch, self.extend, self.graph_bs = [], False, bs
+        self.dbatch = self.graph.batches.get(bs)  # made by the capture's first layer (q heads)
+        self.pool.end_step()
 
     def replay_done(self) -> None:
         """After SGLang launched a decode graph (its runner's ``execute``): with

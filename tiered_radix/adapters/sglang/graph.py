@@ -146,16 +146,15 @@ class GraphDecode:
         """Copy one step's lists (``len(ls.n) <= bs`` requests, units numbered with ``n_max``,
         built with ``ahead``: each list ends in its last window's future rows) into the buffers
         of batch size ``bs``; the rest of ``bs`` lists nothing."""
-        assert ls.n_max == self.n_max and len(ls.n) <= bs and ls.full_end is not None
+        assert ls.n_max == self.n_max and len(ls.n) <= bs and ls.ahead is not None
         L, H, W = self.pool.layer_num, self.pool.head_num, self.pool.layout.window
         lists, self.bs = len(ls.n) * H, bs
         local, at = self._place(ls.full_ptr, lists, self.rows, ls.slots.numel())
         self.slots.view(-1).index_copy_(0, at, ls.slots)
         self.units.view(-1).index_copy_(0, at, ls.units)
         _pad(self.full_ptr, local, bs * H + 1)
-        first = ls.full_ptr.long()[torch.arange(L, device=ls.full_ptr.device) * lists]
-        self.full_end[:, :lists] = (ls.full_end.view(L, lists).long() - first[:, None]).int()
-        self.full_end[:, lists : bs * H] = local[:, -1:].int()
+        self.full_end[:, :lists] = local[:, 1:] - ls.ahead.view(L, lists)
+        self.full_end[:, lists : bs * H] = local[:, -1:]
         local, at = self._place(ls.page_ptr, lists * 4, self.pages, ls.pages.numel())
         self.page_off.view(-1).index_copy_(0, at, ls.pages * self.pool.page_bytes)
         self.page_unit.view(-1).index_copy_(0, at, ls.page_unit)

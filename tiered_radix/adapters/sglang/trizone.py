@@ -58,8 +58,8 @@ class Lists:
     """One decode step's index lists of every layer, layer-major with global offsets: list
     ``(l, b, h)`` is entry ``(l * B + b) * H + h`` of ``full_ptr`` (row slots ``slots``, units
     ``units``) and holds pages ``page_ptr[4 * that ...]`` (ledger blocks ``pages``, one unit each,
-    ``page_unit``). Units are ``h * n_max + j``. ``full_end`` (``lists(ahead=True)``): where each
-    list's rows end now, before the rows its last window will hold (listed ahead)."""
+    ``page_unit``). Units are ``h * n_max + j``. ``ahead`` (``lists(ahead=True)``): how many of
+    each list's last rows are its last window's future rows (listed, not yet written)."""
 
     full_ptr: Tensor
     slots: Tensor
@@ -69,14 +69,14 @@ class Lists:
     page_unit: Tensor
     n: list[int]
     n_max: int
-    full_end: Tensor | None = None
+    ahead: Tensor | None = None
 
 
 def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False) -> Lists:
     """:class:`Lists` for requests with ``views`` (``RequestView``) and lengths ``seqs``;
     ``n_max`` (default: the most windows of a request) numbers the units. ``ahead``: each
     request's last window lists all its ``W`` rows, the ones past ``seqs`` too (the next decode
-    steps write there), and ``full_end`` says where each list's written rows end."""
+    steps write there), and ``ahead`` counts them per list."""
     L, H, W, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.device
     B = len(views)
     n = [int(v.windows.numel()) for v in views]
@@ -101,17 +101,14 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
     rowblk = torch.where(st == S_FULL, blk[:, FULL], blk[:, R])
     i = torch.arange(W, device=dev)
     tok = rows[..., None] & (i < ntok[None, :, None, :, None])  # [L, B, H, N, W]
-    end = None
+    listed, future = tok, None
     if ahead:  # the last window's future rows too (the request's last window is always rows)
         last = torch.tensor([x - 1 for x in n], device=dev)[:, None] == j  # [B, N]
         listed = tok | (rows & last[None, :, None, :])[..., None]
-        full_ptr = _indptr(listed.sum((-1, -2)).flatten())
-        end = (full_ptr[:-1] + tok.sum((-1, -2)).flatten()).to(torch.int32)
-        tok = listed
-    slots = (rowblk[..., None] * W + i)[tok].to(torch.int32)
-    units = unit[..., None].expand_as(tok)[tok].to(torch.int32)
-    if not ahead:
-        full_ptr = _indptr(tok.sum((-1, -2)).flatten())
+        future = (listed & ~tok).sum((-1, -2)).flatten().to(torch.int32)
+    slots = (rowblk[..., None] * W + i)[listed].to(torch.int32)
+    units = unit[..., None].expand_as(listed)[listed].to(torch.int32)
+    full_ptr = _indptr(listed.sum((-1, -2)).flatten())
 
     quant = pool.layout.quant
     qm = st == S_Q
@@ -120,7 +117,7 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
         per_list[..., V_BITS.index(quant.bits)] = qm.sum(-1)
     return Lists(
         full_ptr, slots, units, _indptr(per_list.flatten()), blk[:, Q][qm],
-        unit[qm].to(torch.int32), n, N, end,
+        unit[qm].to(torch.int32), n, N, future,
     )  # fmt: skip
 
 
