@@ -12,6 +12,10 @@ Rows ``ours_*`` run the default kernel (version 2; uniform QEvict pages take its
 path); ``ours_*_v1`` the previous code path on the same layout (key mixes and configs),
 ``ours_qevict@10%_general`` v2's general page path, ``_ppi2`` / ``_ppi2w8`` the uniform path with
 2 pages an iteration (4 / 8 warps) (Llama 32K x1 and 128K x8 only).
+``--splits 16,32,64,128`` instead times only ``qevict@10%+mass`` (the SGLang backend's decode:
+side output on) of the Qwen shapes at 32K x 1 and x 8 at each split count, with each kernel's
+device time: the SGLang graph plan sizes splits for the context (128 at 30K), not for the rows
+a budget lists.
 Bytes are those the kernel loads (layout.bytes_kv + q + partials); fraction = bytes /
 time / copy bandwidth. Writes OUT/decode_attention.json and OUT/decode_attention.png.
 """
@@ -271,6 +275,26 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     return rows
 
 
+def sweep_splits(splits: list[int], dev, bw, gen) -> list[dict]:
+    """``ours_qevict@10%+mass_s{n}`` rows (and the plan's own choice) of Qwen 32K x 1 and x 8."""
+    hq, hkv, d = FAMILIES["qwen2.5-0.5b"]
+    ctx, rows = 32768 if dev == "cuda" else 256, []  # the interpreter: a smoke test
+    for batch in (1, 8):
+        q = torch.randn(batch, hq, d, device=dev, dtype=torch.bfloat16)
+        kv = [torch.randn(ctx, hkv, d, device=dev, dtype=torch.bfloat16) for _ in range(2 * batch)]
+        cache = {}
+        for n in [None, *splits]:
+            name = "ours_qevict@10%+mass" + ("" if n is None else f"_s{n}")
+            kw = {} if n is None else {"num_splits": n}
+            k, v, cuda = kv[:batch], kv[batch:], dev == "cuda"
+            ms, nbytes, info = ours(q, k, v, "qevict", 0.1, dev, True, gen, cache, cuda, **kw)
+            frac = nbytes / (ms * 1e-3) / bw
+            rows.append(dict(family="qwen2.5-0.5b", ctx=ctx, batch=batch, impl=name, ms=ms,
+                             bytes=nbytes, frac_copy_bw=frac, **info))  # fmt: skip
+        print(f"done splits sweep batch={batch}", flush=True)
+    return rows
+
+
 def versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for mod in ("triton", "flashinfer", "sglang"):
@@ -312,6 +336,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="interpreter-sized smoke test")
     ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--splits", default=None, help="only the split-count sweep, e.g. 16,32,64")
     args = ap.parse_args(argv)
     dev = args.device
     if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -321,6 +346,9 @@ def main(argv=None) -> None:
     bw = copy_bandwidth(dev)
     grid = TINY if args.tiny else QUICK if args.quick else FULL
     rows = []
+    if args.splits:
+        rows = sweep_splits([int(x) for x in args.splits.split(",")], dev, bw, gen)
+        grid = []
     for fam in args.families.split(","):
         for ctx, batch in grid:
             if args.quick and fam != "llama3-8b" and (ctx, batch) != (32768, 1):

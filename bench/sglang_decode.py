@@ -159,6 +159,7 @@ def main() -> None:
         "command": "python bench/sglang_decode.py " + " ".join(os.sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
         "python": platform.python_version(), "args": vars(a), "runs": [],
+        "env": {k: v for k, v in os.environ.items() if k.startswith("TIERED_RADIX_")},
     }  # fmt: skip
     import sglang
 

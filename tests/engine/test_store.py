@@ -297,6 +297,44 @@ def test_layers_routed_with_different_token_counts(name):
     assert store.bytes_used() <= store.budget_bytes() or store.events.steps[-1].over_budget
 
 
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_stores_routed_together_decide_as_each_alone(path):
+    """route_many over requests of different lengths (rank policies: one allocator call over
+    padded units) gives each store the tiers and transitions of its own route()."""
+    pol = load_policy(str(path))
+    h, d, prompts = 2, 32, [100, 164, 37]
+    twins = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(8)
+        stores = []
+        for t in prompts:
+            s = TierStore(
+                pol, n_layers=2, n_heads=h, head_dim=d, budget_override=Budget("fraction", 0.3)
+            )
+            for li in range(2):
+                s.append(li, torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g))
+                s.observe(li, signals(g, torch.ones(h, t, dtype=torch.bool), d, True))
+            stores.append(s)
+        twins.append((stores, g))
+    for step in range(4):
+        reasons = [f"step {step}"] * len(prompts)
+        together = TierStore.route_many(twins[0][0], reasons)
+        alone = [s.route(why) for s, why in zip(twins[1][0], reasons, strict=True)]
+        for a, b in zip(together, alone, strict=True):
+            assert list(a) == list(b)
+        for a, b in zip(*(stores for stores, _ in twins), strict=True):
+            for li in range(2):
+                assert torch.equal(a.tiers(li), b.tiers(li))
+            check_invariants(a)
+        for stores, g in twins:  # the same new tokens and attention for both
+            for s in stores:
+                for li in range(2):
+                    s.append(
+                        li, torch.randn(h, 9, d, generator=g), torch.randn(h, 9, d, generator=g)
+                    )
+                    s.observe(li, signals(g, s.view(li)[2], d, False))
+
+
 def test_transitions_are_exactly_the_tier_changes_and_count_ledger_writes():
     """The step's transitions equal the element-wise difference of the tier maps before and
     after route(), and ``ledger_write`` marks exactly the new ledger entries."""
@@ -315,6 +353,7 @@ def test_transitions_are_exactly_the_tier_changes_and_count_ledger_writes():
         q = store.tier_names.index("int2")
         writes = [lay.v.stores[q].write_count.clone() for lay in store.layers]
         moves = store.route(f"step {step}")
+        on = moves.on("cpu", "layer", "head", "unit", "src", "dst", "ledger_write")  # before a read
         want = set()
         for li in range(layers):
             after = store.tiers(li)
@@ -325,6 +364,8 @@ def test_transitions_are_exactly_the_tier_changes_and_count_ledger_writes():
             for m in moves
         }
         assert got == want and len(moves) == len(want)
+        for name, col in zip(moves._COLS, on, strict=True):  # unravelled where they lie
+            assert torch.equal(col, getattr(moves, name))
         new = {
             (li, hh, u)
             for li, lay in enumerate(store.layers)

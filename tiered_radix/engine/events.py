@@ -93,6 +93,19 @@ class Transitions(Sequence):
             self._cpu, self._raw = cols, None
         return self._cpu[name]
 
+    def on(self, device: torch.device | str, *names: str) -> tuple[Tensor, ...]:
+        """Columns ``names`` on ``device`` (int64; ``ledger_write`` bool): unravelled there while
+        the host has not read them (no round trip, no host sync), else copied from the host."""
+        dev = torch.device(device)
+        raw = self._raw
+        if raw is None or any(not _same(c.device, dev) for c in raw):
+            return tuple(self._column(n).to(dev) for n in names)
+        if self._shape is not None:
+            (idx, *rest), (_, h, u) = raw, self._shape
+            raw = (idx // (h * u), idx // u % h, idx % u, *rest)
+        cols = dict(zip(self._COLS, raw, strict=True))
+        return tuple(cols[n].bool() if n == "ledger_write" else cols[n].long() for n in names)
+
     layer = property(lambda self: self._column("layer"))
     head = property(lambda self: self._column("head"))
     unit = property(lambda self: self._column("unit"))
@@ -151,6 +164,10 @@ class Transitions(Sequence):
 
     def __repr__(self) -> str:
         return f"Transitions({len(self)}: {self.counts()})"
+
+
+def _same(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (b.index is None or a.index == b.index)
 
 
 class StepEvents:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tiered_radix.policy.model import Demote, Evict, Keep, Promote, RankAllocation, RateDistortion
@@ -142,6 +143,76 @@ def _all_heads(shard, forced: Tensor, totals: Tensor | None) -> tuple[Tensor, Te
 
 
 def plan_route(store) -> Plan:
+    pol, st = store.policy, store.stack
+    groups, cons, head_budget, out = _budgets(store)
+    if isinstance(pol.allocate, RankAllocation):
+        out.tiers = _place(
+            st,
+            [_rank(store, g, c, head_budget[g.sel]) for g, c in zip(groups, cons, strict=True)],
+            groups,
+        )
+        return out
+    head_budget = head_budget.tolist()
+    v, k, k_set = {}, {}, {}
+    for g, c in zip(groups, cons, strict=True):
+        cost = _costs(store, g)
+        for i, li in enumerate(g.layers):
+            ci = c[i]
+            if store.coupled:
+                v[li] = _rd_coupled(store, li, ci, cost[i], head_budget[li])
+            else:
+                v[li], k[li], k_set[li] = _rd_decoupled(store, li, ci, cost[i], head_budget[li])
+    layers = range(store.n_layers)
+    out.k, out.k_set = [k[li] for li in layers if k], [k_set[li] for li in layers if k_set]
+    units = out.units
+    one = [_Group([li], slice(li, li + 1), 0, units[li]) for li in layers]
+    out.tiers = _place(st, [v[li][None] for li in layers], one)
+    return out
+
+
+def plan_routes(stores: list) -> list[Plan]:
+    """:func:`plan_route` of several stores of one policy and model shape (the requests a
+    server routes at one step). Under rank allocation, where each store's layers hold one token
+    count, their allocations are one allocator call over the stores' layers stacked, units
+    padded to the longest (a padding unit scores ``-inf`` and costs nothing: never placed, and
+    rows never see each other), so the op count does not grow with the stores; else one by
+    one. Equal to one :func:`plan_route` per store."""
+    pol = stores[0].policy if stores else None
+    if (
+        len(stores) < 2
+        or not isinstance(pol.allocate, RankAllocation)
+        or any(len(set(s.stack.n_tokens)) > 1 for s in stores)
+    ):
+        return [plan_route(s) for s in stores]
+    preps = [_budgets(s) for s in stores]  # one group each: every layer
+    ins = [
+        _rank_inputs(s, groups[0], cons[0], hb)
+        for s, (groups, cons, hb, _) in zip(stores, preps, strict=True)
+    ]
+    u = max(x[0].shape[-1] for x in ins)
+    pad = [
+        (_pad(score, u, -torch.inf), _pad(cost, u, 0.0, 1), budget, _pad(prev, u, 0))
+        for score, cost, budget, prev, _ in ins
+    ]
+    tier_p = _allocate(pol, stores[0].tier_set, *(torch.cat(c) for c in zip(*pad, strict=True)))
+    out, at = [], 0
+    for s, (groups, cons, _, plan), x in zip(stores, preps, ins, strict=True):
+        n = len(groups[0].layers)
+        plan.tiers = _rank_finish(s, tier_p[at : at + n, :, : x[0].shape[-1]], x[4], cons[0])
+        out.append(plan)
+        at += n
+    return out
+
+
+def _pad(x: Tensor, u: int, value: float, after: int = 0) -> Tensor:
+    """``x`` with its units dim (``after`` dims from the end after it) padded to ``u``."""
+    n = x.shape[-1 - after]
+    return x if n == u else F.pad(x, (0, 0) * after + (0, u - n), value=value)
+
+
+def _budgets(store) -> tuple[list[_Group], list[Constraints], Tensor, Plan]:
+    """Groups of layers, their constraints, each (layer, head)'s budget (float64 ``[L, H]``)
+    and the plan to fill (tiers as they are)."""
     pol, dev, st = store.policy, store.device, store.stack
     groups = _groups(store)
     cons = [_constraints(store, g) for g in groups]
@@ -167,29 +238,7 @@ def plan_route(store) -> Plan:
     )
     head_budget = torch.floor(shares * rest.clamp(min=0.0))  # float64 [L, H]
     units = [st.n_units(li) for li in range(store.n_layers)]
-    out = Plan(st.tier[..., : max(units)], units, [], [], over=rest < 0)
-    if isinstance(pol.allocate, RankAllocation):
-        out.tiers = _place(
-            st,
-            [_rank(store, g, c, head_budget[g.sel]) for g, c in zip(groups, cons, strict=True)],
-            groups,
-        )
-        return out
-    head_budget = head_budget.tolist()
-    v, k, k_set = {}, {}, {}
-    for g, c in zip(groups, cons, strict=True):
-        cost = _costs(store, g)
-        for i, li in enumerate(g.layers):
-            ci = c[i]
-            if store.coupled:
-                v[li] = _rd_coupled(store, li, ci, cost[i], head_budget[li])
-            else:
-                v[li], k[li], k_set[li] = _rd_decoupled(store, li, ci, cost[i], head_budget[li])
-    layers = range(store.n_layers)
-    out.k, out.k_set = [k[li] for li in layers if k], [k_set[li] for li in layers if k_set]
-    one = [_Group([li], slice(li, li + 1), 0, units[li]) for li in layers]
-    out.tiers = _place(st, [v[li][None] for li in layers], one)
-    return out
+    return groups, cons, head_budget, Plan(st.tier[..., : max(units)], units, [], [], rest < 0)
 
 
 def _place(st, parts: list[Tensor], groups: list[_Group]) -> Tensor:
@@ -211,12 +260,19 @@ def _finish(store, tier_p: Tensor, cost_p: Tensor, c: Constraints) -> Tensor:
 
 def _rank(store, g: _Group, c: Constraints, budgets: Tensor) -> Tensor:
     """Rank allocation of a group of layers in one allocator call; ``budgets`` float64
-    ``[G, H]``. Allocator inputs: score ``[G, H, U]`` (-inf: evicted), cost ``[G, H, U, J]``
-    (forced units cost 0), previous policy tier (the last column: never routed)."""
-    a: RankAllocation = store.policy.allocate
+    ``[G, H]``."""
+    score, cost, budgets, prev, cost_p = _rank_inputs(store, g, c, budgets)
+    tier_p = _allocate(store.policy, store.tier_set, score, cost, budgets, prev)
+    return _rank_finish(store, tier_p, cost_p, c)
+
+
+def _rank_inputs(store, g: _Group, c: Constraints, budgets: Tensor):
+    """The allocator's inputs for a group of layers: score ``[G, H, U]`` (-inf: evicted), cost
+    ``[G, H, U, J]`` (forced units cost 0), ``budgets``, previous policy tier (the last column:
+    never routed); and the policy tiers' costs ``cost_p``."""
     ts, st = store.tier_set, store.stack
     cost_p = _costs(store, g)[..., ts.offset :]
-    score = store.scores.evaluate_layers(g.layers, a.by, store.layout).float()
+    score = store.scores.evaluate_layers(g.layers, store.policy.allocate.by, store.layout).float()
     score = torch.where(c.evict, -torch.inf, torch.nan_to_num(score, nan=-torch.inf))
     # previous policy tier; the implicit full tier (-1) and units never routed map to the
     # allocator's last column, like the old code's "no previous tier"
@@ -228,21 +284,24 @@ def _rank(store, g: _Group, c: Constraints, budgets: Tensor) -> Tensor:
     else:
         new = torch.arange(g.n_units, device=store.device) >= per_layer(routed, store.device)
         prev = torch.where(new, last, prev)
+    cost = torch.where((c.full | c.evict)[..., None], 0.0, cost_p)
+    return score, cost, budgets, prev, cost_p
+
+
+def _allocate(pol, ts, score: Tensor, cost: Tensor, budgets: Tensor, prev: Tensor) -> Tensor:
+    a: RankAllocation = pol.allocate
     # the allocator is exact with rounds > distinct positive costs per tier column: a unit's
     # cost is its tier's bytes plus the copies it keeps, one of 2**Q values with Q quantized
     # tiers under a write-once ledger, a single value otherwise (forced units cost 0)
-    rounds = (2 ** len(ts.quantized) if store.policy.ledger.write_once else 1) + 1
-    tier_p = rank_heads(
-        score,
-        torch.where((c.full | c.evict)[..., None], 0.0, cost_p),
-        budgets,
-        shares=a.shares,
-        previous=prev,
-        hysteresis=a.hysteresis,
-        has_evict=ts.evict is not None,
-        rounds=rounds,
-    )
-    if ts.evict is None:  # left by the allocator: the cheapest tier (over budget, flagged)
+    rounds = (2 ** len(ts.quantized) if pol.ledger.write_once else 1) + 1
+    return rank_heads(
+        score, cost, budgets, shares=a.shares, previous=prev, hysteresis=a.hysteresis,
+        has_evict=ts.evict is not None, rounds=rounds,
+    )  # fmt: skip
+
+
+def _rank_finish(store, tier_p: Tensor, cost_p: Tensor, c: Constraints) -> Tensor:
+    if store.tier_set.evict is None:  # left by the allocator: the cheapest tier (flagged)
         tier_p = torch.where(tier_p == cost_p.shape[-1], cost_p.argmin(-1), tier_p)
     return _finish(store, tier_p, cost_p, c)
 

@@ -31,7 +31,7 @@ from tiered_radix.policy.model import Budget, Policy, RateDistortion
 from .coupled import CoupledLayer, CoupledStack
 from .decoupled import ChannelK
 from .events import EventLog, StepEvents, Transitions
-from .planner import Plan, plan_route
+from .planner import Plan, plan_route, plan_routes
 from .routing import EngineConfigError, TierSet, per_layer, spread_shares, total_budget
 from .scores import ScoreEvaluator
 from .shard import HeadShard, check_shardable
@@ -226,6 +226,13 @@ class TierStore:
     def route(self, reason: str) -> Transitions:
         """Run allocation for every layer and move units; returns the transitions."""
         return self.apply(self.plan(), reason)
+
+    @staticmethod
+    def route_many(stores: list[TierStore], reasons: list[str]) -> list[Transitions]:
+        """:meth:`route` of several stores (one policy and model shape), planned together
+        (:func:`~.planner.plan_routes`: one allocator call for all of them where it can)."""
+        plans = plan_routes(stores)
+        return [s.apply(p, why) for s, p, why in zip(stores, plans, reasons, strict=True)]
 
     # -- reading -------------------------------------------------------------------------
     def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:

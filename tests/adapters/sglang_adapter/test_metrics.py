@@ -101,16 +101,17 @@ def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
 def record(h: Harness) -> Counter:
     """Count, at the radix tree, every transition a routing applies (one by one, not through
     the backend's counters)."""
-    moves, route = Counter(), h.sim.cache.route
+    moves, route_many = Counter(), h.sim.cache.route_many
 
-    def routed(rid, transitions):
-        moves["routes"] += 1
-        for t in transitions[:]:
-            moves[t.kind] += 1
-            moves["ledger"] += t.ledger_write
-        route(rid, transitions)
+    def routed(many):
+        for _, transitions in many:
+            moves["routes"] += 1
+            for t in transitions[:]:
+                moves[t.kind] += 1
+                moves["ledger"] += t.ledger_write
+        route_many(many)
 
-    h.sim.cache.route = routed
+    h.sim.cache.route_many = routed
     return moves
 
 

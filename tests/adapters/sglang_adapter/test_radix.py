@@ -119,6 +119,48 @@ def test_shared_system_prompt_is_stored_once_and_demotions_stay_private():
     assert sim.pool.bytes_used() == 0
 
 
+def random_moves(sim: Sim, rid: str, seed: int) -> Transitions:
+    """Half of the request's complete (layer, head, window) units to random engine tiers."""
+    g = torch.Generator().manual_seed(seed)
+    units = len(sim.tokens(rid)) // sim.W
+    m = sim.L * sim.H * units
+    pick = torch.randperm(m, generator=g)[: max(1, m // 2)]
+    li, rest = pick // (sim.H * units), pick % (sim.H * units)
+    dst = torch.randint(0, 3, (pick.numel(),), generator=g)
+    z = torch.zeros_like(pick)
+    tiers = sim.pool.layout.engine_tiers
+    return Transitions(tiers, 2, li, rest // units, rest % units, z, dst, z.bool())
+
+
+def test_routing_requests_together_equals_one_after_the_other():
+    """route_many moves a shared prefix's windows once per holder, in request order: the same
+    reads, states, references and bytes as routing each request alone."""
+    sims = [Sim(), Sim()]
+    for sim in sims:
+        sim.start("sys", PROMPT)
+        sim.finish("sys")  # windows 0-3 in the tree: b and c borrow them, d owns its own
+        sim.start("b", PROMPT + [60, 61, 62, 63])
+        sim.start("c", PROMPT + [70, 71, 72, 73])
+        sim.start("d", [80 + i for i in range(12)])
+    for rnd in range(3):  # later rounds move windows earlier rounds quantized or evicted
+        moves = [(rid, random_moves(sims[0], rid, 10 * rnd + i)) for i, rid in enumerate("bcd")]
+        sims[0].cache.route_many(moves)
+        for rid, t in moves:
+            sims[1].cache.route(rid, t)
+    together, alone = sims
+    assert together.pool.bytes_used() == alone.pool.bytes_used()
+    assert torch.equal(together.pool.owner_all, alone.pool.owner_all)
+    for li in range(together.L):
+        assert torch.equal(together.pool.ref[li], alone.pool.ref[li])
+        assert torch.equal(together.pool.ref[li], expected_refs(together)[li])
+        for rid in "bcd":
+            assert torch.equal(together.cache.states(rid, li), alone.cache.states(rid, li))
+            for a, b in zip(together.cache.read(rid, li), alone.cache.read(rid, li), strict=True):
+                assert nan_equal(a, b)
+    shared = [together.cache.states(rid, 0)[:, :4] for rid in "bc"]
+    assert not torch.equal(*shared)  # b and c took different tiers on the windows they share
+
+
 def expected_refs(sim: Sim) -> list[torch.Tensor]:
     """Reference counts recomputed from the holders (owners and open views)."""
     out = []
@@ -161,7 +203,6 @@ def test_accounting_returns_to_the_start(ops):
     prompts = [PROMPT, PROMPT + [20, 21, 22], PROMPT[:8] + [25, 26], [30, 31, 32, 33, 34]]
     live: list[str] = []
     for n, (op, a, seed) in enumerate(ops):
-        g = torch.Generator().manual_seed(seed)
         if op == "start" and len(live) < 3:
             try:
                 sim.start(f"r{n}", prompts[a])
@@ -175,24 +216,8 @@ def test_accounting_returns_to_the_start(ops):
                 pass
         elif op == "route" and live:
             rid = live[a % len(live)]
-            units = len(sim.tokens(rid)) // sim.W  # complete windows only
-            m = sim.L * sim.H * units
-            if m:
-                pick = torch.randperm(m, generator=g)[: max(1, m // 2)]
-                li, rest = pick // (sim.H * units), pick % (sim.H * units)
-                dst = torch.randint(0, 3, (pick.numel(),), generator=g)
-                z = torch.zeros_like(pick)
-                t = Transitions(
-                    sim.pool.layout.engine_tiers,
-                    2,
-                    li,
-                    rest // units,
-                    rest % units,
-                    z,
-                    dst,
-                    z.bool(),
-                )
-                sim.cache.route(rid, t)
+            if len(sim.tokens(rid)) >= sim.W:  # complete windows only
+                sim.cache.route(rid, random_moves(sim, rid, seed))
         elif op in ("finish", "abort") and live:
             sim.finish(live.pop(a % len(live)), insert=op == "finish")
         elif op == "evict":

@@ -484,12 +484,13 @@ class TieredAttnBackend(AttentionBackend):
                     due.append((r, f"decode step {step}"))
         if due:
             self.fold_pending()  # scores up to date (replayed steps summed their attention)
-        for r, why in due:
-            s = r.session
-            moves = s.store.route(why)
-            self.tree.route(r.rid, moves)
+        # planned together (one allocator call), then one pool move for all of them
+        moves = TierStore.route_many([r.session.store for r, _ in due], [why for _, why in due])
+        routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
+        self.tree.route_many(routed)
+        for (r, why), (_, moves) in zip(due, routed, strict=True):
             if self.shard is not None:  # read at stats(): no host sync here
-                self._tp_pending.append((r.rid, why, s.store.events.steps[-1]))
+                self._tp_pending.append((r.rid, why, r.session.store.events.steps[-1]))
             self.counters.routed(moves)
         self.counters.publish(self.stats, bool(due))
         return bool(due)

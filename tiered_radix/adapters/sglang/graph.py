@@ -38,6 +38,7 @@ from . import trizone
 
 TOKENS_ENV = "TIERED_RADIX_GRAPH_TOKENS"
 TOKENS_DEFAULT = 1 << 18
+SPLITS_ENV = "TIERED_RADIX_GRAPH_SPLITS"  # the kernel's splits per list (default: the plan's)
 
 
 def capacity(context_len: int) -> int:
@@ -93,7 +94,8 @@ class GraphDecode:
 
     def batch(self, bs: int, num_q_heads: int) -> trizone.DecodeBatch:
         """The :class:`~.trizone.DecodeBatch` of captured size ``bs`` over the buffers (made
-        once; its plan's splits assume requests of ``context_len`` tokens)."""
+        once; its plan's splits assume requests of ``context_len`` tokens, or are
+        ``$TIERED_RADIX_GRAPH_SPLITS``)."""
         if bs in self.batches:
             return self.batches[bs]
         pool, H = self.pool, self.pool.head_num
@@ -120,9 +122,10 @@ class GraphDecode:
         ]
         quant = pool.layout.quant
         bits = (quant.bits,) if quant else ()
+        splits = int(os.environ[SPLITS_ENV]) if os.environ.get(SPLITS_ENV) else None
         plan = decode.plan(
             lays[0], num_q_heads=num_q_heads, side_output=self.side_output, v_bits=bits,
-            k_bits=bits, max_rows=self.context_len,
+            k_bits=bits, max_rows=self.context_len, num_splits=splits,
         )  # fmt: skip
         if self.side_output:  # every batch size's plan needs the same rows: share one buffer
             if self.score is None or self.score.shape != plan.score.shape:

@@ -150,17 +150,51 @@ class TieredRadixCache(RadixCache):
 
     def route(self, rid: str, transitions: Transitions) -> None:
         """Apply the tier engine's transitions (unit ``u`` = the request's ``u``-th window)."""
-        view, dev = self.views[rid], self.pool.device
-        ly, h, u = (x.to(dev) for x in (transitions.layer, transitions.head, transitions.unit))
-        if not ly.numel():
+        self.route_many([(rid, transitions)])
+
+    def route_many(self, routed: list[tuple[str, Transitions]]) -> None:
+        """:meth:`route` of several requests at once: their moves go to the pool in one
+        :meth:`~.pool.TieredKVPool.move`. A window two of them hold (a shared prefix) moves
+        once per holder in request order, as one route after the other would (the pool's
+        pairs of one move are unique: repeats go to later rounds; one host sync to count
+        them)."""
+        dev, parts = self.pool.device, []
+        for rid, t in routed:
+            if not len(t):
+                continue
+            view = self.views[rid]
+            ly, h, u, dst = t.on(dev, "layer", "head", "unit", "dst")
+            w, b = view.windows[u], view.borrowed[u]
+            old = torch.where(b, view.state[ly, h, u], self.pool.owner_all[ly, h, w])
+            new = self._next[old.long(), dst].to(old.dtype)
+            parts.append((view, ly, h, u, w, b, new, old))
+        if not parts:
             return
-        w = view.windows[u]
-        old = self.states_all(rid)[ly, h, u]
-        new = self._next[old.long(), transitions.dst.to(dev)].to(old.dtype)
-        self.pool.move(ly, h, w, old, new)
-        b = view.borrowed[u]
-        view.state[ly, h, u] = torch.where(b, new, view.state[ly, h, u])
-        self.pool.owner_all[ly, h, w] = torch.where(b, self.pool.owner_all[ly, h, w], new)
+        ly, h, w, old, new = (torch.cat([p[i] for p in parts]) for i in (1, 2, 4, 7, 6))
+        for sel in self._rounds(parts, ly, h, w):
+            if sel is None:
+                self.pool.move(ly, h, w, old, new)
+            else:
+                self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel])
+        owner = self.pool.owner_all
+        for view, ly, h, u, w, b, new, _ in parts:  # in request order, like route after route
+            view.state[ly, h, u] = torch.where(b, new, view.state[ly, h, u])
+            owner[ly, h, w] = torch.where(b, owner[ly, h, w], new)
+
+    def _rounds(self, parts: list, ly: Tensor, h: Tensor, w: Tensor) -> list[Tensor | None]:
+        """Index sets of the concatenated pairs with no pair twice, each pair's holders in
+        request order; ``[None]`` (all at once) for one request, whose pairs are unique."""
+        if len(parts) == 1:
+            return [None]
+        key = (ly * self.pool.head_num + h) * self.pool.owner_all.shape[2] + w
+        sk, order = torch.sort(key, stable=True)
+        pos = torch.arange(key.numel(), device=key.device)
+        start = torch.ones_like(sk, dtype=torch.bool)
+        start[1:] = sk[1:] != sk[:-1]
+        first = torch.cummax(torch.where(start, pos, 0), 0).values
+        nth = torch.empty_like(pos).scatter_(0, order, pos - first)  # holder's rank on the pair
+        rounds = int(nth.max()) + 1  # host sync
+        return [None] if rounds == 1 else [(nth == r).nonzero().squeeze(1) for r in range(rounds)]
 
     def close_view(self, rid: str) -> None:
         """Release the request's borrowed references (owned windows stay with their owner)."""
