@@ -122,7 +122,7 @@ class GraphDecode:
         ]
         quant = pool.layout.quant
         bits = (quant.bits,) if quant else ()
-        splits = int(os.environ[SPLITS_ENV]) if os.environ.get(SPLITS_ENV) else None
+        splits = int(os.environ[SPLITS_ENV]) if os.environ.get(SPLITS_ENV) else self._splits(bs)
         plan = decode.plan(
             lays[0], num_q_heads=num_q_heads, side_output=self.side_output, v_bits=bits,
             k_bits=bits, max_rows=self.context_len, num_splits=splits,
@@ -135,6 +135,18 @@ class GraphDecode:
         out = trizone.DecodeBatch(lays, plan, mass, [0] * bs, self.n_max)
         self.batches[bs] = out
         return out
+
+    def _splits(self, bs: int) -> int:
+        """Splits per list: ~2 programs per SM over the batch's lists, at most 128 and at least
+        128 tokens of context a split. A budget lists a fraction of the context, so the plan's
+        own choice (~32 programs per SM, for full rows) splits it too finely: the H200 sweep
+        (bench/results/sglang-run10) ran Qwen 32K x 8 at qevict 10% in 0.062 ms a layer with 16
+        splits, 0.101 ms with 128; at batch 1, 128 and 64 splits were best."""
+        dev = torch.device(self.pool.device)
+        cuda = dev.type == "cuda"
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 132
+        want = -(-2 * sms // (bs * self.pool.head_num))
+        return max(1, min(128, want, self.context_len // 128))
 
     def clear(self, bs: int) -> None:
         """Every request of ``bs`` lists nothing (a capture: all of them are padding)."""
