@@ -14,6 +14,13 @@ step, with three CUDA events (wall clock with synchronisation on CPU):
 ``plan()`` never waits for the device, so on CUDA device work it queued may finish inside the
 ``apply`` interval; ``route_ms`` is exact.
 
+``--stores N`` instead times N requests' stores of one policy (token counts ``--tokens + 37 i``,
+so their units differ) routed at the same step, the way the SGLang backend routes a batch: one
+``route()`` each (``alone_ms``) against ``TierStore.route_many`` (``together_ms``: one plan over
+all of them, :func:`~tiered_radix.engine.planner.plan_routes`), on twin sets of stores that get
+the same tokens and attention; ``same_tiers`` checks that both decided alike
+(``routing_many.json``).
+
 Medians are reported. ``--count`` adds, from one extra step under ``torch.profiler``: top-level
 aten ops per plan/apply (a proxy for kernel launches; on CPU the count does not depend on the
 token count) and, on CUDA, kernels launched and synchronising calls
@@ -148,6 +155,56 @@ def count(store: TierStore, device: torch.device) -> dict:
     return out
 
 
+def many(args, device: torch.device) -> dict:
+    """``--stores``: routing N stores one by one vs together (see the module docstring)."""
+    tokens = args.tokens
+    twins = []
+    for _ in range(2):
+        stores = []
+        for i in range(args.stores):
+            args.tokens = tokens + 37 * i
+            stores.append(build(args, device))
+            observe(stores[-1], args, device, 1 + i)
+            stores[-1].route("after_prefill")
+        twins.append(stores)
+    args.tokens = tokens
+    alone_ms, together_ms = [], []
+    for r in range(args.warmup + args.repeats):
+        for stores in twins:
+            for i, s in enumerate(stores):
+                decode(s, args, device, 100 * r + i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = Timer(device)
+        t.mark()
+        for s in twins[0]:
+            s.route(f"bench {r}")
+        t.mark()
+        TierStore.route_many(twins[1], [f"bench {r}"] * args.stores)
+        t.mark()
+        if r >= args.warmup:
+            a, b = t.ms()
+            alone_ms.append(a)
+            together_ms.append(b)
+    same = all(
+        torch.equal(a.tiers(li), b.tiers(li))
+        for a, b in zip(*twins, strict=True)
+        for li in range(args.layers)
+    )
+    med = statistics.median
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "versions": versions(),
+        "timer": "cuda events" if device.type == "cuda" else "wall clock",
+        "policy": args.policy, "stores": args.stores, "layers": args.layers,
+        "kv_heads": args.heads, "tokens": tokens, "head_dim": args.head_dim,
+        "decode_tokens_per_step": args.decode, "repeats": args.repeats,
+        "alone_ms_median": med(alone_ms), "together_ms_median": med(together_ms),
+        "speedup": med(alone_ms) / med(together_ms), "same_tiers": same,
+        "alone_ms": alone_ms, "together_ms": together_ms,
+    }  # fmt: skip
+
+
 def versions() -> dict:
     out = {"python": platform.python_version(), "torch": torch.__version__}
     out["cuda"] = torch.version.cuda
@@ -174,12 +231,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--decode", type=int, default=16, help="tokens appended per routing step")
     ap.add_argument("--count", action="store_true", help="count ops/kernels/syncs per step")
     ap.add_argument("--tiny", action="store_true", help="2 layers x 2 heads x 2048 tokens, CPU")
+    ap.add_argument("--stores", type=int, default=1, help="N stores: alone vs route_many")
     ap.add_argument("--out", default=None, help="folder for routing_step.json")
     args = ap.parse_args(argv)
     if args.tiny:
         args.layers, args.heads, args.tokens, args.head_dim, args.repeats = 2, 2, 2048, 64, 3
         args.warmup = 1
     device = torch.device(args.device)
+    if args.stores > 1:
+        result = many(args, device)
+        print(json.dumps({k: v for k, v in result.items() if not isinstance(v, list)}, indent=1))
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "routing_many.json").write_text(json.dumps(result, indent=1))
+        return result
     store = build(args, device)
     observe(store, args, device, 1)
     if device.type == "cuda":
