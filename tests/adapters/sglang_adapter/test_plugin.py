@@ -4,6 +4,7 @@ without ``--kv-policy``, hand-over to spawned processes, backend registrations."
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -133,6 +134,70 @@ def test_decode_retracts_when_the_row_blocks_cannot_hold_the_new_windows():
         new_tokens_required_next_decode=lambda idx: 1 << 30,
     )
     assert plugin.check_decode_mem(yes, stock) is True  # another pool: SGLang's answer
+
+
+class Adder:
+    """What the admission hooks read of SGLang's ``PrefillAdder``, over the simulated pool."""
+
+    def __init__(self, sim, chunk: int | None, running: bool = False) -> None:
+        self.token_to_kv_pool_allocator, self.rem_chunk_tokens = sim.alloc, chunk
+        self.can_run_list: list = []
+        self.running_batch = SimpleNamespace(is_empty=lambda: not running)
+        self.W = sim.W
+
+    def admit(self, _self, req, *_args, **_kw):
+        """SGLang's own admission: the whole extend, or a window-aligned chunk of what is left
+        of ``rem_chunk_tokens`` (which it spends)."""
+        n = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+        if self.rem_chunk_tokens is not None and n > self.rem_chunk_tokens:
+            n = self.rem_chunk_tokens // self.W * self.W
+            if n <= 0:
+                return "OTHER"
+        req.extend_range = SimpleNamespace(length=n)
+        self.can_run_list.append(req)
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= n
+        return "CONTINUE"
+
+
+def prompt(windows: int, W: int, cached: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(
+        full_untruncated_fill_ids=[1] * (windows * W), prefix_indices=[0] * cached
+    )
+
+
+def test_prefill_admits_only_the_windows_the_row_blocks_hold():
+    """The AROUND hooks on ``PrefillAdder.add_one_req``/``add_chunked_req``: 7 row blocks a
+    layer hold 3 windows of 2 heads; a batch's windows are counted as they are admitted."""
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang_sim import Sim
+
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    for name in ("add_one_req", "add_chunked_req"):  # the hooks' targets exist in SGLang
+        assert "req" in inspect.signature(getattr(PrefillAdder, name)).parameters
+    sim = Sim(blocks=PoolBlocks(7, 8))
+    W, a = sim.W, Adder(sim, chunk=100)
+    one = lambda ad, req: plugin.add_one_req(ad.admit, ad, req, False, None)  # noqa: E731
+    first = prompt(2, W)
+    assert one(a, first) == "CONTINUE" and first.extend_range.length == 2 * W
+    second = prompt(3, W, cached=W)  # 2 windows to prefill past its cached one: 1 fits
+    assert one(a, second) == "CONTINUE" and second.extend_range.length == W
+    assert a.rem_chunk_tokens == 100 - 3 * W  # the cut chunk spent only what it used
+    assert one(a, prompt(1, W)) == AddReqResult.NO_TOKEN  # no room left: it waits
+    whole = Adder(sim, chunk=None)  # chunked prefill off: no cut, the request waits ...
+    whole.can_run_list.append("admitted before")
+    assert one(whole, prompt(4, W)) == AddReqResult.NO_TOKEN
+    alone = Adder(sim, chunk=None)  # ... unless nothing could ever free rows for it
+    assert one(alone, prompt(4, W)) == "CONTINUE"
+    chunked = Adder(sim, chunk=100)  # a chunked request's next chunk counts for the next
+    plugin.add_chunked_req(chunked.admit, chunked, prompt(2, W))
+    assert one(chunked, prompt(2, W)) == "CONTINUE"
+    assert chunked.can_run_list[-1].extend_range.length == W
+    stock = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: object())
+    )
+    assert plugin.add_one_req(lambda *_a, **_k: "stock", stock, prompt(9, W)) == "stock"
 
 
 def test_bad_policy_exits_with_the_policy_error_not_a_traceback(baseline, tmp_path, capsys):

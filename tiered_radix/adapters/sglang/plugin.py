@@ -20,6 +20,8 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   ``replay_done`` (the device time of replays, when ``$TIERED_RADIX_DEVICE_TIMES=1``).
 - ``ScheduleBatch.check_decode_mem`` (AROUND): a decode step whose new windows find too few row
   blocks makes SGLang retract requests, as a full pool does;
+- ``PrefillAdder.add_one_req`` and ``add_chunked_req`` (AROUND): a prefill batch admits only the
+  windows its pool's row blocks hold: a request's chunk is cut to them, or it waits (NO_TOKEN);
 - radix cache backend ``tiered`` and attention backend ``tiered_triton``.
 
 Without ``--kv-policy`` every hook passes its call through unchanged.
@@ -215,6 +217,65 @@ def check_decode_mem(original, self, selected_indices=None) -> bool:
     return pool.rows_for_windows(-(-tokens // pool.layout.window))
 
 
+_ADMITTED = "_tiered_windows"  # on a PrefillAdder: windows its batch opens so far
+
+
+def _admitted(adder, req, pool, call):
+    """``call()`` (an admission), then the windows ``req`` opens if it was admitted (its
+    prefix is window-aligned) counted on the adder."""
+    before = len(adder.can_run_list)
+    out = call()
+    if len(adder.can_run_list) > before and adder.can_run_list[-1] is req:
+        n = -(-req.extend_range.length // pool.layout.window)
+        setattr(adder, _ADMITTED, getattr(adder, _ADMITTED, 0) + n)
+    return out
+
+
+def add_one_req(original, self, req, *args, **kwargs):
+    """SGLang's admission of a request into a prefill batch, over a tiered pool bounded also by
+    its row blocks: every window of the batch is written at full precision before routing
+    demotes it. When the request's chunk and the windows admitted before it do not fit the free
+    rows (after evicting cached windows nobody holds), the chunk is cut to the windows that do
+    (the rest is prefilled after routing frees rows), or, with no room or chunked prefill off,
+    the request waits (NO_TOKEN, SGLang's answer to a full pool). A request that cannot wait
+    (nothing admitted, nothing running to free rows) goes through: its forward raises
+    :class:`~.pool.PoolFullError`, as it did before this hook."""
+    pool = self.token_to_kv_pool_allocator.get_kvcache()
+    if not hasattr(pool, "rows_for_windows"):
+        return original(self, req, *args, **kwargs)
+    call = lambda: original(self, req, *args, **kwargs)  # noqa: E731
+    W, taken = pool.layout.window, getattr(self, _ADMITTED, 0)
+    want = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+    if self.rem_chunk_tokens is not None:
+        want = min(want, self.rem_chunk_tokens)
+    if pool.rows_for_windows(taken + -(-want // W)):
+        return _admitted(self, req, pool, call)
+    room = pool.windows_free() - taken
+    if room <= 0 or self.rem_chunk_tokens is None:
+        rb = self.running_batch
+        if not self.can_run_list and (rb is None or rb.is_empty()):
+            return _admitted(self, req, pool, call)  # nothing will free rows: let it raise
+        from sglang.srt.managers.schedule_policy import AddReqResult
+
+        return AddReqResult.NO_TOKEN
+    chunk = self.rem_chunk_tokens
+    self.rem_chunk_tokens = min(chunk, room * W)
+    cut = self.rem_chunk_tokens
+    try:
+        return _admitted(self, req, pool, call)
+    finally:  # what the cut chunk used comes off the real one
+        self.rem_chunk_tokens = chunk - (cut - self.rem_chunk_tokens)
+
+
+def add_chunked_req(original, self, req):
+    """SGLang's next chunk of the chunked request (always admitted), its windows counted for
+    the requests :func:`add_one_req` admits after it."""
+    pool = self.token_to_kv_pool_allocator.get_kvcache()
+    if not hasattr(pool, "rows_for_windows"):
+        return original(self, req)
+    return _admitted(self, req, pool, lambda: original(self, req))
+
+
 def attention_backend_factory(runner):
     from .backend import TieredAttnBackend
 
@@ -269,6 +330,10 @@ def register() -> None:
         check_decode_mem,
         HookType.AROUND,
     )
+    for name, hook in (("add_one_req", add_one_req), ("add_chunked_req", add_chunked_req)):
+        HookRegistry.register(
+            f"sglang.srt.managers.schedule_policy.PrefillAdder.{name}", hook, HookType.AROUND
+        )
     if config.BACKEND not in registered_radix_cache_backends():
         register_radix_cache_backend(config.BACKEND, tree_cache_factory)
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS

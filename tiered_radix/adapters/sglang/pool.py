@@ -261,6 +261,11 @@ class TieredKVPool(MHATokenToKVPool):
         self._reclaim_rows(need, layers)
         return min(len(self.free_rows[li]) for li in layers) >= need
 
+    def windows_free(self) -> int:
+        """Windows that can open now without evicting: the scarcest layer's free row blocks,
+        ``H`` a window."""
+        return min(len(f) for f in self.free_rows) // self.head_num
+
     def _reclaim_rows(self, need: int, layers: list[int]) -> None:
         """Before opening windows: while a layer of ``layers`` has fewer than ``need`` free row
         blocks, evict radix-cached windows that no running request holds (SGLang's own LRU
