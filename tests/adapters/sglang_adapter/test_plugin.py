@@ -3,6 +3,7 @@ without ``--kv-policy``, hand-over to spawned processes, backend registrations."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -143,7 +144,13 @@ class Adder:
         self.token_to_kv_pool_allocator, self.rem_chunk_tokens = sim.alloc, chunk
         self.can_run_list: list = []
         self.running_batch = SimpleNamespace(is_empty=lambda: not running)
-        self.W = sim.W
+        self.W, self.locked = sim.W, []
+
+    @contextlib.contextmanager
+    def _lock_node(self, node):
+        self.locked.append(node)
+        yield
+        self.locked.remove(node)
 
     def admit(self, _self, req, *_args, **_kw):
         """SGLang's own admission: the whole extend, or a window-aligned chunk of what is left
@@ -162,7 +169,9 @@ class Adder:
 
 def prompt(windows: int, W: int, cached: int = 0) -> SimpleNamespace:
     return SimpleNamespace(
-        full_untruncated_fill_ids=[1] * (windows * W), prefix_indices=[0] * cached
+        full_untruncated_fill_ids=[1] * (windows * W),
+        prefix_indices=[0] * cached,
+        last_node=f"node of {windows}",
     )
 
 
@@ -176,8 +185,16 @@ def test_prefill_admits_only_the_windows_the_row_blocks_hold():
 
     for name in ("add_one_req", "add_chunked_req"):  # the hooks' targets exist in SGLang
         assert "req" in inspect.signature(getattr(PrefillAdder, name)).parameters
+    assert "last_node" in inspect.signature(PrefillAdder._lock_node).parameters
     sim = Sim(blocks=PoolBlocks(7, 8))
     W, a = sim.W, Adder(sim, chunk=100)
+    rows_for_windows, seen = sim.pool.rows_for_windows, []
+
+    def spy(n):  # eviction for rows happens with the request's matched prefix locked
+        seen.append(list(a.locked))
+        return rows_for_windows(n)
+
+    sim.pool.rows_for_windows = spy
     one = lambda ad, req: plugin.add_one_req(ad.admit, ad, req, False, None)  # noqa: E731
     first = prompt(2, W)
     assert one(a, first) == "CONTINUE" and first.extend_range.length == 2 * W
@@ -185,6 +202,7 @@ def test_prefill_admits_only_the_windows_the_row_blocks_hold():
     assert one(a, second) == "CONTINUE" and second.extend_range.length == W
     assert a.rem_chunk_tokens == 100 - 3 * W  # the cut chunk spent only what it used
     assert one(a, prompt(1, W)) == AddReqResult.NO_TOKEN  # no room left: it waits
+    assert seen == [["node of 2"], ["node of 3"], ["node of 1"]] and not a.locked
     whole = Adder(sim, chunk=None)  # chunked prefill off: no cut, the request waits ...
     whole.can_run_list.append("admitted before")
     assert one(whole, prompt(4, W)) == AddReqResult.NO_TOKEN

@@ -248,9 +248,11 @@ def add_one_req(original, self, req, *args, **kwargs):
     want = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
     if self.rem_chunk_tokens is not None:
         want = min(want, self.rem_chunk_tokens)
-    if pool.rows_for_windows(taken + -(-want // W)):
+    with self._lock_node(req.last_node):  # evicting for rows must spare the matched prefix
+        fits = pool.rows_for_windows(taken + -(-want // W))
+        room = pool.windows_free() - taken
+    if fits:
         return _admitted(self, req, pool, call)
-    room = pool.windows_free() - taken
     if room <= 0 or self.rem_chunk_tokens is None:
         rb = self.running_batch
         if not self.can_run_list and (rb is None or rb.is_empty()):
