@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -44,6 +45,20 @@ class RequestView:
     windows: Tensor
     borrowed: Tensor
     state: Tensor
+
+
+class _Moves(NamedTuple):
+    """One request's transitions as holder moves: pairs ``(ly, h, w)`` (unit ``u``; ``b``:
+    borrowed) from state ``old`` to ``new``."""
+
+    view: RequestView
+    ly: Tensor
+    h: Tensor
+    u: Tensor
+    w: Tensor
+    b: Tensor
+    old: Tensor
+    new: Tensor
 
 
 class TieredRadixCache(RadixCache):
@@ -167,19 +182,21 @@ class TieredRadixCache(RadixCache):
             w, b = view.windows[u], view.borrowed[u]
             old = torch.where(b, view.state[ly, h, u], self.pool.owner_all[ly, h, w])
             new = self._next[old.long(), dst].to(old.dtype)
-            parts.append((view, ly, h, u, w, b, new, old))
+            parts.append(_Moves(view, ly, h, u, w, b, old, new))
         if not parts:
             return
-        ly, h, w, old, new = (torch.cat([p[i] for p in parts]) for i in (1, 2, 4, 7, 6))
+        ly, h, w, old, new = (
+            torch.cat([getattr(p, f) for p in parts]) for f in "ly h w old new".split()
+        )
         for sel in self._rounds(parts, ly, h, w):
             if sel is None:
                 self.pool.move(ly, h, w, old, new)
             else:
                 self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel])
         owner = self.pool.owner_all
-        for view, ly, h, u, w, b, new, _ in parts:  # in request order, like route after route
-            view.state[ly, h, u] = torch.where(b, new, view.state[ly, h, u])
-            owner[ly, h, w] = torch.where(b, owner[ly, h, w], new)
+        for p in parts:  # in request order, like route after route
+            p.view.state[p.ly, p.h, p.u] = torch.where(p.b, p.new, p.view.state[p.ly, p.h, p.u])
+            owner[p.ly, p.h, p.w] = torch.where(p.b, owner[p.ly, p.h, p.w], p.new)
 
     def _rounds(self, parts: list, ly: Tensor, h: Tensor, w: Tensor) -> list[Tensor | None]:
         """Index sets of the concatenated pairs with no pair twice, each pair's holders in
