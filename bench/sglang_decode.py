@@ -103,6 +103,8 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
         kw["disable_cuda_graph"] = True
     # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
     os.environ["TIERED_RADIX_OBSERVE"] = "step" if kind == "tiered_step" else "fold"
+    if a.profile and kind.startswith("tiered"):  # a window of decode steps (.profile)
+        os.environ["TIERED_RADIX_PROFILE"] = a.profile
     t0 = time.perf_counter()
     engine = sglang.Engine(**kw)
     startup = time.perf_counter() - t0
@@ -151,6 +153,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--kinds", nargs="+", default=["plain", "tiered", "tiered_step"])
     p.add_argument("--graph-max-bs", type=int, default=16)
+    p.add_argument("--profile", default=None, help="DIR:START:STEPS, tiered kinds: decode steps "
+                   "under torch.profiler (step 400 is in batch 8's first long call)")  # fmt: skip
     p.add_argument("--out", default="bench/results")
     a = p.parse_args()
     import torch

@@ -15,6 +15,7 @@ from sglang_sim import Sim, require
 require("sglang.srt.mem_cache.radix_cache")
 
 from tiered_radix.adapters.sglang.backend import TieredAttnBackend  # noqa: E402
+from tiered_radix.adapters.sglang.profile import StepProfiler  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
 from tiered_radix.adapters.transformers.attention import attend  # noqa: E402
@@ -312,6 +313,23 @@ def test_stats_file_is_rewritten_after_each_routing(tmp_path, monkeypatch):
     phases = {"metadata_extend", "write_extend", "extend_attend", "route_extend", "metadata",
               "write", "decode_gather", "route"}  # fmt: skip
     assert phases <= host.keys() and all(host[p] > 0 for p in phases)
+
+
+def test_a_window_of_decode_steps_is_profiled(tmp_path, monkeypatch):
+    """``$TIERED_RADIX_PROFILE=DIR:1:2``: decode steps 1-3 under the profiler, the backend's
+    phases among the ops; outputs unchanged."""
+    monkeypatch.setenv("TIERED_RADIX_PROFILE", f"{tmp_path}:1:2")
+    h = Harness()
+    req = h.start("a", list(range(1, 39)))
+    h.step([req], [req.origin_input_ids], extend=True)
+    for t in range(3):  # decode steps 0, 1 and 2
+        h.step([req], [[50 + t]], extend=False)
+    assert not list(tmp_path.iterdir())  # the window is still open
+    h.step([req], [[53]], extend=False)  # step 3 begins: the window closes
+    text = (tmp_path / "profile-1-3.txt").read_text()
+    assert text.startswith("decode steps 1-3:") and "tr:metadata" in text and "tr:route" in text
+    with pytest.raises(ValueError, match="DIR:START:STEPS"):
+        StepProfiler("no-numbers")
 
 
 def two_turns(monkeypatch, **env: str):

@@ -64,6 +64,7 @@ from tiered_radix.kernels import decode
 
 from . import graph, trizone
 from .pool import TieredKVPool
+from .profile import StepProfiler
 from .reps import S_Q, S_R, PoolConfigError, env_choice
 from .stats import BackendStats, log
 
@@ -144,6 +145,7 @@ class TieredAttnBackend(AttentionBackend):
         self.device_s: dict[str, float] = defaultdict(float)  # device seconds of graph replays
         timing = os.environ.get(TIMES_ENV) == "1" and torch.device(pool.device).type == "cuda"
         self.replay_events: list | None = [] if timing else None  # the replay in flight
+        self.profiler = StepProfiler()  # $TIERED_RADIX_PROFILE: a window of decode steps
         self.shard = tp_shard(runner, pool.head_num)
         if self.shard is not None:
             self.counters.rank = self.shard.rank
@@ -154,7 +156,8 @@ class TieredAttnBackend(AttentionBackend):
         """Host time of a phase (no device sync: on the GPU, the time to issue its work)."""
         t0 = time.perf_counter()
         try:
-            yield
+            with self.profiler.phase(phase):
+                yield
         finally:
             self.host_s[phase] += time.perf_counter() - t0
 
@@ -183,6 +186,8 @@ class TieredAttnBackend(AttentionBackend):
         return tree
 
     def init_forward_metadata(self, fb) -> None:
+        if fb.forward_mode.is_decode():
+            self.profiler.at_step(int(self.host_s["decode_steps"]))
         self.flush()
         self.fold_pending()  # an eager forward may open windows, route or change the batch
         self.graph_last = None  # an eager forward may open windows or route: lists rebuild
@@ -263,6 +268,8 @@ class TieredAttnBackend(AttentionBackend):
         """Before capturing batch size ``fb.batch_size`` (every request padding) and before
         each replay (the first ``bs - num_padding`` requests are real): the step's views, engines,
         write rows and index lists, into the graph's buffers."""
+        if not in_capture:
+            self.profiler.at_step(int(self.host_s["decode_steps"]))
         self.flush()
         bs, g, H = fb.batch_size, self.graph, self.pool.head_num
         if in_capture:
