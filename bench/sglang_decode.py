@@ -20,7 +20,9 @@ Per batch size: prompts of ``--context`` random tokens (distinct per request) ar
 (one new token) and stay in the radix cache; then the same prompts are generated again with
 ``ignore_eos``, ``--short`` and ``--long`` new tokens. Both calls match the cached prompt (the
 tiered run reads it at the tiers its first request left), so they are decode only, and the decode
-time per output token is (t_long - t_short) / (long - short), each the faster of two calls.
+time per output token is (t_long - t_short) / (long - short), each the faster of two calls;
+``decode_ms_per_token_ex`` is (t_long - t_extend) / (long - 1) with ``t_extend`` a call of one new
+token (the extend over the cached prompt alone), a check on the extend's spread between calls.
 Peak KV bytes of the tiered run come from the backend's stats file (most pool bytes held after a
 forward, over the whole run); the bf16 baseline holds ``2 * 2 * L * H_kv * d`` bytes for each
 token the allocator held then (running requests and prompts cached in the radix tree, as plain
@@ -124,12 +126,18 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
             timed(engine, prompts, a.short)
             # the fastest of two calls each: both start with an extend over the cached prompt
             # (hundreds of ms at batch 8) whose spread would otherwise land in the difference
-            short = min(timed(engine, prompts, a.short) for _ in range(2))
+            shorts = [timed(engine, prompts, a.short) for _ in range(2)]
+            # one new token: the extend over the cached prompt alone, no decode step
+            ext = min(timed(engine, prompts, 1) for _ in range(2))
             before = _host_s(stats)
-            long = min(timed(engine, prompts, a.long) for _ in range(2))
+            longs = [timed(engine, prompts, a.long) for _ in range(2)]
+            short, long = min(shorts), min(longs)
             per_tok = (long - short) / (a.long - a.short)
             rows.append({"batch": bs, "t_prefill_s": t_prefill, "t_short_s": short,
-                         "t_long_s": long, "decode_ms_per_token": 1e3 * per_tok})  # fmt: skip
+                         "t_long_s": long, "decode_ms_per_token": 1e3 * per_tok,
+                         "t_extend_s": ext, "calls_short_s": shorts, "calls_long_s": longs,
+                         # the same with the extend timed apart instead of cancelled
+                         "decode_ms_per_token_ex": 1e3 * (long - ext) / (a.long - 1)})  # fmt: skip
             if kind.startswith("tiered"):
                 rows[-1]["host_ms_per_step"] = _per_step(before, _host_s(stats))
             print(kind, rows[-1], flush=True)
