@@ -96,16 +96,24 @@ def _merge(parts: list[Tensor], groups: list[_Group]) -> Tensor:
 
 
 def _constraints(store, g: _Group) -> Constraints:
-    ts, st, dev = store.tier_set, store.stack, store.device
-    protected = store.layout.protected(g.n_tokens, store.policy.protect, dev)
-    tier = st.tier[g.sel, :, : g.n_units]
+    protected = store.layout.protected(g.n_tokens, store.policy.protect, store.device)
+    masks = [
+        store.scores.evaluate_layers(g.layers, r.when, store.layout) for r in store.policy.rules
+    ]
+    return _fold(store, protected, store.stack.tier[g.sel, :, : g.n_units], masks)
+
+
+def _fold(store, protected: Tensor, tier: Tensor, masks: list[Tensor]) -> Constraints:
+    """Constraints from the protected units, the tiers held (``[..., H, U]``; evicted units
+    stay evicted) and each rule's mask, the later rules winning."""
+    ts = store.tier_set
     gone = tier == ts.evict if ts.evict is not None else torch.zeros_like(tier, dtype=torch.bool)
     if not store.policy.rules:
         return Constraints(full=protected & ~gone, evict=gone, cap=None)
     full = torch.zeros_like(gone)
     evict, cap = torch.zeros_like(full), torch.zeros_like(full)
-    for rule in store.policy.rules:
-        m = store.scores.evaluate_layers(g.layers, rule.when, store.layout).bool()
+    for rule, m in zip(store.policy.rules, masks, strict=True):
+        m = m.bool()
         if isinstance(rule.then, Evict):
             evict, full, cap = evict | m, full & ~m, cap & ~m
         elif isinstance(rule.then, Keep | Promote):
@@ -118,10 +126,13 @@ def _constraints(store, g: _Group) -> Constraints:
 
 def _forced_bytes(store, g: _Group, c: Constraints) -> Tensor:
     """float64 ``[G, H]``: bytes the forced-full units hold after routing (rows + kept copies)."""
-    tokens = store.stack.unit_tokens(g.sel, g.n_units)
+    return _forced(store, store.stack.unit_tokens(g.sel, g.n_units), g.copies, c)
+
+
+def _forced(store, tokens: Tensor, copies: Tensor | None, c: Constraints) -> Tensor:
     rows = (c.full * tokens).sum(-1) * (4.0 * store.head_dim)
-    if g.copies is not None:
-        rows = rows + (g.copies.sum(0) * c.full).sum(-1)
+    if copies is not None:
+        rows = rows + (copies.sum(0) * c.full).sum(-1)
     return rows
 
 
@@ -173,10 +184,11 @@ def plan_route(store) -> Plan:
 def plan_routes(stores: list) -> list[Plan]:
     """:func:`plan_route` of several stores of one policy and model shape (the requests a
     server routes at one step). Under rank allocation, where each store's layers hold one token
-    count, their allocations are one allocator call over the stores' layers stacked, units
-    padded to the longest (a padding unit scores ``-inf`` and costs nothing: never placed, and
-    rows never see each other), so the op count does not grow with the stores; else one by
-    one. Equal to one :func:`plan_route` per store."""
+    count, the stores' layers are stacked (``[B * L, H, U]``, units padded to the longest: a
+    padding unit is evicted or scores ``-inf``, holds nothing and costs nothing, so it is never
+    placed, and rows never see each other) and planned in one pass: constraints, budgets and
+    one allocator call for all of them, the op count not growing with the stores but for each
+    one's scores and inputs; else one by one. Equal to one :func:`plan_route` per store."""
     pol = stores[0].policy if stores else None
     if (
         len(stores) < 2
@@ -184,24 +196,61 @@ def plan_routes(stores: list) -> list[Plan]:
         or any(len(set(s.stack.n_tokens)) > 1 for s in stores)
     ):
         return [plan_route(s) for s in stores]
-    preps = [_budgets(s) for s in stores]  # one group each: every layer
-    ins = [
-        _rank_inputs(s, groups[0], cons[0], hb)
-        for s, (groups, cons, hb, _) in zip(stores, preps, strict=True)
+    s0, B, L = stores[0], len(stores), stores[0].n_layers
+    ts, dev, layers = s0.tier_set, s0.device, list(range(L))
+    us = [s.stack.n_units(0) for s in stores]
+    u = max(us)
+
+    def cat(parts: list[Tensor], value: float, after: int = 0, dim: int = 0) -> Tensor:
+        return torch.cat([_pad(x, u, value, after) for x in parts], dim)
+
+    gone = ts.evict if ts.evict is not None else 0  # a padding unit holds nothing
+    tier = cat([s.stack.tier[:, :, :n] for s, n in zip(stores, us, strict=True)], gone)
+    prot = [s.layout.protected(s.stack.n_tokens[0], pol.protect, dev) for s in stores]
+    prot = cat([p.expand(L, 1, -1) for p in prot], False)  # [B*L, 1, U]
+    masks = [
+        cat([s.scores.evaluate_layers(layers, r.when, s.layout) for s in stores], 0)
+        for r in pol.rules
     ]
-    u = max(x[0].shape[-1] for x in ins)
-    pad = [
-        (_pad(score, u, -torch.inf), _pad(cost, u, 0.0, 1), budget, _pad(prev, u, 0))
-        for score, cost, budget, prev, _ in ins
+    c = _fold(s0, prot, tier, masks)
+    tokens = [s.stack.unit_tokens(slice(None), n) for s, n in zip(stores, us, strict=True)]
+    tokens = cat([t.expand(L, 1, -1) for t in tokens], 0)
+    held = [_copies(s, _Group(layers, slice(None), 0, n)) for s, n in zip(stores, us, strict=True)]
+    copies = None if held[0] is None else cat(held, 0.0, dim=1)  # [Q, B*L, H, U]
+    forced = _forced(s0, tokens, copies, c)  # [B*L, H]
+    totals = None
+    if pol.spread.kind == "proportional":
+        by = [s.scores.evaluate_layers(layers, pol.spread.by, s.layout).float() for s in stores]
+        totals = torch.cat([x.sum(-1) for x in by])
+    forced, totals = _all_heads(s0.shard, forced, totals)  # [B*L, H_total]
+    budget = [
+        total_budget(s.budget, s.stack.n_tokens, s.shard.heads_total, s.head_dim) for s in stores
     ]
-    tier_p = _allocate(pol, stores[0].tier_set, *(torch.cat(c) for c in zip(*pad, strict=True)))
-    out, at = [], 0
-    for s, (groups, cons, _, plan), x in zip(stores, preps, ins, strict=True):
-        n = len(groups[0].layers)
-        plan.tiers = _rank_finish(s, tier_p[at : at + n, :, : x[0].shape[-1]], x[4], cons[0])
-        out.append(plan)
-        at += n
-    return out
+    rest = torch.tensor(budget, dtype=torch.float64)  # the host's exact budgets
+    rest = rest.pin_memory() if torch.device(dev).type == "cuda" else rest
+    rest = rest.to(dev, non_blocking=True) - forced.view(B, -1).sum(1)
+    if totals is None:
+        shares = s0.shares.expand(B, *s0.shares.shape)
+    else:  # each store's own spread over its layers and heads
+        shares = torch.stack([
+            s0.shard.local(spread_shares(pol.spread, L, t.shape[1], t, dev), 1)
+            for t in totals.view(B, L, -1)
+        ])  # fmt: skip
+    head_budget = torch.floor(shares * rest.clamp(min=0.0).view(B, 1, 1)).flatten(0, 1)
+    cost_p = coupled_costs(ts, s0.stack.unit_bytes_t, copies)
+    if cost_p.dim() == 1:
+        cost_p = cost_p.expand(B * L, s0.n_heads, u, -1)
+    cost_p = cost_p[..., ts.offset :]
+    by = [s.scores.evaluate_layers(layers, pol.allocate.by, s.layout).float() for s in stores]
+    score = cat(by, -torch.inf)
+    routed = [s.stack.routed_units[li] for s in stores for li in layers]
+    score, cost, prev = _rank_tensors(s0, score, tier, c, cost_p, routed)
+    tier_p = _allocate(pol, ts, score, cost, head_budget, prev)
+    tiers = _rank_finish(s0, tier_p, cost_p, c)
+    over = rest < 0
+    return [
+        Plan(tiers[b * L : (b + 1) * L, :, :n], [n] * L, [], [], over[b]) for b, n in enumerate(us)
+    ]
 
 
 def _pad(x: Tensor, u: int, value: float, after: int = 0) -> Tensor:
@@ -270,22 +319,28 @@ def _rank_inputs(store, g: _Group, c: Constraints, budgets: Tensor):
     """The allocator's inputs for a group of layers: score ``[G, H, U]`` (-inf: evicted), cost
     ``[G, H, U, J]`` (forced units cost 0), ``budgets``, previous policy tier (the last column:
     never routed); and the policy tiers' costs ``cost_p``."""
-    ts, st = store.tier_set, store.stack
-    cost_p = _costs(store, g)[..., ts.offset :]
+    cost_p = _costs(store, g)[..., store.tier_set.offset :]
     score = store.scores.evaluate_layers(g.layers, store.policy.allocate.by, store.layout).float()
+    tier = store.stack.tier[g.sel, :, : g.n_units]
+    routed = [store.stack.routed_units[li] for li in g.layers]
+    score, cost, prev = _rank_tensors(store, score, tier, c, cost_p, routed)
+    return score, cost, budgets, prev, cost_p
+
+
+def _rank_tensors(store, score, tier, c: Constraints, cost_p, routed: list[int]):
+    """Score with evicted units at -inf, costs with forced units at 0, and the previous policy
+    tier (the implicit full tier (-1) and units never routed, past ``routed[l]``, map to the
+    allocator's last column, like the old code's "no previous tier") of ``[..., H, U]`` units."""
+    ts = store.tier_set
     score = torch.where(c.evict, -torch.inf, torch.nan_to_num(score, nan=-torch.inf))
-    # previous policy tier; the implicit full tier (-1) and units never routed map to the
-    # allocator's last column, like the old code's "no previous tier"
     last = cost_p.shape[-1] - (0 if ts.evict is None else 1)
-    prev = (st.tier[g.sel, :, : g.n_units] - ts.offset).remainder_(last + 1)
-    routed = [st.routed_units[li] for li in g.layers]
+    prev = (tier - ts.offset).remainder_(last + 1)
     if len(set(routed)) == 1:
         prev[..., routed[0] :] = last
     else:
-        new = torch.arange(g.n_units, device=store.device) >= per_layer(routed, store.device)
+        new = torch.arange(tier.shape[-1], device=tier.device) >= per_layer(routed, tier.device)
         prev = torch.where(new, last, prev)
-    cost = torch.where((c.full | c.evict)[..., None], 0.0, cost_p)
-    return score, cost, budgets, prev, cost_p
+    return score, torch.where((c.full | c.evict)[..., None], 0.0, cost_p), prev
 
 
 def _allocate(pol, ts, score: Tensor, cost: Tensor, budgets: Tensor, prev: Tensor) -> Tensor:
