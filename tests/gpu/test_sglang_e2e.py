@@ -38,6 +38,7 @@ if not Path(MODEL, "config.json").exists():
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from multiturn_chat import chat  # noqa: E402
+from needle_text import question  # noqa: E402
 
 SHIPPED = sorted(p.stem for p in (ROOT / "policies").glob("*.yaml"))
 POLICIES = [p for p in os.environ.get("TR_E2E_POLICIES", ",".join(SHIPPED)).split(",") if p]
@@ -46,11 +47,6 @@ TP = int(os.environ.get("TR_E2E_TP", "1"))
 if TP > torch.cuda.device_count():
     pytest.skip(f"TR_E2E_TP={TP} needs {TP} GPUs", allow_module_level=True)
 PORT = 31000
-NEEDLE = "The secret passphrase is tangerine-42."
-FILLER = (
-    "The committee met on Tuesday to review the quarterly budget, the parking rules and the "
-    "schedule for the spring cleaning of the archive rooms. "
-)
 
 
 def _get(url: str, timeout: float = 5.0) -> int:
@@ -111,10 +107,7 @@ def test_serves_multiturn_and_needle(policy):
         wait_healthy(proc, log)
         t0 = time.time()
         rows = chat(f"http://127.0.0.1:{PORT}/v1", max_tokens=40)
-        hay = FILLER * 100
-        cut = len(hay) // 3
-        question = hay[:cut] + NEEDLE + " " + hay[cut:] + "\nWhat is the secret passphrase?"
-        needle = chat(f"http://127.0.0.1:{PORT}/v1", turns=(question,), max_tokens=24)[0]
+        needle = chat(f"http://127.0.0.1:{PORT}/v1", turns=(question(),), max_tokens=24)[0]
         elapsed = time.time() - t0
     finally:
         stop(proc)

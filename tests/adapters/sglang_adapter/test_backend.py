@@ -263,7 +263,39 @@ ledger: write_once
 POSITION_POLICY = KERNEL_POLICY.replace("cumulative(attn, decay=0.99)", "position")
 
 
-@pytest.mark.parametrize("policy", [KERNEL_POLICY, POSITION_POLICY], ids=["attn", "position"])
+# KIVI's shape: no evict tier, every window but the recent one at 2 bits, sinks included (the
+# shipped kivi fails the GPU test's needle through SGLang, not through the transformers adapter:
+# bench/results/needle-transformers-cpu/)
+KIVI_POLICY = """
+policy: kernel-kivi
+budget: 100%
+units: window(size=16)
+protect: {recent: 16}
+tiers:
+  int2: quantize(bits=2, group=16, axis=kivi)
+allocate: {method: rank, by: position}
+schedule: after_prefill, every(3)
+ledger: write_once
+"""
+
+
+def test_a_kivi_shaped_policy_matches_the_engine():
+    """Everything but the newest window quantized, no evict tier: the backend's outputs and
+    tiers equal the engine's own (gather path, float32 extend)."""
+    h = Harness(policy=KIVI_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
+    req = h.start("a", list(range(1, 71)))
+    outs = [h.step([req], [req.origin_input_ids], extend=True)]
+    for t in range(6):
+        outs.append(h.step([req], [[80 + t]], extend=False))
+    store = reference(h, req.tokens, 70, outs)
+    for li in range(h.sim.L):
+        assert torch.equal(h.backend.sessions["a"].store.tiers(li), store.tiers(li))
+    assert h.backend.stats()["units"]["quantized"] > h.backend.stats()["units"]["full"] > 0
+
+
+@pytest.mark.parametrize(
+    "policy", [KERNEL_POLICY, POSITION_POLICY, KIVI_POLICY], ids=["attn", "position", "kivi"]
+)
 def test_decode_kernel_matches_the_gather_path(monkeypatch, policy):
     """The TriZone kernel (interpreted on CPU) reads the pool's pages and rows in place: decode
     outputs and the routing it drives equal the PyTorch gather path's."""
@@ -287,11 +319,10 @@ def test_decode_kernel_matches_the_gather_path(monkeypatch, policy):
         runs[path] = outs, tiers, h.backend.stats(), pages
     (go, gt, gs, _), (ko, kt, ks, pages) = runs["gather"], runs["kernel"]
     for a, b in zip(go, ko, strict=True):
-        for x, y in zip(a, b, strict=True):
-            err = (x.float() - y.float()).abs()
-            assert err.max() < 2e-2, (err.max(), err.argmax(), x.shape)  # bf16 output rounding
+        for x, y in zip(a, b, strict=True):  # bf16 outputs: at most about one ulp apart
+            torch.testing.assert_close(y.float(), x.float(), rtol=2**-7, atol=1e-2)
     assert all(torch.equal(x, y) for x, y in zip(gt, kt, strict=True))
-    assert gs["routes"] == ks["routes"] and ks["demote"] > 0 and ks["routes"] > 2
+    assert gs["routes"] == ks["routes"] and ks["demote"] > 0 and ks["routes"] >= 2
     assert pages > 0  # the kernel read quantized pages (and rows: outputs match)
     assert (ks["decode"], ks["kernel_steps"], gs["kernel_steps"]) == ("kernel", 7, 0)
 
