@@ -70,7 +70,9 @@ class Timer:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
-def build(args, device: torch.device) -> TierStore:
+def build(args, device: torch.device, tokens: int | None = None) -> TierStore:
+    """A store of ``tokens`` (default ``--tokens``) random K/V rows in every layer."""
+    tokens = args.tokens if tokens is None else tokens
     pol = load_policy(args.policy)
     store = TierStore(
         pol,
@@ -79,11 +81,11 @@ def build(args, device: torch.device) -> TierStore:
         head_dim=args.head_dim,
         dtype=torch.bfloat16,
         device=device,
-        max_tokens=args.tokens + args.decode * (args.warmup + args.repeats + 2),
+        max_tokens=tokens + args.decode * (args.warmup + args.repeats + 2),
         budget_override=Budget("fraction", args.budget),
     )
     g = torch.Generator(device=device).manual_seed(0)
-    shape = (args.heads, args.tokens, args.head_dim)
+    shape = (args.heads, tokens, args.head_dim)
     for li in range(args.layers):
         k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
         v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
@@ -157,17 +159,14 @@ def count(store: TierStore, device: torch.device) -> dict:
 
 def many(args, device: torch.device) -> dict:
     """``--stores``: routing N stores one by one vs together (see the module docstring)."""
-    tokens = args.tokens
     twins = []
     for _ in range(2):
         stores = []
         for i in range(args.stores):
-            args.tokens = tokens + 37 * i
-            stores.append(build(args, device))
+            stores.append(build(args, device, args.tokens + 37 * i))
             observe(stores[-1], args, device, 1 + i)
             stores[-1].route("after_prefill")
         twins.append(stores)
-    args.tokens = tokens
     alone_ms, together_ms = [], []
     for r in range(args.warmup + args.repeats):
         for stores in twins:
@@ -197,7 +196,7 @@ def many(args, device: torch.device) -> dict:
         "versions": versions(),
         "timer": "cuda events" if device.type == "cuda" else "wall clock",
         "policy": args.policy, "stores": args.stores, "layers": args.layers,
-        "kv_heads": args.heads, "tokens": tokens, "head_dim": args.head_dim,
+        "kv_heads": args.heads, "tokens": args.tokens, "head_dim": args.head_dim,
         "decode_tokens_per_step": args.decode, "repeats": args.repeats,
         "alone_ms_median": med(alone_ms), "together_ms_median": med(together_ms),
         "speedup": med(alone_ms) / med(together_ms), "same_tiers": same,

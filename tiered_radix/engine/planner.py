@@ -138,8 +138,13 @@ def _forced(store, tokens: Tensor, copies: Tensor | None, c: Constraints) -> Ten
 
 def _costs(store, g: _Group) -> Tensor:
     """float64 ``[G, H, U, J]`` engine-tier costs."""
-    cost = coupled_costs(store.tier_set, store.stack.unit_bytes_t, g.copies)
-    return cost.expand(len(g.layers), store.n_heads, g.n_units, -1) if cost.dim() == 1 else cost
+    return _cost_table(store, g.copies, len(g.layers), g.n_units)
+
+
+def _cost_table(store, copies: Tensor | None, rows: int, n_units: int) -> Tensor:
+    """float64 ``[rows, H, n_units, J]`` engine-tier costs of units keeping ``copies``."""
+    cost = coupled_costs(store.tier_set, store.stack.unit_bytes_t, copies)
+    return cost.expand(rows, store.n_heads, n_units, -1) if cost.dim() == 1 else cost
 
 
 def _all_heads(shard, forced: Tensor, totals: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -237,10 +242,7 @@ def plan_routes(stores: list) -> list[Plan]:
             for t in totals.view(B, L, -1)
         ])  # fmt: skip
     head_budget = torch.floor(shares * rest.clamp(min=0.0).view(B, 1, 1)).flatten(0, 1)
-    cost_p = coupled_costs(ts, s0.stack.unit_bytes_t, copies)
-    if cost_p.dim() == 1:
-        cost_p = cost_p.expand(B * L, s0.n_heads, u, -1)
-    cost_p = cost_p[..., ts.offset :]
+    cost_p = _cost_table(s0, copies, B * L, u)[..., ts.offset :]
     by = [s.scores.evaluate_layers(layers, pol.allocate.by, s.layout).float() for s in stores]
     score = cat(by, -torch.inf)
     routed = [s.stack.routed_units[li] for s in stores for li in layers]
@@ -309,22 +311,15 @@ def _finish(store, tier_p: Tensor, cost_p: Tensor, c: Constraints) -> Tensor:
 
 def _rank(store, g: _Group, c: Constraints, budgets: Tensor) -> Tensor:
     """Rank allocation of a group of layers in one allocator call; ``budgets`` float64
-    ``[G, H]``."""
-    score, cost, budgets, prev, cost_p = _rank_inputs(store, g, c, budgets)
-    tier_p = _allocate(store.policy, store.tier_set, score, cost, budgets, prev)
-    return _rank_finish(store, tier_p, cost_p, c)
-
-
-def _rank_inputs(store, g: _Group, c: Constraints, budgets: Tensor):
-    """The allocator's inputs for a group of layers: score ``[G, H, U]`` (-inf: evicted), cost
-    ``[G, H, U, J]`` (forced units cost 0), ``budgets``, previous policy tier (the last column:
-    never routed); and the policy tiers' costs ``cost_p``."""
+    ``[G, H]``. Allocator inputs: score ``[G, H, U]``, cost ``[G, H, U, J]``, previous tier
+    (:func:`_rank_tensors`)."""
     cost_p = _costs(store, g)[..., store.tier_set.offset :]
     score = store.scores.evaluate_layers(g.layers, store.policy.allocate.by, store.layout).float()
     tier = store.stack.tier[g.sel, :, : g.n_units]
     routed = [store.stack.routed_units[li] for li in g.layers]
     score, cost, prev = _rank_tensors(store, score, tier, c, cost_p, routed)
-    return score, cost, budgets, prev, cost_p
+    tier_p = _allocate(store.policy, store.tier_set, score, cost, budgets, prev)
+    return _rank_finish(store, tier_p, cost_p, c)
 
 
 def _rank_tensors(store, score, tier, c: Constraints, cost_p, routed: list[int]):

@@ -230,7 +230,7 @@ class TierStore:
     @staticmethod
     def route_many(stores: list[TierStore], reasons: list[str]) -> list[Transitions]:
         """:meth:`route` of several stores (one policy and model shape), planned together
-        (:func:`~.planner.plan_routes`: one allocator call for all of them where it can)."""
+        (:func:`~.planner.plan_routes`: one pass over their stacked layers where it can)."""
         plans = plan_routes(stores)
         return [s.apply(p, why) for s, p, why in zip(stores, plans, reasons, strict=True)]
 

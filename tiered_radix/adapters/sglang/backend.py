@@ -491,7 +491,7 @@ class TieredAttnBackend(AttentionBackend):
                     due.append((r, f"decode step {step}"))
         if due:
             self.fold_pending()  # scores up to date (replayed steps summed their attention)
-        # planned together (one allocator call), then one pool move for all of them
+        # planned together (one pass over their stacked layers), then one pool move for all
         moves = TierStore.route_many([r.session.store for r, _ in due], [why for _, why in due])
         routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
         self.tree.route_many(routed)

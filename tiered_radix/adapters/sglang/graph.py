@@ -38,7 +38,7 @@ from . import trizone
 
 TOKENS_ENV = "TIERED_RADIX_GRAPH_TOKENS"
 TOKENS_DEFAULT = 1 << 18
-SPLITS_ENV = "TIERED_RADIX_GRAPH_SPLITS"  # the kernel's splits per list (default: the plan's)
+SPLITS_ENV = "TIERED_RADIX_GRAPH_SPLITS"  # the kernel's splits per list (default: _splits)
 
 
 def capacity(context_len: int) -> int:
@@ -94,8 +94,8 @@ class GraphDecode:
 
     def batch(self, bs: int, num_q_heads: int) -> trizone.DecodeBatch:
         """The :class:`~.trizone.DecodeBatch` of captured size ``bs`` over the buffers (made
-        once; its plan's splits assume requests of ``context_len`` tokens, or are
-        ``$TIERED_RADIX_GRAPH_SPLITS``)."""
+        once; its plan is for requests of ``context_len`` tokens, split :meth:`_splits` ways
+        or ``$TIERED_RADIX_GRAPH_SPLITS``)."""
         if bs in self.batches:
             return self.batches[bs]
         pool, H = self.pool, self.pool.head_num

@@ -256,10 +256,8 @@ class TieredKVPool(MHATokenToKVPool):
     def rows_for_windows(self, n: int) -> bool:
         """Whether ``n`` windows can open now (``H`` row blocks each in every layer), after
         evicting radix-cached windows that no running request holds if rows are short."""
-        need = n * self.head_num
-        layers = list(range(self.layer_num))
-        self._reclaim_rows(need, layers)
-        return min(len(self.free_rows[li]) for li in layers) >= need
+        self._reclaim_rows(n * self.head_num, list(range(self.layer_num)))
+        return self.windows_free() >= n
 
     def windows_free(self) -> int:
         """Windows that can open now without evicting: the scarcest layer's free row blocks,
