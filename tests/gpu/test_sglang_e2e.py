@@ -7,7 +7,8 @@ Needs a CUDA GPU, SGLang 0.5.17 and a model folder in ``$TR_MODEL_PATH`` (on the
 hits, the backend's tier counters) go to ``$TR_E2E_OUT`` (default ``e2e-results``) as JSON.
 ``$TR_E2E_TP=2`` serves with ``--tp 2`` (two GPUs) and checks that both ranks routed the same
 requests at the same steps over the same whole-model byte counts (the ``tp`` digest of each
-rank's stats file).
+rank's stats file). ``$TR_E2E_ARGS`` adds server flags (e.g. ``--disable-cuda-graph`` with
+``TIERED_RADIX_DECODE=gather``: decode through PyTorch instead of the TriZone kernel).
 
 Budgets: the checks of answer quality run at ``--kv-budget 50%`` for tiered policies (at 10%
 a conversation of a few hundred tokens keeps only its protected sinks and recent window); the
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -44,6 +46,7 @@ SHIPPED = sorted(p.stem for p in (ROOT / "policies").glob("*.yaml"))
 POLICIES = [p for p in os.environ.get("TR_E2E_POLICIES", ",".join(SHIPPED)).split(",") if p]
 OUT = Path(os.environ.get("TR_E2E_OUT", "e2e-results"))
 TP = int(os.environ.get("TR_E2E_TP", "1"))
+EXTRA = shlex.split(os.environ.get("TR_E2E_ARGS", ""))
 if TP > torch.cuda.device_count():
     pytest.skip(f"TR_E2E_TP={TP} needs {TP} GPUs", allow_module_level=True)
 PORT = 31000
@@ -65,6 +68,7 @@ def launch(policy: str, budget: str | None, log: Path) -> subprocess.Popen:
     ]  # fmt: skip
     if budget:
         cmd += ["--kv-budget", budget]
+    cmd += EXTRA
     env = dict(os.environ, TIERED_RADIX_STATS=str(log.with_suffix(".stats.json")))
     log = log.resolve()
     f = open(log, "w")  # noqa: SIM115 - closed with the process
