@@ -10,6 +10,9 @@
 # (start no sample after this), OURS_PER_GPU / KVPRESS_PER_GPU (processes per GPU; 0 skips),
 # PRESSES, KVPRESS_ARGS (extra kvpress_run flags, e.g. --question-in-context), SKIP_INSTALL, SEED_OURS / SEED_KVPRESS (an earlier run's results.jsonl: its finished
 # cells are skipped, e.g. bench/results/eval-qwen-gpu-run2/results.jsonl). Rerunning resumes.
+# RETURN: a folder that gets only ours.jsonl and kvpress.jsonl (every shard's records, merged or
+# not), at the end and on SIGTERM: the device returns 8 files a call, fewer than OUT holds
+# (`OUT=$OUT/e RETURN=$OUT`).
 #
 # Parallelism: a 0.5B model's eager decode is launch-bound (one process leaves the H200 mostly
 # idle), so bench/shards.sh runs several shards per GPU, each its own samples (--shard i/N).
@@ -32,6 +35,16 @@ common=(--device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --threads 1
         --budgets "${BUDGETS:-5%,10%,20%}" --tasks "${TASKS:-niah_multikey}"
         --lengths "${LENGTHS:-16k,32k}" --samples "${SAMPLES:-50}" --max-minutes "${MINUTES:-8}")
 mkdir -p "$OUT"
+collect() {  # every record so far, one file per engine (shards' files hold the seed's records too)
+  [ -n "${RETURN:-}" ] || return 0
+  mkdir -p "$RETURN"
+  for e in ours kvpress; do
+    local src=("$OUT/$e"/shard-*/results.jsonl)
+    [ -f "${src[0]}" ] && sort -u "${src[@]}" > "$RETURN/$e.jsonl"
+  done
+  return 0
+}
+trap 'collect; exit 143' TERM
 pids=()
 # niah_multikey: 4 keyed needles in prose; the question names one, so a policy must keep the
 # right needle and not a distractor: harder than the single needle full KV always finds
@@ -56,6 +69,7 @@ if [ "$KVPRESS_PER_GPU" -gt 0 ]; then
 fi
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
+collect
 tail -25 "$OUT"/ours.log "$OUT"/kvpress.log 2>/dev/null
 dirs=(); for d in "$OUT/ours" "$OUT/kvpress"; do [ -f "$d/results.jsonl" ] && dirs+=("$d"); done
 [ ${#dirs[@]} -gt 0 ] && python3 -m tiered_radix eval --report-from "${dirs[@]}" --out "$OUT" \

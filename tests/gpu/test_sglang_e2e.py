@@ -99,6 +99,15 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+# Needles a policy loses by its own tier decisions, not the server's: through the tier engine
+# (the transformers adapter, bench/needle_transformers.py) the same prompt gets the same answer.
+LOSES_NEEDLE = {
+    "kivi": "kivi keeps only the newest 128 tokens above 2 bits and loses this needle on this "
+    "model; the transformers adapter gives the server's answer word for word "
+    "(bench/results/needle-transformers-cpu/)",
+}
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_serves_multiturn_and_needle(policy):
     if policy == "rdkv":
@@ -142,4 +151,7 @@ def test_serves_multiturn_and_needle(policy):
     assert stats.get("routes", 0) > 0, "the policy never routed"
     tiers = [p for p in ("demote", "evict") if stats.get(p, 0) > 0]
     assert tiers, f"no demotion or eviction happened: {stats}"
-    assert "tangerine" in needle["answer"].lower(), needle
+    found = "tangerine" in needle["answer"].lower()
+    if not found and policy in LOSES_NEEDLE:
+        pytest.xfail(LOSES_NEEDLE[policy])
+    assert found, needle
