@@ -100,10 +100,14 @@ class Transitions(Sequence):
         raw = self._raw
         if raw is None or any(not _same(c.device, dev) for c in raw):
             return tuple(self._column(n).to(dev) for n in names)
-        if self._shape is not None:
+        if self._shape is None:
+            cols = dict(zip(self._COLS, raw, strict=True))
+        else:  # unravel only the index columns asked for
             (idx, *rest), (_, h, u) = raw, self._shape
-            raw = (idx // (h * u), idx // u % h, idx % u, *rest)
-        cols = dict(zip(self._COLS, raw, strict=True))
+            cols = dict(zip(self._COLS[3:], rest, strict=True))
+            ravel = {"layer": lambda: idx // (h * u), "head": lambda: idx // u % h,
+                     "unit": lambda: idx % u}  # fmt: skip
+            cols.update({n: ravel[n]() for n in names if n in ravel})
         return tuple(cols[n].bool() if n == "ledger_write" else cols[n].long() for n in names)
 
     layer = property(lambda self: self._column("layer"))
@@ -129,8 +133,7 @@ class Transitions(Sequence):
 
     def kinds(self) -> Tensor:
         """int64 ``[n]``: 0 demote, 1 promote, 2 evict (indices into ``KINDS``)."""
-        ev = self.dst == (-1 if self.evict_index is None else self.evict_index)
-        return torch.where(ev, 2, torch.where(self.dst > self.src, 0, 1))
+        return kinds_of(self.src, self.dst, self.evict_index)
 
     def counts(self) -> dict[str, int]:
         c = torch.bincount(self.kinds(), minlength=3).tolist()
@@ -230,3 +233,10 @@ class EventLog:
     @property
     def over_budget_steps(self) -> list[int]:
         return [s.step for s in self.steps if s.over_budget]
+
+
+def kinds_of(src: Tensor, dst: Tensor, evict_index: int | None) -> Tensor:
+    """int64: 0 demote, 1 promote, 2 evict (indices into ``KINDS``) for moves ``src -> dst``
+    (engine tiers; a lower index is a higher precision)."""
+    ev = dst == (-1 if evict_index is None else evict_index)
+    return torch.where(ev, 2, torch.where(dst > src, 0, 1))

@@ -495,10 +495,10 @@ class TieredAttnBackend(AttentionBackend):
         moves = TierStore.route_many([r.session.store for r, _ in due], [why for _, why in due])
         routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
         self.tree.route_many(routed)
-        for (r, why), m in zip(due, moves, strict=True):
-            if self.shard is not None:  # read at stats(): no host sync here
+        if self.shard is not None:  # read at stats(): no host sync here
+            for r, why in due:
                 self._tp_pending.append((r.rid, why, r.session.store.events.steps[-1]))
-            self.counters.routed(m)
+        self.counters.routed(moves, self.pool.device)
         self.counters.publish(self.stats, bool(due))
         return bool(due)
 

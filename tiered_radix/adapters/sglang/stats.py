@@ -16,6 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
+
+from tiered_radix.engine.events import KINDS, kinds_of
 
 from .metrics import BLOCK_KINDS, TierMetrics, from_server_args
 from .reps import FULL, STATE_NAMES, Q, R
@@ -31,11 +34,7 @@ class BackendStats:
     (before its routing), ``peak_tokens`` the tokens the allocator held then (running requests
     and the radix tree's cache, in whole windows: what a plain bf16 pool would hold)."""
 
-    demote: int = 0
-    promote: int = 0
-    evict: int = 0
-    ledger_writes: int = 0
-    routes: int = 0
+    routes: int = 0  # requests routed
     peak_bytes: int = 0
     peak_tokens: int = 0
     kernel_steps: int = 0  # decode steps run by the TriZone kernel
@@ -44,6 +43,7 @@ class BackendStats:
     metrics: TierMetrics | None = None  # made at the first publish, with --enable-metrics
     metrics_checked: bool = False
     rank: int | None = None  # under --tp: the stats file is per rank (``name.rank{r}.json``)
+    counts: Tensor | None = None  # int64 [4] on the device: demote, promote, evict, ledger writes
 
     def forward_done(self, pool, tokens: int) -> None:
         self.tokens_held = tokens
@@ -51,17 +51,30 @@ class BackendStats:
         if used > self.peak_bytes:
             self.peak_bytes, self.peak_tokens = used, tokens
 
-    def routed(self, moves) -> None:
-        self.routes += 1
-        for kind, n in moves.counts().items():
-            setattr(self, kind, getattr(self, kind) + n)
-        self.ledger_writes += int(moves.ledger_write.sum())
+    def routed(self, moves: list, device: torch.device) -> None:
+        """Count a routing's transitions (one ``Transitions`` per routed request) on ``device``,
+        without a host sync: :meth:`moved` reads them."""
+        self.routes += len(moves)
+        parts = [m for m in moves if len(m)]
+        if not parts:
+            return
+        cols = [m.on(device, "src", "dst", "ledger_write") for m in parts]
+        src, dst, wrote = (torch.cat([c[i] for c in cols]) for i in range(3))
+        kinds = kinds_of(src, dst, parts[0].evict_index)
+        add = torch.cat([torch.bincount(kinds, minlength=len(KINDS)), wrote.sum().view(1)])
+        self.counts = add if self.counts is None else self.counts + add
+
+    def moved(self) -> dict[str, int]:
+        """Transitions so far per kind, and ledger copies written (one host sync)."""
+        c = [0] * 4 if self.counts is None else self.counts.tolist()
+        return dict(zip((*KINDS, "ledger_writes"), c, strict=True))
 
     def snapshot(self, pool, requests: int, decode: str, kernel_error: str | None) -> dict:
         """Pool bytes and blocks in use, transitions so far and the peak (a bf16 pool would
         hold ``peak_tokens * bf16_bytes_per_token``; ``bf16_bytes_held`` for the tokens held
         now). ``units``: (layer, head, window) units per owner state; ``blocks``: blocks in use
-        per representation. One device-to-host copy (of 7 numbers)."""
+        per representation. Two device-to-host copies (the 7 occupancy counts, the 4 transition
+        counts)."""
         per_token = 2 * 2 * pool.layer_num * pool.head_num * pool.head_dim
         units, blocks = occupancy(pool)
         return {
@@ -74,10 +87,7 @@ class BackendStats:
             "row_blocks_free": sum(len(f) for f in pool.free_rows),
             "ledger_blocks_free": sum(len(f) for f in pool.free_q),
             "routes": self.routes,
-            "demote": self.demote,
-            "promote": self.promote,
-            "evict": self.evict,
-            "ledger_writes": self.ledger_writes,
+            **self.moved(),
             "peak_bytes": self.peak_bytes,
             "peak_tokens": self.peak_tokens,
             "bf16_bytes_per_token": per_token,
@@ -89,7 +99,7 @@ class BackendStats:
     def publish(self, snapshot, routed: bool) -> None:
         """After a forward: rewrite the stats file after a routing, update the Prometheus series
         at most every :data:`~.metrics.METRICS_EVERY_S` and log at most every
-        :data:`LOG_EVERY_S`. ``snapshot()`` (one host sync) runs only when one of them is due."""
+        :data:`LOG_EVERY_S`. ``snapshot()`` (two host syncs) runs only when one of them is due."""
         if not self.metrics_checked:
             self.metrics_checked = True
             self.metrics = from_server_args()
