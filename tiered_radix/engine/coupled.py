@@ -204,8 +204,8 @@ class CoupledStack:
         if self.write_once:
             for j, m in need.items():
                 bad = bad | (m & (self.stores[j].write_count > 0))
-        sums = [changed.sum(), up.sum(), down.sum(), *(m.sum() for m in need.values()), bad.sum()]
-        counts = torch.stack(sums).tolist()  # the host sync: how many units move, and how
+        masks = torch.stack([changed, up, down, *need.values(), bad]).flatten(1)
+        counts = masks.sum(1).tolist()  # the host sync: how many units move, and how
         (n_changed, n_up, n_down), n_need = counts[:3], counts[3:-1]
         if counts[-1]:
             twice = [m & (self.stores[j].write_count > 0) for j, m in need.items()]
@@ -225,9 +225,7 @@ class CoupledStack:
         for j, s in self.stores.items():
             s.present &= ~(gone if self.write_once else gone | ((old == j) & (new != j)))
         self.tier.copy_(new)
-        wrote = torch.zeros_like(changed)
-        for m in need.values():
-            wrote |= m
+        wrote = masks[3:-1].any(0).view_as(changed) if need else torch.zeros_like(changed)
         idx = _compact(changed, n_changed)
         flat = [t.flatten()[idx] for t in (old, new, wrote)]
         return Moves(idx, (self.n_layers, self.n_heads, self.capacity), *flat)
