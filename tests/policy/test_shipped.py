@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,16 @@ def test_custom_example_combines_qevict_and_rdkv() -> None:
     attn = Call("cumulative", (Name("attn"),), (("decay", Num(0.99)),))
     assert p.score("heat") == BinOp("+", attn, Name("colmass"))
     assert p.ledger.write_once and p.schedule.every == 16
+
+
+def test_the_full70_example_is_qevict_with_other_shares() -> None:
+    """examples/qevict_full70.yaml (the niah_multivalue precision test of GPU eval run 6) is
+    the shipped qevict but for its name and its 70/30 split between full precision and INT2."""
+    ours, ref = load_policy(EXAMPLE.parent / "qevict_full70.yaml"), load_policy("qevict")
+    assert ours.allocate.shares == (0.7, 0.3) and ref.allocate.shares == (0.5, 0.5)
+    same = ("name", "description", "source", "allocate")
+    assert replace(ours, **{f: getattr(ref, f) for f in same}) == ref
+    assert replace(ours.allocate, shares=ref.allocate.shares) == ref.allocate
 
 
 # ---- the reference stays true to the language -------------------------------------------------
