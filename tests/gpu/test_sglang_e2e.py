@@ -105,8 +105,9 @@ LOSES_NEEDLE = {
     "kivi": "kivi keeps only the newest 128 tokens above 2 bits and loses this needle on this "
     "model; the transformers adapter gives the server's answer word for word "
     "(bench/results/needle-transformers-cpu/)",
-    "streaming": "at 50% streaming keeps the sinks and the newest half: the needle sits a third "
-    "into the prompt (the transformers adapter loses it too, bench/results/needle-transformers-cpu/)",
+    "streaming": "at 50% streaming keeps the sinks and the newest half, and the needle sits a "
+    "third into the prompt (the transformers adapter loses it too: "
+    "bench/results/needle-transformers-cpu/)",
 }
 
 
