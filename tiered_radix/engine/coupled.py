@@ -225,7 +225,7 @@ class CoupledStack:
         for j, s in self.stores.items():
             s.present &= ~(gone if self.write_once else gone | ((old == j) & (new != j)))
         self.tier.copy_(new)
-        wrote = masks[3:-1].any(0).view_as(changed) if need else torch.zeros_like(changed)
+        wrote = masks[3:-1].any(0).view_as(changed)  # no quantized tier: none written
         idx = _compact(changed, n_changed)
         flat = [t.flatten()[idx] for t in (old, new, wrote)]
         return Moves(idx, (self.n_layers, self.n_heads, self.capacity), *flat)

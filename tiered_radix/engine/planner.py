@@ -225,8 +225,8 @@ def plan_routes(stores: list) -> list[Plan]:
     forced = _forced(s0, tokens, copies, c)  # [B*L, H]
     totals = None
     if pol.spread.kind == "proportional":
-        by = [s.scores.evaluate_layers(layers, pol.spread.by, s.layout).float() for s in stores]
-        totals = torch.cat([x.sum(-1) for x in by])
+        spread = [s.scores.evaluate_layers(layers, pol.spread.by, s.layout) for s in stores]
+        totals = torch.cat([x.float().sum(-1) for x in spread])
     forced, totals = _all_heads(s0.shard, forced, totals)  # [B*L, H_total]
     budget = [
         total_budget(s.budget, s.stack.n_tokens, s.shard.heads_total, s.head_dim) for s in stores

@@ -38,10 +38,6 @@ class StepProfiler:
         except ValueError:
             raise ValueError(f"${PROFILE_ENV}={spec!r}: use DIR:START:STEPS") from None
 
-    @property
-    def active(self) -> bool:
-        return self.prof is not None
-
     def phase(self, name: str):
         """A labelled range while profiling (a no-op context otherwise)."""
         return torch.autograd.profiler.record_function(f"tr:{name}") if self.prof else nullcontext()

@@ -66,7 +66,7 @@ class BackendStats:
 
     def moved(self) -> dict[str, int]:
         """Transitions so far per kind, and ledger copies written (one host sync)."""
-        c = [0] * 4 if self.counts is None else self.counts.tolist()
+        c = [0] * (len(KINDS) + 1) if self.counts is None else self.counts.tolist()
         return dict(zip((*KINDS, "ledger_writes"), c, strict=True))
 
     def snapshot(self, pool, requests: int, decode: str, kernel_error: str | None) -> dict:
