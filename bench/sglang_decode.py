@@ -5,6 +5,8 @@ Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`
 - ``plain``: SGLang 0.5.17 with its Triton attention backend, bf16 KV, CUDA graphs on;
 - ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), chunked prefill of
   ``--chunk`` tokens so routing runs between chunks, decode CUDA graphs on;
+- ``tiered_serial``: ``tiered`` with SGLang's overlap scheduler off (``disable_overlap_schedule``:
+  every run before GPU run 12, when the plugin forced it off);
 - ``tiered_eager``: the same with CUDA graphs off (what every run before GPU run 8 measured);
 - ``tiered_step``: ``tiered`` observing each replayed step's attention on the host
   (``$TIERED_RADIX_OBSERVE=step``, every run before GPU run 9) instead of summing it on the
@@ -33,6 +35,7 @@ SGLang's pool would). Writes
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -42,13 +45,18 @@ import time
 from pathlib import Path
 
 
-def timed(engine, prompts: list[list[int]], n: int) -> float:
+def timed(engine, prompts: list[list[int]], n: int, digest: list | None = None) -> float:
+    """Seconds of one greedy call of ``n`` new tokens per prompt; with ``digest``, a sha256 of
+    the generated tokens is appended to it (kinds that decide the same tiers must agree)."""
     params = {"max_new_tokens": n, "ignore_eos": True, "temperature": 0.0}
     t0 = time.perf_counter()
     out = engine.generate(input_ids=prompts, sampling_params=params)
     dt = time.perf_counter() - t0
     got = [o["meta_info"]["completion_tokens"] for o in out]
     assert all(g == n for g in got), got
+    if digest is not None:
+        toks = [o.get("output_ids") or o.get("text") for o in out]
+        digest.append(hashlib.sha256(json.dumps(toks).encode()).hexdigest()[:16])
     return dt
 
 
@@ -103,6 +111,8 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
             kw["kv_budget"] = a.budget
     if kind == "tiered_eager":
         kw["disable_cuda_graph"] = True
+    if kind == "tiered_serial":
+        kw["disable_overlap_schedule"] = True
     # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
     os.environ["TIERED_RADIX_OBSERVE"] = "step" if kind == "tiered_step" else "fold"
     if a.profile and kind.startswith("tiered"):  # a window of decode steps (.profile)
@@ -130,14 +140,16 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
             # one new token: the extend over the cached prompt alone, no decode step
             ext = min(timed(engine, prompts, 1) for _ in range(2))
             before = _host_s(stats)
-            longs = [timed(engine, prompts, a.long) for _ in range(2)]
+            digest: list[str] = []
+            longs = [timed(engine, prompts, a.long, digest) for _ in range(2)]
             short, long = min(shorts), min(longs)
             per_tok = (long - short) / (a.long - a.short)
             rows.append({"batch": bs, "t_prefill_s": t_prefill, "t_short_s": short,
                          "t_long_s": long, "decode_ms_per_token": 1e3 * per_tok,
                          "t_extend_s": ext, "calls_short_s": shorts, "calls_long_s": longs,
                          # the same with the extend timed apart instead of cancelled
-                         "decode_ms_per_token_ex": 1e3 * (long - ext) / (a.long - 1)})  # fmt: skip
+                         "decode_ms_per_token_ex": 1e3 * (long - ext) / (a.long - 1),
+                         "long_outputs_sha256": digest})  # fmt: skip
             if kind.startswith("tiered"):
                 rows[-1]["host_ms_per_step"] = _per_step(before, _host_s(stats))
             print(kind, rows[-1], flush=True)
@@ -185,7 +197,7 @@ def main() -> None:
             print(kind, "FAILED", repr(e)[:2000], flush=True)
         Path(a.out, "sglang_decode.json").write_text(json.dumps(res, indent=1))
     by = {r["kind"]: r for r in res["runs"] if "rows" in r}
-    for kind in ("tiered", "tiered_step", "tiered_eager"):
+    for kind in ("tiered", "tiered_serial", "tiered_step", "tiered_eager"):
         if {"plain", kind} <= by.keys():
             for pr, tr in zip(by["plain"]["rows"], by[kind]["rows"], strict=False):
                 tr["ratio_vs_plain"] = tr["decode_ms_per_token"] / pr["decode_ms_per_token"]

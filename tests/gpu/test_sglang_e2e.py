@@ -9,6 +9,8 @@ hits, the backend's tier counters) go to ``$TR_E2E_OUT`` (default ``e2e-results`
 requests at the same steps over the same whole-model byte counts (the ``tp`` digest of each
 rank's stats file). ``$TR_E2E_ARGS`` adds server flags (e.g. ``--disable-cuda-graph`` with
 ``TIERED_RADIX_DECODE=gather``: decode through PyTorch instead of the TriZone kernel).
+``$TR_E2E_PORT`` (default 31000) and ``$TR_E2E_MEM`` (``--mem-fraction-static``, default 0.5) let
+several of these runs share one GPU, each with its own policies.
 
 Budgets: the checks of answer quality run at ``--kv-budget 50%`` for tiered policies (at 10%
 a conversation of a few hundred tokens keeps only its protected sinks and recent window); the
@@ -49,7 +51,8 @@ TP = int(os.environ.get("TR_E2E_TP", "1"))
 EXTRA = shlex.split(os.environ.get("TR_E2E_ARGS", ""))
 if TP > torch.cuda.device_count():
     pytest.skip(f"TR_E2E_TP={TP} needs {TP} GPUs", allow_module_level=True)
-PORT = 31000
+PORT = int(os.environ.get("TR_E2E_PORT", "31000"))
+MEM = os.environ.get("TR_E2E_MEM", "0.5")
 
 
 def _get(url: str, timeout: float = 5.0) -> int:
@@ -63,7 +66,7 @@ def _get(url: str, timeout: float = 5.0) -> int:
 def launch(policy: str, budget: str | None, log: Path) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL, "--port", str(PORT),
-        "--enable-cache-report", "--mem-fraction-static", "0.5", "--context-length", "8192",
+        "--enable-cache-report", "--mem-fraction-static", MEM, "--context-length", "8192",
         "--kv-policy", policy, "--tp", str(TP), "--cuda-graph-max-bs-decode", "8",
     ]  # fmt: skip
     if budget:

@@ -127,10 +127,11 @@ class Harness:
             torch.randn(self.sim.L, bs, self.hq * self.sim.d, generator=g),
         )
 
-    def replay(self, reqs, new: list[list[int]], bs: int):
+    def replay(self, reqs, new: list[list[int]], bs: int, rids: bool = False):
         """One decode step as a replay of the graph of batch size ``bs``: the metadata sees
-        SGLang's replay view (padded indices and lengths, no rids), the layers get padded q/k/v;
-        returns the real rows of every layer's output."""
+        SGLang's replay view (padded indices and lengths, no rids; with ``rids`` the batch's
+        request ids arrive as the plugin's ``graph_execute`` hands them over), the layers get
+        padded q/k/v; returns the real rows of every layer's output."""
         locs, pre = self._locs(reqs, new)
         raw, sim = len(reqs), self.sim
         pad = bs - raw
@@ -140,6 +141,8 @@ class Harness:
             seq_lens_cpu=torch.tensor([len(r.tokens) for r in reqs] + [1] * pad),
             out_cache_loc=torch.cat(locs),
         )  # fmt: skip
+        if rids:
+            self.backend.replay_rids = [r.rid for r in reqs]
         self.backend.init_forward_metadata_out_graph(fb)
         ks, vs, qs = self._dummy(bs)
         for li in range(sim.L):
@@ -525,6 +528,65 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy, obse
     for req in reqs["graphed"]:
         graphed.finish(req)
     sim.cache.evict(EvictParams(num_tokens=10_000))
+    assert sim.alloc.available_size() == avail0
+    assert [len(f) for f in sim.pool.free_rows] == free0
+
+
+def test_overlapped_decode_leaves_the_other_requests_as_serial_decode_does(monkeypatch):
+    """The overlap scheduler's order (decode after decode): step t+1 is prepared and launched
+    before step t's tokens are processed, so request c, whose last token came at step 5, runs
+    step 6 too (its token dropped) and its view closes only after step 6 was launched (flushing
+    that step's routing first). a and b see the same outputs at every step and end with the
+    same tiers and scores as in the serial order, every block comes back, and the metadata
+    reads the request ids the plugin hands over instead of the padded pool indices."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kw = dict(policy=KERNEL_POLICY, head_dim=64, pages=40, blocks=PoolBlocks(96, 96))
+    serial, overlap = Harness(**kw), Harness(**kw)
+    sim = overlap.sim
+    free0, avail0 = [len(f) for f in sim.pool.free_rows], sim.alloc.available_size()
+    for h in (serial, overlap):
+        h.backend.init_cuda_graph_state(4, 4)
+        h.capture(4)
+    reqs = {}
+    for name, h in (("serial", serial), ("overlap", overlap)):
+        a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
+        c = h.start("c", list(range(5, 40)))
+        h.step([a, b, c], [a.origin_input_ids, b.origin_input_ids, c.origin_input_ids], True)
+        reqs[name] = a, b, c
+    last_c = 5
+    for t in range(12):
+        new = {"a": [60 + t], "b": [80 + t], "c": [30 + t]}
+        a, b, c = reqs["serial"]
+        batch = [a, b, c] if t <= last_c else [a, b]
+        want = serial.replay(batch, [new[r.rid] for r in batch], 4)
+        if t == last_c:
+            serial.finish(c)  # serial: step t's tokens are processed before step t+1
+        a, b, c = reqs["overlap"]
+        batch = [a, b, c] if t <= last_c + 1 else [a, b]
+        got = overlap.replay(batch, [new[r.rid] for r in batch], 4, rids=True)
+        if t == last_c + 1:
+            overlap.finish(c)  # overlap: after step t+1 was launched
+        for x, y in zip(want, got, strict=True):
+            err = (x[:2].float() - y[:2].float()).abs()  # a's and b's rows
+            assert err.max() < 2e-2, (t, err.max())
+    for h in (serial, overlap):
+        h.backend.flush()
+        h.backend.fold_pending()
+    for r in "ab":
+        s, o = (h.backend.sessions[r].store for h in (serial, overlap))
+        for li in range(sim.L):
+            assert torch.equal(s.tiers(li), o.tiers(li)), (r, li)
+        for key, x in s.scores._state.items():
+            torch.testing.assert_close(o.scores._state[key], x, atol=1e-3, rtol=1e-3)
+    assert "c" not in overlap.backend.sessions and "c" not in overlap.backend.pool_of
+    assert overlap.backend.stats()["routes"] > 4
+    for h in (serial, overlap):
+        for req in reqs["serial" if h is serial else "overlap"][:2]:
+            h.finish(req)
+        h.sim.cache.evict(EvictParams(num_tokens=10_000))
     assert sim.alloc.available_size() == avail0
     assert [len(f) for f in sim.pool.free_rows] == free0
 

@@ -74,11 +74,30 @@ def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseli
 def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, policy,
                                                                       decode_graphs):  # fmt: skip
     """Windows the TriZone kernel pages (qevict's 32) keep SGLang's decode CUDA graphs; token
-    units (full) decode through PyTorch gathers, which a graph cannot hold. Prefill graphs and
-    the overlap scheduler are always off."""
+    units (full) decode through PyTorch gathers, which a graph cannot hold. Prefill graphs are
+    always off; the overlap scheduler stays as the user has it."""
     args = prepare_server_args([*BARE, "--kv-policy", policy])
     assert args.disable_decode_cuda_graph is not decode_graphs
-    assert args.disable_prefill_cuda_graph and args.disable_overlap_schedule
+    assert args.disable_prefill_cuda_graph and not args.disable_overlap_schedule
+    args = prepare_server_args([*BARE, "--kv-policy", policy, "--disable-overlap-schedule"])
+    assert args.disable_overlap_schedule
+
+
+def test_the_overlap_scheduler_overlaps_decode_after_decode_only(baseline):
+    """The AROUND hook on ``Scheduler.is_disable_overlap_for_batch``: under a tiered policy the
+    last batch is processed before launching the next one unless both are decode batches
+    (SGLang's own yes stands); without a policy SGLang's answer passes through."""
+    mode = lambda decode: SimpleNamespace(is_decode=lambda: decode)  # noqa: E731
+    decode, extend = (SimpleNamespace(forward_mode=mode(d)) for d in (True, False))
+    cases = [(decode, decode, False), (decode, None, False), (None, decode, False),
+             (extend, decode, True), (decode, extend, True), (extend, extend, True)]  # fmt: skip
+    no = lambda _s, _b, _l: False  # noqa: E731
+    config.export(None)
+    assert not any(plugin.overlap_for_batch(no, None, b, lb) for b, lb, _ in cases)
+    prepare_server_args([*BARE, "--kv-policy", "qevict"])
+    for batch, last, want in cases:
+        assert plugin.overlap_for_batch(no, None, batch, last) is want, (batch, last)
+    assert plugin.overlap_for_batch(lambda _s, _b, _l: True, None, decode, decode) is True
 
 
 def test_a_decode_batch_over_the_graph_buffers_runs_eagerly():
@@ -96,22 +115,28 @@ def test_a_decode_batch_over_the_graph_buffers_runs_eagerly():
     assert plugin.can_run_graph(lambda _s, _fb: True, runner, fb) is True
 
 
-def test_a_graph_replay_ends_with_the_backends_mark():
-    """The AROUND hook on the graph runner's ``execute``: SGLang's output, then the tiered
-    backend's ``replay_done`` (after the replay was launched); other backends pass through."""
+def test_a_graph_replay_carries_its_rids_ends_with_the_mark_and_a_whole_forward_barrier():
+    """The AROUND hook on the graph runner's ``execute``: the batch's request ids reach the
+    tiered backend before the replay (its metadata runs inside it), then SGLang's output, the
+    backend's ``replay_done``, and no read-done event left for the scheduler's write-after-read
+    barrier (it waits for the whole forward); other backends pass through untouched."""
     calls = []
-    tiered = SimpleNamespace(replay_done=lambda: calls.append("done"))
+    tiered = SimpleNamespace(replay_done=lambda: calls.append("done"), replay_rids=None)
 
-    def execute(_self, fb, pp=None):
-        calls.append(("replay", fb, pp))
+    def execute(self, fb, pp=None):
+        calls.append(("replay", fb.rids, pp, getattr(self.attn_backend, "replay_rids", None)))
+        self.model_runner.war_fastpath_read_done_event = "read-done"  # as SGLang's replay does
         return "logits"
 
-    runner = SimpleNamespace(attn_backend=tiered)
-    assert plugin.graph_execute(execute, runner, "fb", pp="pp") == "logits"
-    assert calls == [("replay", "fb", "pp"), "done"]
-    stock = SimpleNamespace(attn_backend=SimpleNamespace())
-    assert plugin.graph_execute(execute, stock, "fb2") == "logits"
-    assert calls[-1] == ("replay", "fb2", None)
+    fb = SimpleNamespace(rids=["r1", "r2"])
+    runner = SimpleNamespace(attn_backend=tiered, model_runner=SimpleNamespace())
+    assert plugin.graph_execute(execute, runner, fb, pp="pp") == "logits"
+    assert calls == [("replay", ["r1", "r2"], "pp", ["r1", "r2"]), "done"]
+    assert runner.model_runner.war_fastpath_read_done_event is None
+    stock = SimpleNamespace(attn_backend=SimpleNamespace(), model_runner=SimpleNamespace())
+    assert plugin.graph_execute(execute, stock, fb) == "logits"
+    assert calls[-1] == ("replay", ["r1", "r2"], None, None)
+    assert stock.model_runner.war_fastpath_read_done_event == "read-done"
 
 
 def test_decode_retracts_when_the_row_blocks_cannot_hold_the_new_windows():

@@ -32,8 +32,15 @@ next forward's metadata or a request's view closes, so routing sees the same sta
 routing after the step. Where the policy's scores allow it (``TierStore.attn_decay``) the side
 output is not observed per step: the graph's buffer sums the steps (with the score's decay)
 and :meth:`fold_pending` hands them to the engines at once, before routing or a list rebuild.
-Batches over the buffers' capacity run eagerly. The overlap scheduler stays off (its next-batch
-preparation would race the views).
+Batches over the buffers' capacity run eagerly.
+
+The overlap scheduler (decode after decode, :func:`~.plugin.overlap_for_batch`): SGLang prepares
+and launches step t+1 before it processes step t's tokens, so a request that finished at step t
+runs one more step (its token is dropped) and its view closes (``before_close`` -> :meth:`flush`)
+after step t+1 was launched. Other requests' steps, scores and routings are as in the serial
+order (each store is its own). On the device every piece of work runs in the order the host
+issued it: SGLang's forward stream waits for its schedule stream before each forward, and the
+plugin's :func:`~.plugin.graph_execute` makes the schedule stream wait for the whole replay.
 
 Tensor parallelism (``--tp N``): each rank's pool holds its ``H / N`` KV heads and each request's
 store is built with that rank's :class:`~tiered_radix.engine.shard.HeadShard` over SGLang's TP
@@ -140,11 +147,14 @@ class TieredAttnBackend(AttentionBackend):
         self.graph_bs: int | None = None  # the captured batch size this step runs at, if any
         self.pending = False  # a captured step's observe/route waits for flush()
         self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
+        self.pool_of: dict[str, int] = {}  # rid -> req_pool_idx, for the same
+        self.replay_rids: list[str] | None = None  # the next replay's, from the plugin's hook
         self.graph_last: tuple | None = None  # the last replay's (bs, pools, seqs)
         self.host_s: dict[str, float] = defaultdict(float)  # host seconds per phase, see stats()
         self.device_s: dict[str, float] = defaultdict(float)  # device seconds of graph replays
         timing = os.environ.get(TIMES_ENV) == "1" and torch.device(pool.device).type == "cuda"
         self.replay_events: list | None = [] if timing else None  # the replay in flight
+        self.replays_timed: list[tuple] = []  # ended replays' (start, end), read at stats()
         self.profiler = StepProfiler()  # $TIERED_RADIX_PROFILE: a window of decode steps
         self.shard = tp_shard(runner, pool.head_num)
         if self.shard is not None:
@@ -222,7 +232,7 @@ class TieredAttnBackend(AttentionBackend):
         tree = self.tree
         start = 0
         for rid, idx, seq, pre, tq in zip(rids, pools, seqs, prefix, new, strict=True):
-            self.rid_of[idx] = rid
+            self.rid_of[idx], self.pool_of[rid] = rid, idx
             req = SimpleNamespace(rid=rid, req_pool_idx=idx)
             if rid not in tree.views:  # a new request, or one retracted and scheduled again
                 if not self.extend:
@@ -236,6 +246,7 @@ class TieredAttnBackend(AttentionBackend):
             start += tq
         for rid in [r for r in self.sessions if r not in tree.views]:
             del self.sessions[rid]  # finished or aborted: the tree closed its view
+            self.pool_of.pop(rid, None)
 
     # -- CUDA graphs (decode) --------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -280,14 +291,19 @@ class TieredAttnBackend(AttentionBackend):
             return
         with self._timed("metadata"):
             raw = bs - (getattr(fb, "num_padding", 0) or 0)
-            pools = fb.req_pool_indices[:raw].tolist()
+            rids, self.replay_rids = self.replay_rids, None
+            if rids is not None:  # no host sync: under overlap, step t-1 may still run
+                rids = list(rids[:raw])
+                pools = [self.pool_of[r] for r in rids]
+            else:  # a replay not launched through the plugin's hook
+                pools = fb.req_pool_indices[:raw].tolist()
+                rids = [self.rid_of[p] for p in pools]
             seqs = fb.seq_lens_cpu[:raw].tolist()
             prev = [s - 1 for s in seqs]  # each request's length before its new token
             W = self.pool.layout.window
             # the same requests, one token more each, none of them in a new window
             steady = self.graph_last == (bs, pools, prev) and all(p % W for p in prev)
             self._graph_step(bs, steady)
-            rids = [self.rid_of[p] for p in pools]
             self._admit(rids, pools, seqs, prev, [1] * raw)
             if not steady:
                 self.pool.graph_write(fb.out_cache_loc, g.dest[:, : bs * H])
@@ -333,10 +349,7 @@ class TieredAttnBackend(AttentionBackend):
         self.pending = False
         self.counters.kernel_steps += 1
         if self.replay_events is not None and len(self.replay_events) == 2:
-            start, end = self.replay_events
-            end.synchronize()  # SGLang has already waited for the step's tokens
-            self.device_s["replay"] += start.elapsed_time(end) / 1e3
-            self.device_s["replays"] += 1
+            self.replays_timed.append(tuple(self.replay_events))  # read at stats(), no wait
             self.replay_events = []
         folds = self.graph.decay is not None
         if self.dbatch is not None and self.dbatch.mass is not None and not folds:
@@ -517,6 +530,11 @@ class TieredAttnBackend(AttentionBackend):
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
         out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
         if self.replay_events is not None:
+            for start, end in self.replays_timed:
+                end.synchronize()
+                self.device_s["replay"] += start.elapsed_time(end) / 1e3
+                self.device_s["replays"] += 1
+            self.replays_timed.clear()
             out["device_s"] = {k: round(v, 6) for k, v in self.device_s.items()}
         if self.shard is not None:
             out["tp"] = self._tp_record()

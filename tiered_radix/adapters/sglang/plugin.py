@@ -16,8 +16,12 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   :func:`~.pool.logical_tokens` slots and the pool is a :class:`~.pool.TieredKVPool`;
 - ``DecodeCudaGraphRunner.can_run_graph`` (AROUND): a decode batch over the backend's graph
   buffers (:mod:`.graph`) runs eagerly;
-- ``DecodeCudaGraphRunner.execute`` (AROUND): after a replay, the tiered backend's
-  ``replay_done`` (the device time of replays, when ``$TIERED_RADIX_DEVICE_TIMES=1``).
+- ``DecodeCudaGraphRunner.execute`` (AROUND): the step's request ids to the tiered backend (its
+  replay view has none), and after the replay its ``replay_done`` (the device time of replays,
+  when ``$TIERED_RADIX_DEVICE_TIMES=1``) and SGLang's coarse write-after-read barrier (see
+  :func:`graph_execute`);
+- ``Scheduler.is_disable_overlap_for_batch`` (AROUND): the overlap scheduler runs decode after
+  decode only (:func:`overlap_for_batch`);
 - ``ScheduleBatch.check_decode_mem`` (AROUND): a decode step whose new windows find too few row
   blocks makes SGLang retract requests, as a full pool does;
 - ``PrefillAdder.add_one_req`` and ``add_chunked_req`` (AROUND): a prefill batch admits only the
@@ -108,12 +112,9 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
 
 
 # Extend gathers rows per request on the host between layers: no prefill CUDA graphs. Decode
-# graphs stay as the user has them (the backend captures them, :mod:`.graph`). No overlap
-# scheduler: its next-batch preparation would race the views.
-FORCED = {
-    "disable_prefill_cuda_graph": True,
-    "disable_overlap_schedule": True,
-}
+# graphs stay as the user has them (the backend captures them, :mod:`.graph`), and so does the
+# overlap scheduler (decode steps overlap: :func:`overlap_for_batch`, :func:`graph_execute`).
+FORCED = {"disable_prefill_cuda_graph": True}
 
 
 def from_cli_args(original, cls, args):
@@ -195,14 +196,44 @@ def can_run_graph(original, self, forward_batch) -> bool:
     return fits((seqs if seqs is not None else forward_batch.seq_lens).tolist())
 
 
-def graph_execute(original, self, *args, **kwargs):
-    """SGLang's decode graph replay, then the tiered backend's end-of-replay mark (device time
-    of each replay with ``$TIERED_RADIX_DEVICE_TIMES=1``; nothing otherwise)."""
-    out = original(self, *args, **kwargs)
-    done = getattr(self.attn_backend, "replay_done", None)
-    if done is not None:
-        done()
+def graph_execute(original, self, forward_batch, *args, **kwargs):
+    """SGLang's decode graph replay, for the tiered backend with three additions:
+
+    - before it, the batch's request ids (``replay_rids``): the replay view its metadata gets
+      has none, and reading them back from the padded ``req_pool_indices`` would be a host sync
+      (under the overlap scheduler: a wait for the step still in flight);
+    - after it, ``replay_done`` (the replay's device time with ``$TIERED_RADIX_DEVICE_TIMES=1``);
+    - after it, no read-done event for the scheduler's write-after-read barrier. SGLang publishes
+      one at the replay's input snapshot, so that its schedule stream waits only for that; the
+      tiered backend's work outside a forward (the step's routing at :meth:`~.backend.
+      TieredAttnBackend.flush`, closing views, freeing blocks) then runs on the schedule stream
+      while the replay still reads the pool. Without the event the barrier waits for the whole
+      forward: every stream's device work runs in the order the host issued it, while the host
+      still runs ahead (prepares the next step, processes the last one's tokens)."""
+    backend = self.attn_backend
+    tiered = hasattr(backend, "replay_done")
+    if tiered:
+        backend.replay_rids = getattr(forward_batch, "rids", None)
+    out = original(self, forward_batch, *args, **kwargs)
+    if tiered:
+        backend.replay_done()
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.war_fastpath_read_done_event = None
     return out
+
+
+def overlap_for_batch(original, self, batch, last_batch) -> bool:
+    """SGLang's answer to "process the last batch before launching this one?", and with a
+    tiered policy also yes unless both are decode batches. Decode steps overlap (the host
+    prepares step t+1 and launches it before processing step t's tokens); extend batches gather
+    rows and route on the host between layers, where overlap would buy nothing, and their
+    chunked-prefill bookkeeping (``cache_unfinished_req``) stays in the serial order."""
+    out = original(self, batch, last_batch)
+    if out or config.current() is None:
+        return out
+    decode = lambda b: b is None or b.forward_mode.is_decode()  # noqa: E731
+    return not (decode(batch) and decode(last_batch))
 
 
 def check_decode_mem(original, self, selected_indices=None) -> bool:
@@ -325,6 +356,11 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
         graph_execute,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch",
+        overlap_for_batch,
         HookType.AROUND,
     )
     HookRegistry.register(
