@@ -86,11 +86,13 @@ def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, 
 def test_the_overlap_scheduler_overlaps_decode_after_decode_only(baseline):
     """The AROUND hook on ``Scheduler.is_disable_overlap_for_batch``: under a tiered policy the
     last batch is processed before launching the next one unless both are decode batches
-    (SGLang's own yes stands); without a policy SGLang's answer passes through."""
+    (SGLang's own yes stands), and never without a last batch (SGLang would pop an empty
+    result queue); without a policy SGLang's answer passes through."""
     mode = lambda decode: SimpleNamespace(is_decode=lambda: decode)  # noqa: E731
     decode, extend = (SimpleNamespace(forward_mode=mode(d)) for d in (True, False))
     cases = [(decode, decode, False), (decode, None, False), (None, decode, False),
-             (extend, decode, True), (decode, extend, True), (extend, extend, True)]  # fmt: skip
+             (extend, decode, True), (decode, extend, True), (extend, extend, True),
+             (extend, None, False), (None, extend, True)]  # fmt: skip
     no = lambda _s, _b, _l: False  # noqa: E731
     config.export(None)
     assert not any(plugin.overlap_for_batch(no, None, b, lb) for b, lb, _ in cases)

@@ -230,7 +230,7 @@ def overlap_for_batch(original, self, batch, last_batch) -> bool:
     rows and route on the host between layers, where overlap would buy nothing, and their
     chunked-prefill bookkeeping (``cache_unfinished_req``) stays in the serial order."""
     out = original(self, batch, last_batch)
-    if out or config.current() is None:
+    if out or last_batch is None or config.current() is None:  # None: nothing to process
         return out
     decode = lambda b: b is None or b.forward_mode.is_decode()  # noqa: E731
     return not (decode(batch) and decode(last_batch))
