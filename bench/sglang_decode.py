@@ -5,8 +5,9 @@ Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`
 - ``plain``: SGLang 0.5.17 with its Triton attention backend, bf16 KV, CUDA graphs on;
 - ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), chunked prefill of
   ``--chunk`` tokens so routing runs between chunks, decode CUDA graphs on;
-- ``tiered_serial``: ``tiered`` with SGLang's overlap scheduler off (``disable_overlap_schedule``:
-  every run before GPU run 12, when the plugin forced it off);
+- ``tiered_overlap``: ``tiered`` with SGLang's overlap scheduler on (``$TIERED_RADIX_OVERLAP=1``;
+  ``tiered``, like every run before GPU run 12, runs without it);
+- ``plain_serial``: ``plain`` without the overlap scheduler (``disable_overlap_schedule``);
 - ``tiered_eager``: the same with CUDA graphs off (what every run before GPU run 8 measured);
 - ``tiered_step``: ``tiered`` observing each replayed step's attention on the host
   (``$TIERED_RADIX_OBSERVE=step``, every run before GPU run 9) instead of summing it on the
@@ -111,8 +112,9 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
             kw["kv_budget"] = a.budget
     if kind == "tiered_eager":
         kw["disable_cuda_graph"] = True
-    if kind == "tiered_serial":
+    if kind == "plain_serial":
         kw["disable_overlap_schedule"] = True
+    os.environ["TIERED_RADIX_OVERLAP"] = "1" if kind == "tiered_overlap" else "0"
     # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
     os.environ["TIERED_RADIX_OBSERVE"] = "step" if kind == "tiered_step" else "fold"
     if a.profile and kind.startswith("tiered"):  # a window of decode steps (.profile)
@@ -197,7 +199,7 @@ def main() -> None:
             print(kind, "FAILED", repr(e)[:2000], flush=True)
         Path(a.out, "sglang_decode.json").write_text(json.dumps(res, indent=1))
     by = {r["kind"]: r for r in res["runs"] if "rows" in r}
-    for kind in ("tiered", "tiered_serial", "tiered_step", "tiered_eager"):
+    for kind in ("tiered", "tiered_overlap", "tiered_step", "tiered_eager"):
         if {"plain", kind} <= by.keys():
             for pr, tr in zip(by["plain"]["rows"], by[kind]["rows"], strict=False):
                 tr["ratio_vs_plain"] = tr["decode_ms_per_token"] / pr["decode_ms_per_token"]

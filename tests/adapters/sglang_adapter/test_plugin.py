@@ -75,31 +75,21 @@ def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, 
                                                                       decode_graphs):  # fmt: skip
     """Windows the TriZone kernel pages (qevict's 32) keep SGLang's decode CUDA graphs; token
     units (full) decode through PyTorch gathers, which a graph cannot hold. Prefill graphs are
-    always off; the overlap scheduler stays as the user has it."""
+    always off, and so is the overlap scheduler (unless ``$TIERED_RADIX_OVERLAP=1``)."""
     args = prepare_server_args([*BARE, "--kv-policy", policy])
     assert args.disable_decode_cuda_graph is not decode_graphs
-    assert args.disable_prefill_cuda_graph and not args.disable_overlap_schedule
-    args = prepare_server_args([*BARE, "--kv-policy", policy, "--disable-overlap-schedule"])
-    assert args.disable_overlap_schedule
+    assert args.disable_prefill_cuda_graph and args.disable_overlap_schedule
 
 
-def test_the_overlap_scheduler_overlaps_decode_after_decode_only(baseline):
-    """The AROUND hook on ``Scheduler.is_disable_overlap_for_batch``: under a tiered policy the
-    last batch is processed before launching the next one unless both are decode batches
-    (SGLang's own yes stands), and never without a last batch (SGLang would pop an empty
-    result queue); without a policy SGLang's answer passes through."""
-    mode = lambda decode: SimpleNamespace(is_decode=lambda: decode)  # noqa: E731
-    decode, extend = (SimpleNamespace(forward_mode=mode(d)) for d in (True, False))
-    cases = [(decode, decode, False), (decode, None, False), (None, decode, False),
-             (extend, decode, True), (decode, extend, True), (extend, extend, True),
-             (extend, None, False), (None, extend, True)]  # fmt: skip
-    no = lambda _s, _b, _l: False  # noqa: E731
-    config.export(None)
-    assert not any(plugin.overlap_for_batch(no, None, b, lb) for b, lb, _ in cases)
-    prepare_server_args([*BARE, "--kv-policy", "qevict"])
-    for batch, last, want in cases:
-        assert plugin.overlap_for_batch(no, None, batch, last) is want, (batch, last)
-    assert plugin.overlap_for_batch(lambda _s, _b, _l: True, None, decode, decode) is True
+def test_the_overlap_scheduler_is_off_unless_asked_for(baseline, monkeypatch):
+    """``$TIERED_RADIX_OVERLAP=1`` leaves SGLang's overlap scheduler on (GPU run 12: the same
+    tokens, slower decode); any other value than 0 or 1 stops the launch with the variable's
+    name."""
+    monkeypatch.setenv(plugin.OVERLAP_ENV, "1")
+    assert not prepare_server_args([*BARE, "--kv-policy", "qevict"]).disable_overlap_schedule
+    monkeypatch.setenv(plugin.OVERLAP_ENV, "yes")
+    with pytest.raises(PoolConfigError, match="TIERED_RADIX_OVERLAP"):
+        plugin.forced()
 
 
 def test_a_decode_batch_over_the_graph_buffers_runs_eagerly():

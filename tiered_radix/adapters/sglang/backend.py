@@ -34,9 +34,9 @@ output is not observed per step: the graph's buffer sums the steps (with the sco
 and :meth:`fold_pending` hands them to the engines at once, before routing or a list rebuild.
 Batches over the buffers' capacity run eagerly.
 
-The overlap scheduler (decode after decode, :func:`~.plugin.overlap_for_batch`): SGLang prepares
-and launches step t+1 before it processes step t's tokens, so a request that finished at step t
-runs one more step (its token is dropped) and its view closes (``before_close`` -> :meth:`flush`)
+The overlap scheduler (``$TIERED_RADIX_OVERLAP=1``; off by default): SGLang prepares and
+launches step t+1 before it processes step t's tokens, so a request that finished at step t runs
+one more step (its token is dropped) and its view closes (``before_close`` -> :meth:`flush`)
 after step t+1 was launched. Other requests' steps, scores and routings are as in the serial
 order (each store is its own). On the device every piece of work runs in the order the host
 issued it: SGLang's forward stream waits for its schedule stream before each forward, and the

@@ -7,8 +7,8 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
 - ``ServerArgs.from_cli_args`` (AROUND): validates the policy (a :class:`PolicyError` prints
   ``file:line:col`` and exits with status 2, no traceback), selects ``--radix-cache-backend
   tiered``, ``--page-size W`` and ``--attention-backend tiered_triton`` (and turns prefill CUDA
-  graphs and the overlap scheduler off), and exports the values to the processes SGLang spawns
-  (:mod:`.config`);
+  graphs off, and the overlap scheduler unless ``$TIERED_RADIX_OVERLAP=1``), and exports the
+  values to the processes SGLang spawns (:mod:`.config`);
 - ``ServerArgs.__init__`` (AROUND): the same for ``sglang.Engine(..., kv_policy=...)``, where a
   bad policy raises :class:`PolicyError`;
 - ``DefaultPoolConfigurator._compute_cell_size`` (AFTER) and
@@ -20,8 +20,6 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   replay view has none), and after the replay its ``replay_done`` (the device time of replays,
   when ``$TIERED_RADIX_DEVICE_TIMES=1``) and SGLang's coarse write-after-read barrier (see
   :func:`graph_execute`);
-- ``Scheduler.is_disable_overlap_for_batch`` (AROUND): the overlap scheduler runs decode after
-  decode only (:func:`overlap_for_batch`);
 - ``ScheduleBatch.check_decode_mem`` (AROUND): a decode step whose new windows find too few row
   blocks makes SGLang retract requests, as a full pool does;
 - ``PrefillAdder.add_one_req`` and ``add_chunked_req`` (AROUND): a prefill batch admits only the
@@ -88,7 +86,7 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
 
     if want["page_size"] not in PAGE_SIZES:  # decode gathers in PyTorch: not capturable
         want["disable_decode_cuda_graph"] = True
-    return want | FORCED
+    return want | forced()
 
 
 def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
@@ -112,9 +110,20 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
 
 
 # Extend gathers rows per request on the host between layers: no prefill CUDA graphs. Decode
-# graphs stay as the user has them (the backend captures them, :mod:`.graph`), and so does the
-# overlap scheduler (decode steps overlap: :func:`overlap_for_batch`, :func:`graph_execute`).
-FORCED = {"disable_prefill_cuda_graph": True}
+# graphs stay as the user has them (the backend captures them, :mod:`.graph`). The overlap
+# scheduler is off unless $TIERED_RADIX_OVERLAP=1: GPU run 12 served the same tokens with it but
+# decoded slower (6.64 ms a token at batch 1 against 3.53 serially; docs/sglang.md).
+OVERLAP_ENV = "TIERED_RADIX_OVERLAP"
+
+
+def forced() -> dict:
+    """ServerArgs fields every tiered launch sets, whatever the user gave."""
+    from .reps import env_choice
+
+    out = {"disable_prefill_cuda_graph": True}
+    if env_choice(OVERLAP_ENV, "0", "0", "1") == "0":
+        out["disable_overlap_schedule"] = True
+    return out
 
 
 def from_cli_args(original, cls, args):
@@ -221,19 +230,6 @@ def graph_execute(original, self, forward_batch, *args, **kwargs):
         if runner is not None:
             runner.war_fastpath_read_done_event = None
     return out
-
-
-def overlap_for_batch(original, self, batch, last_batch) -> bool:
-    """SGLang's answer to "process the last batch before launching this one?", and with a
-    tiered policy also yes unless both are decode batches. Decode steps overlap (the host
-    prepares step t+1 and launches it before processing step t's tokens); extend batches gather
-    rows and route on the host between layers, where overlap would buy nothing, and their
-    chunked-prefill bookkeeping (``cache_unfinished_req``) stays in the serial order."""
-    out = original(self, batch, last_batch)
-    if out or last_batch is None or config.current() is None:  # None: nothing to process
-        return out
-    decode = lambda b: b is None or b.forward_mode.is_decode()  # noqa: E731
-    return not (decode(batch) and decode(last_batch))
 
 
 def check_decode_mem(original, self, selected_indices=None) -> bool:
@@ -356,11 +352,6 @@ def register() -> None:
     HookRegistry.register(
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
         graph_execute,
-        HookType.AROUND,
-    )
-    HookRegistry.register(
-        "sglang.srt.managers.scheduler.Scheduler.is_disable_overlap_for_batch",
-        overlap_for_batch,
         HookType.AROUND,
     )
     HookRegistry.register(
