@@ -5,6 +5,7 @@ request ends that give every block back."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from types import SimpleNamespace
 
@@ -362,6 +363,10 @@ def test_a_window_of_decode_steps_is_profiled(tmp_path, monkeypatch):
     h.step([req], [[53]], extend=False)  # step 3 begins: the window closes
     text = (tmp_path / "profile-1-3.txt").read_text()
     assert text.startswith("decode steps 1-3:") and "tr:metadata" in text and "tr:route" in text
+    by_line = text.split("by the line that issued them")[1].splitlines()[2:]
+    assert any(r.startswith("tr:") and "/adapters/sglang/" in r for r in by_line), by_line[:5]
+    trace = json.loads(gzip.decompress((tmp_path / "trace-1-3.json.gz").read_bytes()))
+    assert any(e.get("name") == "tr:metadata" for e in trace["traceEvents"])
     with pytest.raises(ValueError, match="DIR:START:STEPS"):
         StepProfiler("no-numbers")
 
@@ -589,6 +594,7 @@ def test_overlapped_decode_leaves_the_other_requests_as_serial_decode_does(monke
         h.sim.cache.evict(EvictParams(num_tokens=10_000))
     assert sim.alloc.available_size() == avail0
     assert [len(f) for f in sim.pool.free_rows] == free0
+    assert set(sim.pool.blocks_in_use().values()) == {0}
 
 
 def test_a_batch_over_the_graph_capacity_runs_eagerly(monkeypatch):

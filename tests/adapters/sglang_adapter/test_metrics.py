@@ -138,13 +138,16 @@ def test_series_equal_the_pool_and_the_transitions(prom, monkeypatch):
     c = h.start("c", list(range(20, 40)))
     assert b.prefix_len > 0
     h.step([b, c], [b.origin_input_ids[b.prefix_len :], c.origin_input_ids], extend=True)
+    restored = 0  # the pool counts restored row blocks on the host: they must meet the table
     for t in range(4):
         h.step([b, c], [[60 + t], [70 + t]], extend=False)
         got = scrape(prom)
         assert got == expected(h, moves), t
         assert all(v >= before[k] for k, v in got.items() if k[0].endswith("_total")), t
         before = got
+        restored = max(restored, got[metrics.P + "blocks", (("kind", "restored"),)])
     assert moves["routes"] >= 8 and moves["promote"] > 0 and got[metrics.P + "requests", ()] == 2
+    assert restored > 0
     units = {k[1][0][1]: v for k, v in got.items() if k[0] == metrics.P + "units"}
     assert units["full"] > 0 and units["quantized"] > 0 and units["evicted"] > 0
 

@@ -131,6 +131,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.owner = list(self.owner_all.unbind(0))
         self.free_rows = [list(range(F, 0, -1)) for _ in range(L)]
         self.free_q = [list(range(Qn, 0, -1)) for _ in range(L)]
+        self.restored_blocks = 0  # row blocks holding an R (the others taken hold a FULL)
         self.k_buffer = self.v_buffer = None  # no per-slot rows: stock backends cannot read us
         s = torch.tensor(
             [
@@ -205,10 +206,12 @@ class TieredKVPool(MHATokenToKVPool):
         win = lo // W
         self.open_windows(win, layers)
         ly = list(range(self.layer_num)) if layers is None else layers
-        _check((self.owner_all[ly][:, :, win] == S_FULL).all(), "a write into a routed window")
+        # windows first, then layers: indexing the whole tables by a layer list would copy them
+        own = self.owner_all.index_select(2, win)[ly]
+        _check((own == S_FULL).all(), "a write into a routed window")
         dest = torch.zeros(self.layer_num, self.head_num * lo.numel(), dtype=torch.long,
                            device=self.device)  # fmt: skip
-        blocks = self.block_all[ly][:, FULL][:, :, win]  # [len(ly), H, n]
+        blocks = self.block_all[:, FULL].index_select(2, win)[ly]  # [len(ly), H, n]
         dest[ly] = (blocks * W + lo % W).transpose(1, 2).flatten(1)  # (token, head) order
         self.prepared = (loc, dest, keep, frozenset(ly))
 
@@ -403,6 +406,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.rows_v_all[ly, row] = torch.nan
         for li_, k_, b_ in zip(*torch.stack([ly, kind, b]).tolist(), strict=True):  # host sync
             (self.free_q if k_ == Q else self.free_rows)[li_].append(b_)
+            self.restored_blocks -= k_ == R
 
     def move(self, li: int | Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor) -> None:
         """One holder of pairs ``(h, w) [m]`` (unique) goes from state ``old`` to ``new``:
@@ -434,6 +438,7 @@ class TieredKVPool(MHATokenToKVPool):
             qb = self.block_all[ly, Q, h, w]
             _check((qb > 0).all(), "restoring a window without a ledger copy")
             b = self._take(self.free_rows, counts, "row")
+            self.restored_blocks += b.numel()
             k, v = self._unpage(ly, qb)
             self.rows_k_all[ly, b] = k.to(self.dtype)
             self.rows_v_all[ly, b] = v.to(self.dtype)
@@ -451,6 +456,17 @@ class TieredKVPool(MHATokenToKVPool):
         self.owner_all[:, :, pages] = -1
 
     # -- accounting ------------------------------------------------------------------------
+    def blocks_in_use(self) -> dict[int, int]:
+        """Blocks held per representation kind (``FULL``, ``R``, ``Q``), over layers and heads,
+        from the free lists (no device work: every taken block is one entry of ``block_all``)."""
+        F, Qn = self.blocks.full, self.blocks.quant
+        rows = sum(F - len(f) for f in self.free_rows)
+        return {
+            FULL: rows - self.restored_blocks,
+            R: self.restored_blocks,
+            Q: sum(Qn - len(f) for f in self.free_q),
+        }
+
     def bytes_used(self) -> int:
         """Bytes of allocated blocks (rows: K+V of one head-window; ledger: one page)."""
         F, Qn = self.blocks.full, self.blocks.quant

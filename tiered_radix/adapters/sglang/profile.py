@@ -5,14 +5,20 @@ of the scheduler process (counted from its first decode step; a window of two ro
 holds two routings), host and device, SGLang's own work in between included, and writes
 ``DIR/profile-START-END.txt``: the wall time, then the ops and kernels by their own device time
 and by their own host time, with the backend's phases (``tr:metadata``, ``tr:route``, ...) as
-``record_function`` ranges among them. Off (the default), the backend pays one integer
-comparison a step.
+``record_function`` ranges among them, and within each phase the ops by the ``tiered_radix``
+line that issued them (calls, device and host time: where a routing's device work and launches
+come from). The whole trace goes to ``DIR/trace-START-END.json.gz`` (Chrome trace format, for
+``chrome://tracing`` or Perfetto). Off (the default), the backend pays one integer comparison a
+step.
 """
 
 from __future__ import annotations
 
+import gzip
 import os
+import shutil
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -48,7 +54,7 @@ class StepProfiler:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=acts)
+            self.prof = torch.profiler.profile(activities=acts, with_stack=True)
             self.prof.__enter__()
             self.t0 = time.perf_counter()
         elif step == self.end and self.prof is not None:
@@ -71,6 +77,43 @@ class StepProfiler:
             ka.table(sort_by=device, row_limit=40),
             "by own host time:",
             ka.table(sort_by="self_cpu_time_total", row_limit=60),
+            "ops in the backend's phases, by the line that issued them (us over the window):",
+            self._by_line(),
         ]
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / f"profile-{self.start}-{self.end}.txt").write_text("\n".join(out))
+        name = f"{self.start}-{self.end}"
+        (self.dir / f"profile-{name}.txt").write_text("\n".join(out))
+        raw = self.dir / f"trace-{name}.json"
+        self.prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        raw.unlink()
+
+    def _by_line(self, limit: int = 40) -> str:
+        """Each ``tr:`` phase's ops (the first ATen ops below its Python frames) grouped by
+        (phase, op, the innermost ``tiered_radix`` frame above it): calls, device time (the
+        op's kernels and its children's) and host time."""
+        rows: dict[tuple, list] = defaultdict(lambda: [0, 0.0, 0.0])
+
+        def walk(ev, phase: str, line: str) -> None:
+            for c in ev.cpu_children:
+                if c.name.startswith("tr:"):
+                    continue  # a nested phase has its own rows
+                if ".py(" in c.name:  # a Python frame (with_stack): the ops are below it
+                    walk(c, phase, c.name if "tiered_radix" in c.name else line)
+                    continue
+                r = rows[phase, c.name, line.split("tiered_radix")[-1]]
+                r[0] += 1
+                r[1] += c.device_time_total
+                r[2] += c.cpu_time_total
+
+        for e in self.prof.events():
+            if e.name.startswith("tr:"):
+                walk(e, e.name, "?")
+        top = sorted(rows.items(), key=lambda kv: (-kv[1][1], -kv[1][2]))[:limit]
+        head = f"{'phase':16s} {'op':28s} {'calls':>6s} {'device us':>10s} {'host us':>10s}  line"
+        body = [
+            f"{p[:16]:16s} {op[:28]:28s} {n:6d} {dev:10.0f} {host:10.0f}  {line}"
+            for (p, op, line), (n, dev, host) in top
+        ]
+        return "\n".join([head, *body])
