@@ -25,7 +25,9 @@ pool's pages and rows in place (:mod:`.trizone`) where it can read the pool, els
 CUDA graphs (decode): SGLang calls :meth:`init_forward_metadata_out_graph` before capturing a
 batch size and before every replay. It builds the step's lists on the host side as the eager
 path does and copies them into :class:`~.graph.GraphDecode`'s fixed buffers (SGLang's replay
-batch has no request ids: they come from ``req_pool_idx``, recorded at each request's extend);
+batch has no request ids: the plugin's ``execute`` hook hands over the forward batch's, and
+each request's ``req_pool_idx`` is recorded at its extend; without the hook, the ids come from
+the padded ``req_pool_indices``, a host sync);
 the recorded forward only writes rows and launches the kernels. What follows the last layer
 (observing the side output, routing) cannot be recorded: it runs at :meth:`flush`, before the
 next forward's metadata or a request's view closes, so routing sees the same state as eager
