@@ -469,7 +469,5 @@ class TieredKVPool(MHATokenToKVPool):
 
     def bytes_used(self) -> int:
         """Bytes of allocated blocks (rows: K+V of one head-window; ledger: one page)."""
-        F, Qn = self.blocks.full, self.blocks.quant
-        rows = sum(F - len(f) for f in self.free_rows)
-        q = sum(Qn - len(f) for f in self.free_q)
-        return rows * 2 * self.rows_k[0][0].nbytes + q * self.page_bytes
+        held = self.blocks_in_use()
+        return (held[FULL] + held[R]) * 2 * self.rows_k[0][0].nbytes + held[Q] * self.page_bytes

@@ -14,9 +14,7 @@ step.
 
 from __future__ import annotations
 
-import gzip
 import os
-import shutil
 import time
 from collections import defaultdict
 from contextlib import nullcontext
@@ -83,11 +81,7 @@ class StepProfiler:
         self.dir.mkdir(parents=True, exist_ok=True)
         name = f"{self.start}-{self.end}"
         (self.dir / f"profile-{name}.txt").write_text("\n".join(out))
-        raw = self.dir / f"trace-{name}.json"
-        self.prof.export_chrome_trace(str(raw))
-        with raw.open("rb") as src, gzip.open(f"{raw}.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        raw.unlink()
+        self.prof.export_chrome_trace(str(self.dir / f"trace-{name}.json.gz"))  # gzipped by torch
 
     def _by_line(self, limit: int = 40) -> str:
         """Each ``tr:`` phase's ops (the first ATen ops below its Python frames) grouped by
