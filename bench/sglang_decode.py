@@ -105,6 +105,8 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
     kw = dict(model_path=a.model, mem_fraction_static=0.6, context_length=a.context + 512,
               attention_backend="triton", log_level="error",
               cuda_graph_max_bs_decode=a.graph_max_bs)  # fmt: skip
+    if a.load_format != "auto":  # "dummy": random weights of the model's shapes (timing only)
+        kw.update(load_format=a.load_format, skip_tokenizer_init=True)
     if kind.startswith("tiered"):
         kw.update(kv_policy=a.policy, chunked_prefill_size=a.chunk)
         kw.pop("attention_backend")
@@ -177,6 +179,8 @@ def main() -> None:
     p.add_argument("--graph-max-bs", type=int, default=16)
     p.add_argument("--profile", default=None, help="DIR:START:STEPS, tiered kinds: decode steps "
                    "under torch.profiler (step 400 is in batch 8's first long call)")  # fmt: skip
+    p.add_argument("--load-format", default="auto", help="'dummy': random weights from the "
+                   "model folder's config.json (times only: no weights to stage)")  # fmt: skip
     p.add_argument("--out", default="bench/results")
     a = p.parse_args()
     import torch
