@@ -44,6 +44,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 from multiturn_chat import chat  # noqa: E402
 from needle_text import question  # noqa: E402
 
+from tiered_radix.policy import load_policy  # noqa: E402
+
 SHIPPED = sorted(p.stem for p in (ROOT / "policies").glob("*.yaml"))
 POLICIES = [p for p in os.environ.get("TR_E2E_POLICIES", ",".join(SHIPPED)).split(",") if p]
 OUT = Path(os.environ.get("TR_E2E_OUT", "e2e-results"))
@@ -116,8 +118,6 @@ LOSES_NEEDLE = {
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_serves_multiturn_and_needle(policy):
-    if policy == "rdkv":
-        pytest.xfail("the SGLang pool does not store separate K/V units (RDKV) yet")
     OUT.mkdir(parents=True, exist_ok=True)
     budget = None if policy == "full" else "50%"
     log = OUT / (f"{policy}.log" if TP == 1 else f"{policy}.tp{TP}.log")
@@ -146,7 +146,10 @@ def test_serves_multiturn_and_needle(policy):
         assert len({t["digest"] for t in tp}) == 1, f"ranks routed differently: {tp}"
         assert len({t["routes"] for t in tp}) == 1, tp
     assert all(r["answer"].strip() for r in rows), rows
-    assert all(r["cached"] > 0 for r in rows[1:]), "later turns must hit the radix cache"
+    if load_policy(policy).coupled:
+        assert all(r["cached"] > 0 for r in rows[1:]), "later turns must hit the radix cache"
+    else:  # RDKV's arenas are private to their requests (docs/sglang.md): no prefix is shared
+        assert all(r["cached"] == 0 for r in rows), rows
     assert needle["prompt"] > 2500
     if policy == "qevict":  # decode replays CUDA graphs (the stats file is as of the last routing)
         assert stats.get("host_s", {}).get("graph_steps", 0) > 0, stats.get("host_s")

@@ -13,7 +13,9 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   bad policy raises :class:`PolicyError`;
 - ``DefaultPoolConfigurator._compute_cell_size`` (AFTER) and
   ``KVCacheConfigurator._build_mha_kv_pool`` (AROUND): the allocator gets
-  :func:`~.pool.logical_tokens` slots and the pool is a :class:`~.pool.TieredKVPool`;
+  :func:`~.sizing.logical_tokens` slots and the pool is a :class:`~.pool.TieredKVPool`
+  (decoupled policies, RDKV: an :class:`~.arena.ArenaKVPool`, whose requests keep their own
+  K/V);
 - ``DecodeCudaGraphRunner.can_run_graph`` (AROUND): a decode batch over the backend's graph
   buffers (:mod:`.graph`) runs eagerly;
 - ``DecodeCudaGraphRunner.execute`` (AROUND): the step's request ids to the tiered backend (its
@@ -24,7 +26,8 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   blocks makes SGLang retract requests, as a full pool does;
 - ``PrefillAdder.add_one_req`` and ``add_chunked_req`` (AROUND): a prefill batch admits only the
   windows its pool's row blocks hold: a request's chunk is cut to them, or it waits (NO_TOKEN);
-- radix cache backend ``tiered`` and attention backend ``tiered_triton``.
+- radix cache backend ``tiered`` (a :class:`~.radix.TieredRadixCache`; for decoupled policies
+  an :class:`~.arena.ArenaCache`, no prefix sharing) and attention backend ``tiered_triton``.
 
 Without ``--kv-policy`` every hook passes its call through unchanged.
 """
@@ -73,7 +76,8 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
 
     want = {
         "radix_cache_backend": config.BACKEND,
-        "page_size": Layout.of(cfg.policy).window,
+        # the policy's window; 1 for token units, and for decoupled policies (.arena: tokens)
+        "page_size": Layout.of(cfg.policy).window if cfg.policy.coupled else 1,
         "attention_backend": ATTENTION_BACKEND,
     }
     for key, value in want.items():
@@ -180,18 +184,23 @@ def build_mha_kv_pool(original, self, *, max_total_num_tokens: int, mha_pool_cla
         )
     from functools import partial
 
+    from .arena import ArenaKVPool
     from .pool import TieredKVPool
 
-    tiered = partial(TieredKVPool, policy=cfg.policy, budget=cfg.budget)
+    cls = TieredKVPool if cfg.policy.coupled else ArenaKVPool
+    tiered = partial(cls, policy=cfg.policy, budget=cfg.budget)
     return original(self, max_total_num_tokens=max_total_num_tokens, mha_pool_class=tiered, **kw)
 
 
 def tree_cache_factory(ctx):
+    from .arena import ArenaCache
     from .radix import TieredRadixCache
 
     cfg = config.current()
     if cfg is None:
         raise ValueError("--radix-cache-backend tiered needs --kv-policy")
+    if not cfg.policy.coupled:  # each request's arena is its own: no prefix sharing
+        return ArenaCache(ctx.params)
     return TieredRadixCache(ctx.params, policy=cfg.policy)
 
 
@@ -306,6 +315,7 @@ def add_chunked_req(original, self, req):
 
 
 def attention_backend_factory(runner):
+    from .arena import ArenaAttnBackend, ArenaKVPool
     from .backend import TieredAttnBackend
 
     tp = runner.server_args.tp_size
@@ -315,6 +325,8 @@ def attention_backend_factory(runner):
             "KV heads evenly: SGLang would replicate heads across ranks, and the tiered engine "
             "needs each rank to hold its own heads; use a --tp that divides the KV heads"
         )
+    if isinstance(runner.token_to_kv_pool, ArenaKVPool):
+        return ArenaAttnBackend(runner)
     return TieredAttnBackend(runner)
 
 

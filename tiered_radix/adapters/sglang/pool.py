@@ -37,6 +37,8 @@ from tiered_radix.kernels.layout import (
 )
 from tiered_radix.policy.model import Budget, Policy
 
+from . import reps
+from .metrics import BLOCK_KINDS
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R, env_choice
 from .sizing import PoolBlocks, plan_blocks
 
@@ -471,3 +473,20 @@ class TieredKVPool(MHATokenToKVPool):
         """Bytes of allocated blocks (rows: K+V of one head-window; ledger: one page)."""
         held = self.blocks_in_use()
         return (held[FULL] + held[R]) * 2 * self.rows_k[0][0].nbytes + held[Q] * self.page_bytes
+
+    def occupancy(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Units per owner state (``reps.STATE_NAMES``; windows nobody owns are not counted) and
+        blocks in use per representation (``full``, ``restored`` rows, ``ledger`` pages), summed
+        over layers and heads. One histogram of the owner table (its states as bytes: nobody's,
+        -1, is bin 255), one host sync for its counts; the blocks come from the free lists (the
+        block table, int64 ``[L, 3, H, NW]``, is GBs at the allocator's 10x slots: three passes
+        over it cost ~1 ms of device time a routing)."""
+        own = self.owner_all.view(torch.uint8).flatten()  # int8 [L, H, NW] as bytes
+        c = torch.bincount(own, minlength=256)[: len(reps.STATE_NAMES)].tolist()
+        held = self.blocks_in_use()
+        blocks = zip(BLOCK_KINDS, (held[k] for k in (FULL, R, Q)), strict=True)
+        return dict(zip(reps.STATE_NAMES, c, strict=True)), dict(blocks)
+
+    def blocks_free(self) -> tuple[int, int]:
+        """Free row blocks and free ledger blocks, over layers."""
+        return sum(len(f) for f in self.free_rows), sum(len(f) for f in self.free_q)

@@ -20,8 +20,7 @@ from torch import Tensor
 
 from tiered_radix.engine.events import KINDS, kinds_of
 
-from .metrics import BLOCK_KINDS, TierMetrics, from_server_args
-from .reps import FULL, STATE_NAMES, Q, R
+from .metrics import TierMetrics, from_server_args
 
 log = logging.getLogger("tiered_radix.adapters.sglang.backend")
 LOG_EVERY_S = 30.0
@@ -73,10 +72,11 @@ class BackendStats:
         """Pool bytes and blocks in use, transitions so far and the peak (a bf16 pool would
         hold ``peak_tokens * bf16_bytes_per_token``; ``bf16_bytes_held`` for the tokens held
         now). ``units``: (layer, head, window) units per owner state; ``blocks``: blocks in use
-        per representation. Two device-to-host copies (the 7 occupancy counts, the 4 transition
-        counts)."""
+        per representation (``pool.occupancy()``). Two device-to-host copies (the occupancy
+        counts, the 4 transition counts)."""
         per_token = 2 * 2 * pool.layer_num * pool.head_num * pool.head_dim
-        units, blocks = occupancy(pool)
+        units, blocks = pool.occupancy()
+        rows_free, ledger_free = pool.blocks_free()
         return {
             "requests": requests,
             "pool_bytes_used": pool.bytes_used(),
@@ -84,8 +84,8 @@ class BackendStats:
             "bf16_bytes_held": self.tokens_held * per_token,
             "units": units,
             "blocks": blocks,
-            "row_blocks_free": sum(len(f) for f in pool.free_rows),
-            "ledger_blocks_free": sum(len(f) for f in pool.free_q),
+            "row_blocks_free": rows_free,
+            "ledger_blocks_free": ledger_free,
             "routes": self.routes,
             **self.moved(),
             "peak_bytes": self.peak_bytes,
@@ -121,17 +121,3 @@ class BackendStats:
         if log_due:
             self.last_log = now
             log.info("tiered-radix: %s", snap)
-
-
-def occupancy(pool) -> tuple[dict[str, int], dict[str, int]]:
-    """Units per owner state (``reps.STATE_NAMES``; windows nobody owns are not counted) and
-    blocks in use per representation (``full``, ``restored`` rows, ``ledger`` pages), summed
-    over layers and heads. One histogram of the owner table (its states as bytes: nobody's, -1,
-    is bin 255), one host sync for its counts; the blocks come from the pool's free lists (the
-    block table, int64 ``[L, 3, H, NW]``, is GBs at the allocator's 10x slots: three passes
-    over it cost ~1 ms of device time a routing)."""
-    own = pool.owner_all.view(torch.uint8).flatten()  # int8 [L, H, NW] as bytes
-    c = torch.bincount(own, minlength=256)[: len(STATE_NAMES)].tolist()
-    held = pool.blocks_in_use()
-    blocks = zip(BLOCK_KINDS, (held[k] for k in (FULL, R, Q)), strict=True)
-    return dict(zip(STATE_NAMES, c, strict=True)), dict(blocks)

@@ -1,0 +1,257 @@
+"""RDKV under SGLang (``.arena``) on CPU. Each request's K/V live in its own tier engine.
+
+- A request served through the backend reads what a TierStore fed the same tokens reads: chunked
+  prefill, two requests in one batch, routing, and decode.
+- Before any routing, the output is exact causal attention over the model's own K/V.
+- RDKV compresses the prompt to its budget.
+- Every way a request leaves drops its store and gives back every slot.
+- The plugin selects the arena's pool, cache and backend.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang_sim import require
+
+require("sglang.srt.mem_cache.chunk_cache")
+
+from test_backend import Mode  # noqa: E402
+
+from tiered_radix.adapters.sglang import config, plugin  # noqa: E402
+from tiered_radix.adapters.sglang.arena import ArenaAttnBackend, ArenaCache, ArenaKVPool  # noqa: E402
+from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
+from tiered_radix.adapters.transformers.attention import attend  # noqa: E402
+from tiered_radix.engine.store import TierStore  # noqa: E402
+from tiered_radix.policy import load_policy  # noqa: E402
+
+L, H, HQ, D, VOCAB = 2, 2, 4, 32, 100
+RDKV = load_policy("rdkv")
+PREFILL_NEEDS = frozenset({"colmass", "qnorm"})  # what RDKV's weights read on prefill
+
+
+class Server:
+    """The arena's pool, SGLang's token allocator and request slots, the chunk cache and the
+    backend, driven the way SGLang's scheduler drives them."""
+
+    def __init__(self, slots: int = 4096, policy=RDKV) -> None:
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        self.pool = ArenaKVPool(slots, 1, torch.bfloat16, H, D, L, "cpu", policy=policy)
+        self.alloc = TokenToKVPoolAllocator(slots, torch.bfloat16, "cpu", self.pool, False)
+        self.r2t = ReqToTokenPool(8, 1024, "cpu", False)
+        self.cache = ArenaCache(CacheInitParams(True, self.r2t, self.alloc, 1))
+        runner = SimpleNamespace(token_to_kv_pool=self.pool, tp_group=None)
+        self.backend = ArenaAttnBackend(runner)
+        g = torch.Generator().manual_seed(3)
+        self.wk, self.wv = (torch.randn(L, VOCAB, H, D, generator=g) for _ in range(2))
+        self.wq = torch.randn(L, VOCAB, HQ, D, generator=g)
+        self.layers = [
+            SimpleNamespace(layer_id=li, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
+                            scaling=D**-0.5, logit_cap=0, sliding_window_size=-1)
+            for li in range(L)
+        ]  # fmt: skip
+
+    def qkv(self, li: int, toks: list[int], start: int) -> tuple[torch.Tensor, ...]:
+        """bf16-valued ``q [n, HQ, D]``, ``k, v [n, H, D]`` of ``toks`` at positions ``start...``
+        (the position shifts every row, so each request's rows are its own)."""
+        t, p = torch.tensor(toks), 0.01 * torch.arange(start, start + len(toks))[:, None, None]
+        return tuple((w[li, t] + p).bfloat16().float() for w in (self.wq, self.wk, self.wv))
+
+    def admit(self, rid: str) -> SimpleNamespace:
+        return SimpleNamespace(rid=rid, req_pool_idx=self.r2t.free_slots.pop(), tokens=[],
+                               cache_protected_len=0)  # fmt: skip
+
+    def forward(self, reqs, new: list[list[int]], extend: bool) -> list[list[torch.Tensor]]:
+        """One forward; per request and layer its float32 output ``[n, HQ, D]``."""
+        pre = [len(r.tokens) for r in reqs]
+        for r, toks, p in zip(reqs, new, pre, strict=True):  # slots, as SGLang allocates them
+            loc = self.alloc.alloc(len(toks))
+            self.r2t.req_to_token[r.req_pool_idx, p : p + len(toks)] = loc.int()
+            r.tokens = r.tokens + toks
+        fb = SimpleNamespace(
+            forward_mode=Mode(extend), rids=[r.rid for r in reqs],
+            seq_lens_cpu=torch.tensor([len(r.tokens) for r in reqs]),
+            extend_prefix_lens_cpu=pre, extend_seq_lens_cpu=[len(t) for t in new],
+        )  # fmt: skip
+        self.backend.init_forward_metadata(fb)
+        outs = [[] for _ in reqs]
+        for li, layer in enumerate(self.layers):
+            parts = [self.qkv(li, t, p) for t, p in zip(new, pre, strict=True)]
+            q, k, v = (torch.cat([x[i] for x in parts]) for i in range(3))
+            call = self.backend.forward_extend if extend else self.backend.forward_decode
+            o = call(q.reshape(-1, HQ * D), k, v, layer, fb).reshape(-1, HQ, D)
+            for b, (t, _) in enumerate(zip(new, pre, strict=True)):
+                start = sum(len(x) for x in new[:b])
+                outs[b].append(o[start : start + len(t)].float())
+        return outs
+
+    def leave(self, req, insert: bool = True) -> None:
+        """Finish (or, ``insert=False``, retract or abort) a request, as SGLang's
+        ``release_kv_cache`` does."""
+        self.cache.cache_finished_req(req, insert, kv_len_to_handle=len(req.tokens))
+        self.r2t.free_slots.append(req.req_pool_idx)
+
+
+class Reference:
+    """The tier engine fed the same tokens directly, as the transformers adapter feeds it."""
+
+    def __init__(self, server: Server) -> None:
+        self.s = server
+        self.store = TierStore(RDKV, n_layers=L, n_heads=H, head_dim=D, dtype=torch.bfloat16)
+        self.pos, self.prefills, self.steps = 0, 0, 0
+
+    def forward(self, toks: list[int], extend: bool) -> list[torch.Tensor]:
+        outs = []
+        need = PREFILL_NEEDS if extend else frozenset()
+        for li in range(L):
+            q, k, v = self.s.qkv(li, toks, self.pos)
+            self.store.append(li, k.transpose(0, 1), v.transpose(0, 1))
+            kk, vv, kept = self.store.view(li)
+            o, sig = attend(q.transpose(0, 1), kk, vv, kept, D**-0.5, need=need)
+            self.store.observe(li, sig)
+            outs.append(o.transpose(0, 1))
+        self.pos += len(toks)
+        if extend:
+            self.prefills += 1
+            self.store.route(f"after prefill {self.prefills}")
+        else:
+            if self.store.schedule_due(self.steps):
+                self.store.route(f"decode step {self.steps}")
+            self.steps += 1
+        return outs
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_request_reads_what_its_tier_engine_reads():
+    """Two requests in each forward (chunked prefill of 96 + 64 tokens, then 3 decode steps):
+    every layer's output equals its own reference store's, bit for bit, and so do the tiers."""
+    srv = Server()
+    assert srv.backend.prefill_needs == PREFILL_NEEDS
+    a, b = srv.admit("a"), srv.admit("b")
+    refs = {"a": Reference(srv), "b": Reference(srv)}
+    chunks = {"a": [_prompt(1, 96), _prompt(2, 64)], "b": [_prompt(3, 96), _prompt(4, 64)]}
+    for c in range(2):
+        got = srv.forward([a, b], [chunks["a"][c], chunks["b"][c]], extend=True)
+        for r, out in zip((a, b), got, strict=True):
+            want = refs[r.rid].forward(chunks[r.rid][c], extend=True)
+            for li in range(L):
+                torch.testing.assert_close(out[li], want[li], rtol=0, atol=0)
+    for step in range(3):
+        toks = [[step + 7], [step + 11]]
+        got = srv.forward([a, b], toks, extend=False)
+        for r, out, t in zip((a, b), got, toks, strict=True):
+            want = refs[r.rid].forward(t, extend=False)
+            for li in range(L):
+                torch.testing.assert_close(out[li], want[li], rtol=0, atol=0)
+    for rid, ref in refs.items():
+        store = srv.pool.sessions[rid].store
+        for li in range(L):
+            assert torch.equal(store.tiers(li), ref.store.tiers(li))
+        assert store.bytes_used() == ref.store.bytes_used()
+
+
+def test_before_routing_the_output_is_exact_attention_over_the_model_rows():
+    """A prompt's first forward reads every row at full precision: its output is causal GQA
+    attention over the K/V the model produced (a check that does not go through the engine)."""
+    srv = Server()
+    req = srv.admit("a")
+    toks = _prompt(5, 48)
+    out = srv.forward([req], [toks], extend=True)[0]
+    for li in range(L):
+        q, k, v = srv.qkv(li, toks, 0)
+        k, v = (x.bfloat16().float().repeat_interleave(HQ // H, 1) for x in (k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=D**-0.5
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[li], want, rtol=1e-5, atol=1e-5)
+
+
+def test_rdkv_compresses_the_prompt_to_its_budget_and_the_pool_counts_it():
+    srv = Server()
+    req = srv.admit("a")
+    srv.forward([req], [_prompt(6, 256)], extend=True)
+    store = srv.pool.sessions["a"].store
+    full = 2 * 2 * L * H * D * 256  # bf16 K and V of the prompt
+    assert store.bytes_used() <= store.budget_bytes() == pytest.approx(0.1 * full, abs=1)
+    assert srv.pool.bytes_used() == store.bytes_used()
+    assert srv.backend.counters.peak_bytes == full  # the chunk is held in full before routing
+    units, blocks = srv.pool.occupancy()
+    assert units["full"] + units["quantized"] + units["evicted"] == L * H * 256
+    assert units["quantized"] > 0 and units["evicted"] > 0 and blocks == {}
+    snap = srv.backend.stats()
+    assert snap["pool_bytes_used"] == store.bytes_used() and snap["routes"] == 1
+    assert snap["demote"] + snap["evict"] > 0
+
+
+@pytest.mark.parametrize("insert", [True, False], ids=["finish", "retract"])
+def test_leaving_drops_the_store_and_gives_every_slot_back(insert):
+    srv = Server()
+    free = srv.alloc.available_size()
+    a, b = srv.admit("a"), srv.admit("b")
+    srv.forward([a, b], [_prompt(7, 64), _prompt(8, 40)], extend=True)
+    srv.forward([a, b], [[1], [2]], extend=False)
+    srv.leave(a, insert)
+    assert set(srv.pool.sessions) == {"b"}
+    srv.forward([b], [[3]], extend=False)  # the other request goes on
+    if not insert:  # retracted: scheduled again, it prefills its whole sequence anew
+        again = srv.admit("a")
+        srv.forward([again], [a.tokens], extend=True)
+        assert srv.pool.sessions["a"].store.n_tokens(0) == len(a.tokens)
+        srv.leave(again)
+    srv.leave(b)
+    assert srv.pool.sessions == {} and srv.pool.bytes_used() == 0
+    assert srv.alloc.available_size() == free
+
+
+def test_a_step_that_does_not_continue_the_store_is_refused():
+    srv = Server()
+    req = srv.admit("a")
+    with pytest.raises(AssertionError, match="request a at position 0: its store holds None"):
+        srv.forward([req], [[1]], extend=False)  # a decode step with no prefill
+    srv.r2t.free_slots.append(req.req_pool_idx)
+
+
+def test_stock_backends_cannot_read_the_arena():
+    srv = Server()
+    with pytest.raises(PoolConfigError, match="tiered_triton"):
+        srv.pool.get_key_buffer(0)
+    with pytest.raises(PoolConfigError, match="coupled units"):
+        ArenaKVPool(64, 1, torch.bfloat16, H, D, L, "cpu", policy=load_policy("qevict"))
+    with pytest.raises(PoolConfigError, match="--page-size 1"):
+        ArenaKVPool(64, 32, torch.bfloat16, H, D, L, "cpu", policy=RDKV)
+
+
+def test_the_plugin_serves_rdkv_from_arenas():
+    """``--kv-policy rdkv``: page size 1, decode graphs off, the arena's pool, cache and backend
+    (the budget's 10x slots, as for window policies)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import prepare_server_args
+
+    plugin.register()
+    HookRegistry.apply_hooks()
+    try:
+        args = prepare_server_args(["--model-path", "dummy", "--kv-policy", "rdkv"])
+        assert (args.radix_cache_backend, args.page_size) == ("tiered", 1)
+        assert args.disable_decode_cuda_graph and args.attention_backend == "tiered_triton"
+        assert plugin.cell_size(1000) == 100
+        seen = {}
+        plugin.build_mha_kv_pool(lambda self, **kw: seen.update(kw), None,
+                                 max_total_num_tokens=64, mha_pool_class=int)  # fmt: skip
+        assert seen["mha_pool_class"].func is ArenaKVPool
+        srv = Server()
+        ctx = SimpleNamespace(params=CacheInitParams(True, srv.r2t, srv.alloc, 1))
+        assert isinstance(plugin.tree_cache_factory(ctx), ArenaCache)
+        runner = SimpleNamespace(server_args=SimpleNamespace(tp_size=1), tp_group=None,
+                                 token_to_kv_pool=srv.pool)  # fmt: skip
+        assert isinstance(plugin.attention_backend_factory(runner), ArenaAttnBackend)
+    finally:
+        config.export(None)
