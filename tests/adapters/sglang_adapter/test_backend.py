@@ -627,3 +627,53 @@ def test_rows_for_windows_evicts_cached_windows_before_saying_no():
     want = free // sim.H + 1  # one window more than the free rows hold
     assert sim.pool.rows_for_windows(want) and sim.cache.evictable_size() < cached
     assert not sim.pool.rows_for_windows(13)
+
+
+# ops that read only the elements they are given (views, indexing): free over a whole table
+# unless they allocate a table's worth (an index that selects every window)
+_INDEXING = {
+    "aten::select", "aten::as_strided", "aten::view", "aten::permute", "aten::transpose",
+    "aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_copy_",
+    "aten::index_select", "aten::slice", "aten::unbind", "aten::reshape", "aten::_reshape_alias",
+    "aten::expand", "aten::unsqueeze", "aten::alias", "aten::narrow",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stats", [False, True], ids=["plain", "stats-file"])
+def test_replayed_steps_and_their_routing_never_pass_over_a_whole_pool_table(
+    monkeypatch, tmp_path, stats
+):
+    """The pool's tables are sized by the allocator's slots (at 10x slots, GBs on the GPU), so a
+    pass over one costs ~0.1-0.7 ms of device time (GPU run 12 found routings with ~6 ms of
+    them). Through replayed steps, routings and list rebuilds, no op other than indexing takes a
+    tensor of a table's size, except the stats snapshot's one histogram of the owner table
+    (with ``$TIERED_RADIX_STATS``, once per routing)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tiered_radix.adapters.sglang import backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if stats:
+        monkeypatch.setenv("TIERED_RADIX_STATS", str(tmp_path / "stats.json"))
+    monkeypatch.setattr(backend.decode, "run", lambda q, layout, plan, **kw: torch.zeros_like(q))
+    pages = 20_000  # windows: far more than the request holds (~30), as on a server
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=pages, blocks=PoolBlocks(256, 256),
+                context=200)  # fmt: skip
+    h.backend.init_cuda_graph_state(1, 1)
+    h.capture(1)
+    req = h.start("a", [(7 * j) % 97 + 1 for j in range(156)])  # token 160 opens a window
+    h.step([req], [req.origin_input_ids], extend=True)
+    big: list[str] = []
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, profile_memory=True) as p:
+        for t in range(7):  # KERNEL_POLICY routes every 3 steps
+            h.replay([req], [[60 + t]], 1)
+            h.backend.flush()
+    for e in p.events():
+        sizes = [torch.Size(s).numel() for s in e.input_shapes or [] if isinstance(s, list) and s
+                 and all(isinstance(x, int) for x in s)]  # fmt: skip
+        reads = max(sizes, default=0) >= pages and e.name not in _INDEXING
+        if reads or e.cpu_memory_usage >= pages:  # >= one byte per window: a table's copy
+            big.append(e.name)
+    assert h.backend.stats()["routes"] >= 3  # the prefill's and two decode routings
+    want = ["aten::flatten", "aten::bincount", "aten::min", "aten::max"] * 2 if stats else []
+    assert sorted(big) == sorted(want)
