@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,14 +22,24 @@ require("sglang.srt.mem_cache.chunk_cache")
 from test_backend import Mode  # noqa: E402
 
 from tiered_radix.adapters.sglang import config, plugin  # noqa: E402
-from tiered_radix.adapters.sglang.arena import ArenaAttnBackend, ArenaCache, ArenaKVPool  # noqa: E402
+from tiered_radix.adapters.sglang.arena import (  # noqa: E402
+    ArenaAttnBackend,
+    ArenaCache,
+    ArenaKVPool,
+    Rows,
+)
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.adapters.transformers.attention import attend  # noqa: E402
 from tiered_radix.engine.store import TierStore  # noqa: E402
-from tiered_radix.policy import load_policy  # noqa: E402
+from tiered_radix.policy import compile_text, load_policy  # noqa: E402
 
 L, H, HQ, D, VOCAB = 2, 2, 4, 32, 100
 RDKV = load_policy("rdkv")
+# RDKV re-planned every 2 decode steps as well: routing between decode steps
+RDKV_EVERY = compile_text(
+    (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+    .replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
+)  # fmt: skip
 PREFILL_NEEDS = frozenset({"colmass", "qnorm"})  # what RDKV's weights read on prefill
 
 
@@ -100,9 +111,9 @@ class Server:
 class Reference:
     """The tier engine fed the same tokens directly, as the transformers adapter feeds it."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, policy=RDKV) -> None:
         self.s = server
-        self.store = TierStore(RDKV, n_layers=L, n_heads=H, head_dim=D, dtype=torch.bfloat16)
+        self.store = TierStore(policy, n_layers=L, n_heads=H, head_dim=D, dtype=torch.bfloat16)
         self.pos, self.prefills, self.steps = 0, 0, 0
 
     def forward(self, toks: list[int], extend: bool) -> list[torch.Tensor]:
@@ -130,13 +141,14 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_a_request_reads_what_its_tier_engine_reads():
-    """Two requests in each forward (chunked prefill of 96 + 64 tokens, then 3 decode steps):
+@pytest.mark.parametrize("policy", [RDKV, RDKV_EVERY], ids=["rdkv", "rdkv-every-2"])
+def test_a_request_reads_what_its_tier_engine_reads(policy):
+    """Two requests in each forward (chunked prefill of 96 + 64 tokens, then 5 decode steps):
     every layer's output equals its own reference store's, bit for bit, and so do the tiers."""
-    srv = Server()
+    srv = Server(policy=policy)
     assert srv.backend.prefill_needs == PREFILL_NEEDS
     a, b = srv.admit("a"), srv.admit("b")
-    refs = {"a": Reference(srv), "b": Reference(srv)}
+    refs = {"a": Reference(srv, policy), "b": Reference(srv, policy)}
     chunks = {"a": [_prompt(1, 96), _prompt(2, 64)], "b": [_prompt(3, 96), _prompt(4, 64)]}
     for c in range(2):
         got = srv.forward([a, b], [chunks["a"][c], chunks["b"][c]], extend=True)
@@ -144,7 +156,7 @@ def test_a_request_reads_what_its_tier_engine_reads():
             want = refs[r.rid].forward(chunks[r.rid][c], extend=True)
             for li in range(L):
                 torch.testing.assert_close(out[li], want[li], rtol=0, atol=0)
-    for step in range(3):
+    for step in range(5):
         toks = [[step + 7], [step + 11]]
         got = srv.forward([a, b], toks, extend=False)
         for r, out, t in zip((a, b), got, toks, strict=True):
@@ -152,10 +164,30 @@ def test_a_request_reads_what_its_tier_engine_reads():
             for li in range(L):
                 torch.testing.assert_close(out[li], want[li], rtol=0, atol=0)
     for rid, ref in refs.items():
-        store = srv.pool.sessions[rid].store
+        sess = srv.pool.sessions[rid]
+        store = sess.store
         for li in range(L):
             assert torch.equal(store.tiers(li), ref.store.tiers(li))
+            # the view kept since the last routing, grown by the decode rows, is the arena's
+            for x, y in zip(sess.views[li].view(), store.view(li), strict=True):
+                torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
         assert store.bytes_used() == ref.store.bytes_used()
+
+
+def test_a_layer_view_grows_by_full_rows():
+    """``Rows``: the view kept between routings, appended past its room (it grows)."""
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(H, 3, D, generator=g) for _ in range(2))
+    kept = torch.tensor([[True, False, True], [True, True, False]])
+    rows, want = Rows(k, v, kept), [k, v, kept]
+    for _ in range(40):  # 3 + 40 rows: two growths from room for 16
+        kn, vn = (torch.randn(H, 1, D, generator=g).bfloat16() for _ in range(2))
+        got = rows.append(kn, vn)
+        want = [torch.cat([want[0], kn.float()], 1), torch.cat([want[1], vn.float()], 1),
+                torch.cat([want[2], torch.ones(H, 1, dtype=torch.bool)], 1)]  # fmt: skip
+        for x, y in zip(got, want, strict=True):
+            assert torch.equal(x, y)
+    assert rows.k.shape[1] == 64
 
 
 def test_before_routing_the_output_is_exact_attention_over_the_model_rows():
