@@ -21,9 +21,7 @@ could share (docs/sglang.md, *RDKV*):
   - the signals go back to the store.
 
   After the last layer, requests route at the policy's schedule, and each store moves its own
-  data. Decode runs eagerly, in PyTorch, with no CUDA graphs. Between routings each layer's
-  view is kept (:class:`Rows`) and grows by the decode tokens' full rows, so a decode step does
-  not dequantize the whole arena again.
+  data. Decode runs eagerly, in PyTorch, with no CUDA graphs.
 
 A request served here reads what the tier engine would read holding the same tokens: its
 outputs are those of a :class:`TierStore` driven directly, step by step
@@ -35,7 +33,6 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -51,40 +48,6 @@ from tiered_radix.policy.model import Budget, Policy
 from .backend import CHUNK_ELEMS, EXTEND_ENV, Session, _Req, tp_shard
 from .reps import STATE_NAMES, PoolConfigError, env_choice
 from .stats import BackendStats
-
-
-class Rows:
-    """A layer's view (``store.view``: float32 ``k, v [H, T, d]`` and ``kept [H, T]``) kept
-    between routings, with room to append: a decode token is full precision until the next
-    routing, so the view grows by its rows instead of dequantizing the whole arena again."""
-
-    def __init__(self, k: Tensor, v: Tensor, kept: Tensor) -> None:
-        self.n = k.shape[1]
-        cap = max(16, 2 * self.n)
-        self.k, self.v = (x.new_empty(x.shape[0], cap, x.shape[2]) for x in (k, v))
-        self.kept = kept.new_empty(kept.shape[0], cap)
-        self.k[:, : self.n], self.v[:, : self.n], self.kept[:, : self.n] = k, v, kept
-
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Add full rows ``k, v [H, t, d]`` (as the store keeps them); returns the view."""
-        end = self.n + k.shape[1]
-        if end > self.k.shape[1]:
-            grown = Rows(*self.view())
-            self.k, self.v, self.kept = grown.k, grown.v, grown.kept
-        self.k[:, self.n : end], self.v[:, self.n : end] = k.float(), v.float()
-        self.kept[:, self.n : end] = True
-        self.n = end
-        return self.view()
-
-    def view(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.k[:, : self.n], self.v[:, : self.n], self.kept[:, : self.n]
-
-
-@dataclass
-class ArenaSession(Session):
-    """A request's arena (``store``), and each layer's view since its last routing."""
-
-    views: list[Rows | None] = field(default_factory=list)
 
 
 class ArenaKVPool(MHATokenToKVPool):
@@ -115,7 +78,7 @@ class ArenaKVPool(MHATokenToKVPool):
         if page_size != 1:
             raise PoolConfigError(f"a decoupled policy needs --page-size 1, got {page_size}")
         self.policy, self.budget = policy, budget or policy.budget
-        self.sessions: dict[str, ArenaSession] = {}  # rid -> the request's tier engine
+        self.sessions: dict[str, Session] = {}  # rid -> the request's tier engine (its arena)
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
         kwargs.pop("post_capture_active", None)
         super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device,
@@ -256,7 +219,7 @@ class ArenaAttnBackend(AttentionBackend):
             start += tq
         self.host_s["extend_batches" if self.extend else "decode_steps"] += 1
 
-    def _session(self, rid: str, prefix_len: int) -> ArenaSession:
+    def _session(self, rid: str, prefix_len: int) -> Session:
         """The request's store, holding exactly its ``prefix_len`` earlier tokens; an extend
         from position 0 opens one.
 
@@ -266,7 +229,7 @@ class ArenaAttnBackend(AttentionBackend):
         """
         sess = self.sessions.get(rid)
         if self.extend and prefix_len == 0:
-            sess = self.sessions[rid] = ArenaSession(self._store(), views=[None] * self.layers)
+            sess = self.sessions[rid] = Session(self._store())
         if sess is None or sess.store.n_tokens(0) != prefix_len:
             held = None if sess is None else sess.store.n_tokens(0)
             raise AssertionError(f"request {rid} at position {prefix_len}: its store holds {held}")
@@ -300,15 +263,9 @@ class ArenaAttnBackend(AttentionBackend):
         with self._timed("extend_attend" if self.extend else "decode_gather"):
             for r in self.batch:
                 rows = slice(r.start, r.start + r.tq)
-                sess, store = r.session, r.session.store
-                kn, vn = (x[rows].transpose(0, 1).to(store.dtype) for x in (k3, v3))
-                store.append(li, kn, vn)
-                cached = sess.views[li]
-                if self.extend or cached is None:
-                    kk, vv, kept = store.view(li)
-                    sess.views[li] = None if self.extend else Rows(kk, vv, kept)
-                else:  # between routings a decode token is read as its full row
-                    kk, vv, kept = cached.append(kn, vn)
+                store = r.session.store
+                store.append(li, k3[rows].transpose(0, 1), v3[rows].transpose(0, 1))
+                kk, vv, kept = store.view(li)
                 qi = q3[rows].transpose(0, 1)
                 o, signals = fn(qi, kk, vv, kept, float(layer.scaling), need=need,
                                 chunk_elems=self.chunk_elems)  # fmt: skip
@@ -336,9 +293,6 @@ class ArenaAttnBackend(AttentionBackend):
                     due.append((s.store, f"decode step {step}"))
         # each store moves its own data; one planning pass over all of them
         moves = TierStore.route_many([st for st, _ in due], [why for _, why in due])
-        for r in self.batch:  # routed: the views are rebuilt from the arena
-            if any(r.session.store is st for st, _ in due):
-                r.session.views = [None] * self.layers
         self.counters.routed(moves, self.pool.device)
         self.counters.publish(self.stats, bool(due))
 
