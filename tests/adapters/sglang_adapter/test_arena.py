@@ -42,28 +42,33 @@ class Server:
     """The arena's pool, SGLang's token allocator and request slots, the chunk cache and the
     backend, driven the way SGLang's scheduler drives them."""
 
-    def __init__(self, slots: int = 4096, policy=RDKV) -> None:
+    def __init__(self, slots: int = 4096, policy=RDKV, kv_heads=slice(0, H), tp_group=None):
+        """``kv_heads`` of the model's ``H`` (a tensor-parallel rank's, with SGLang's
+        ``tp_group`` stand-in), and their share of the ``HQ`` query heads."""
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-        self.pool = ArenaKVPool(slots, 1, torch.bfloat16, H, D, L, "cpu", policy=policy)
+        q_heads = slice(kv_heads.start * HQ // H, kv_heads.stop * HQ // H)
+        self.h, self.hq = kv_heads.stop - kv_heads.start, q_heads.stop - q_heads.start
+        self.pool = ArenaKVPool(slots, 1, torch.bfloat16, self.h, D, L, "cpu", policy=policy)
         self.alloc = TokenToKVPoolAllocator(slots, torch.bfloat16, "cpu", self.pool, False)
         self.r2t = ReqToTokenPool(8, 1024, "cpu", False)
         self.cache = ArenaCache(CacheInitParams(True, self.r2t, self.alloc, 1))
-        runner = SimpleNamespace(token_to_kv_pool=self.pool, tp_group=None)
+        runner = SimpleNamespace(token_to_kv_pool=self.pool, tp_group=tp_group)
         self.backend = ArenaAttnBackend(runner)
         g = torch.Generator().manual_seed(3)
-        self.wk, self.wv = (torch.randn(L, VOCAB, H, D, generator=g) for _ in range(2))
-        self.wq = torch.randn(L, VOCAB, HQ, D, generator=g)
+        wk, wv = (torch.randn(L, VOCAB, H, D, generator=g) for _ in range(2))
+        self.wk, self.wv = wk[:, :, kv_heads], wv[:, :, kv_heads]
+        self.wq = torch.randn(L, VOCAB, HQ, D, generator=g)[:, :, q_heads]
         self.layers = [
-            SimpleNamespace(layer_id=li, tp_q_head_num=HQ, qk_head_dim=D, v_head_dim=D,
+            SimpleNamespace(layer_id=li, tp_q_head_num=self.hq, qk_head_dim=D, v_head_dim=D,
                             scaling=D**-0.5, logit_cap=0, sliding_window_size=-1)
             for li in range(L)
         ]  # fmt: skip
 
     def qkv(self, li: int, toks: list[int], start: int) -> tuple[torch.Tensor, ...]:
-        """bf16-valued ``q [n, HQ, D]``, ``k, v [n, H, D]`` of ``toks`` at positions ``start...``
+        """bf16-valued ``q [n, hq, D]``, ``k, v [n, h, D]`` of ``toks`` at positions ``start...``
         (the position shifts every row, so each request's rows are its own)."""
         t, p = torch.tensor(toks), 0.01 * torch.arange(start, start + len(toks))[:, None, None]
         return tuple((w[li, t] + p).bfloat16().float() for w in (self.wq, self.wk, self.wv))
@@ -90,7 +95,7 @@ class Server:
             parts = [self.qkv(li, t, p) for t, p in zip(new, pre, strict=True)]
             q, k, v = (torch.cat([x[i] for x in parts]) for i in range(3))
             call = self.backend.forward_extend if extend else self.backend.forward_decode
-            o = call(q.reshape(-1, HQ * D), k, v, layer, fb).reshape(-1, HQ, D)
+            o = call(q.reshape(-1, self.hq * D), k, v, layer, fb).reshape(-1, self.hq, D)
             for b, (t, _) in enumerate(zip(new, pre, strict=True)):
                 start = sum(len(x) for x in new[:b])
                 outs[b].append(o[start : start + len(t)].float())
@@ -262,3 +267,69 @@ def test_the_plugin_serves_rdkv_from_arenas():
         assert isinstance(plugin.attention_backend_factory(runner), ArenaAttnBackend)
     finally:
         config.export(None)
+
+
+# RDKV_EVERY with the budget spread over heads by their values' spread (sigma): a rank that
+# planned its head alone would give it another budget. RDKV's own spread is uniform, where each
+# head's budget is its own and ranks would agree without planning together; a spread by
+# attention would not do either (every head's attention mass sums to the same)
+RDKV_TP = compile_text(
+    (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+    .replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
+    .replace("allocate:", "spread: proportional(sigma)\nallocate:")
+)  # fmt: skip
+
+
+def _serve(rank: int | None = None, tp_group=None) -> dict:
+    """RDKV_TP over two requests: chunked prefill, 4 decode steps; every forward's outputs and
+    each request's tiers after it. ``rank``: hold that rank's KV head (``tp_group``: plan with
+    the other rank)."""
+    kv = slice(0, H) if rank is None else slice(rank, rank + 1)
+    srv = Server(policy=RDKV_TP, kv_heads=kv, tp_group=tp_group)
+    a, b = srv.admit("a"), srv.admit("b")
+    steps = [([_prompt(1, 96), _prompt(3, 96)], True), ([_prompt(2, 64), _prompt(4, 64)], True)]
+    steps += [([[t + 7], [t + 11]], False) for t in range(4)]
+    rec: dict = {"out": [], "tiers": []}
+    for new, extend in steps:
+        rec["out"].append(srv.forward([a, b], new, extend))
+        rec["tiers"].append(
+            [[srv.pool.sessions[r].store.tiers(li).clone() for li in range(L)] for r in "ab"]
+        )
+    stats = srv.backend.stats()
+    rec["tp"], rec["evict"] = stats.get("tp"), stats["evict"]
+    return rec
+
+
+def _rank(rank: int) -> dict:
+    return _serve(rank, SimpleNamespace(world_size=2, rank_in_group=rank, device_group=None))
+
+
+def _same_tiers(part: dict, whole: dict, rank: int) -> bool:
+    return all(
+        torch.equal(mine, theirs[rank : rank + 1])
+        for p_step, w_step in zip(part["tiers"], whole["tiers"], strict=True)
+        for p_req, w_req in zip(p_step, w_step, strict=True)
+        for mine, theirs in zip(p_req, w_req, strict=True)
+    )
+
+
+def test_tensor_parallel_ranks_decide_and_attend_as_one_arena(tmp_path):
+    """``--tp 2`` on CPU (two gloo ranks, one KV head each): each rank decides, for its head,
+    the V-token tiers one arena over both heads decides, and attends alike; both record the
+    same routings. A rank planning alone decides otherwise (the comparison can fail)."""
+    from gloo_ranks import run_ranks
+
+    ranks, whole = run_ranks(_rank, 2, tmp_path), _serve()
+    assert whole["evict"] > 0 and whole["tp"] is None
+    tp = [part["tp"] for part in ranks]
+    assert [t["heads"] for t in tp] == [[0, 1], [1, 2]] and tp[0]["routes"] > 2
+    assert tp[0]["digest"] == tp[1]["digest"] and tp[0]["routes"] == tp[1]["routes"]
+    d = HQ // H
+    for rank, part in enumerate(ranks):
+        assert _same_tiers(part, whole, rank), f"rank {rank}'s tiers differ"
+        for p_step, w_step in zip(part["out"], whole["out"], strict=True):
+            for p_req, w_req in zip(p_step, w_step, strict=True):
+                for mine, theirs in zip(p_req, w_req, strict=True):
+                    want = theirs[:, rank * d : (rank + 1) * d]
+                    torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6)
+    assert not _same_tiers(_serve(rank=1), whole, 1)

@@ -45,7 +45,7 @@ from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_rea
 from tiered_radix.engine.store import TierStore
 from tiered_radix.policy.model import Budget, Policy
 
-from .backend import CHUNK_ELEMS, EXTEND_ENV, Session, _Req, tp_shard
+from .backend import CHUNK_ELEMS, EXTEND_ENV, RouteDigest, Session, _Req, tp_shard
 from .reps import STATE_NAMES, PoolConfigError, env_choice
 from .stats import BackendStats
 
@@ -185,9 +185,10 @@ class ArenaAttnBackend(AttentionBackend):
         self.extend = False
         self.counters = BackendStats()
         self.host_s: dict[str, float] = defaultdict(float)
-        self.shard = tp_shard(runner, pool.head_num)
+        self.shard = tp_shard(runner, pool.head_num)  # --tp: every rank plans over all heads
         if self.shard is not None:
             self.counters.rank = self.shard.rank
+        self.tp = RouteDigest(self.shard) if self.shard is not None else None
 
     @contextmanager
     def _timed(self, phase: str):
@@ -286,13 +287,17 @@ class ArenaAttnBackend(AttentionBackend):
             if self.extend:
                 s.prefills += 1
                 if self.policy.schedule.after_prefill:
-                    due.append((s.store, f"after prefill {s.prefills}"))
+                    due.append((r, f"after prefill {s.prefills}"))
             else:
                 step, s.decode_steps = s.decode_steps, s.decode_steps + 1
                 if s.store.schedule_due(step):
-                    due.append((s.store, f"decode step {step}"))
+                    due.append((r, f"decode step {step}"))
         # each store moves its own data; one planning pass over all of them
-        moves = TierStore.route_many([st for st, _ in due], [why for _, why in due])
+        stores = [r.session.store for r, _ in due]
+        moves = TierStore.route_many(stores, [why for _, why in due])
+        if self.tp is not None:
+            for r, why in due:
+                self.tp.add(r.rid, why, r.session.store)
         self.counters.routed(moves, self.pool.device)
         self.counters.publish(self.stats, bool(due))
 
@@ -301,4 +306,6 @@ class ArenaAttnBackend(AttentionBackend):
         per phase, as :meth:`~.backend.TieredAttnBackend.stats` reports them)."""
         out = self.counters.snapshot(self.pool, len(self.sessions), "gather", None)
         out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
+        if self.tp is not None:
+            out["tp"] = self.tp.record()
         return out

@@ -95,6 +95,32 @@ def tp_shard(runner, heads_local: int) -> HeadShard | None:
     )
 
 
+class RouteDigest:
+    """Under ``--tp``: this rank's heads, and a digest of every routing so far (request,
+    reason, the whole model's bytes held after it, budget, over-budget flag). It is equal on
+    every rank when the ranks routed the same requests at the same steps over the same all-head
+    totals. Routings are recorded by reference and hashed at :meth:`record` (``stats()``): no
+    host sync when routing."""
+
+    def __init__(self, shard: HeadShard) -> None:
+        self.shard, self.digest, self.routes, self.pending = shard, hashlib.sha256(), 0, []
+
+    def add(self, rid: str, why: str, store: TierStore) -> None:
+        self.pending.append((rid, why, store.events.steps[-1]))
+
+    def record(self) -> dict:
+        for rid, why, ev in self.pending:
+            rec = f"{rid}|{why}|{ev.bytes_used}|{ev.budget}|{int(ev.over_budget)}\n"
+            self.digest.update(rec.encode())
+        self.routes += len(self.pending)
+        self.pending.clear()
+        sh = self.shard
+        return {
+            "rank": sh.rank, "world": sh.world, "heads": [sh.start, sh.start + sh.heads_local],
+            "routes": self.routes, "digest": self.digest.hexdigest(),
+        }  # fmt: skip
+
+
 @dataclass
 class Session:
     """One request's tier engine: its store, and its step counters."""
@@ -161,7 +187,7 @@ class TieredAttnBackend(AttentionBackend):
         self.shard = tp_shard(runner, pool.head_num)
         if self.shard is not None:
             self.counters.rank = self.shard.rank
-            self.tp_digest, self.tp_routes, self._tp_pending = hashlib.sha256(), 0, []
+        self.tp = RouteDigest(self.shard) if self.shard is not None else None
 
     @contextmanager
     def _timed(self, phase: str):
@@ -510,9 +536,9 @@ class TieredAttnBackend(AttentionBackend):
         moves = TierStore.route_many([r.session.store for r, _ in due], [why for _, why in due])
         routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
         self.tree.route_many(routed)
-        if self.shard is not None:  # read at stats(): no host sync here
+        if self.tp is not None:
             for r, why in due:
-                self._tp_pending.append((r.rid, why, r.session.store.events.steps[-1]))
+                self.tp.add(r.rid, why, r.session.store)
         self.counters.routed(moves, self.pool.device)
         self.counters.publish(self.stats, bool(due))
         return bool(due)
@@ -538,22 +564,6 @@ class TieredAttnBackend(AttentionBackend):
                 self.device_s["replays"] += 1
             self.replays_timed.clear()
             out["device_s"] = {k: round(v, 6) for k, v in self.device_s.items()}
-        if self.shard is not None:
-            out["tp"] = self._tp_record()
+        if self.tp is not None:
+            out["tp"] = self.tp.record()
         return out
-
-    def _tp_record(self) -> dict:
-        """Under ``--tp``: this rank's heads, and a digest of every routing so far (request,
-        reason, the whole model's bytes held after it, budget, over-budget flag): equal on
-        every rank when the ranks routed the same requests at the same steps over the same
-        all-head totals."""
-        for rid, why, ev in self._tp_pending:
-            rec = f"{rid}|{why}|{ev.bytes_used}|{ev.budget}|{int(ev.over_budget)}\n"
-            self.tp_digest.update(rec.encode())
-        self.tp_routes += len(self._tp_pending)
-        self._tp_pending.clear()
-        sh = self.shard
-        return {
-            "rank": sh.rank, "world": sh.world, "heads": [sh.start, sh.start + sh.heads_local],
-            "routes": self.tp_routes, "digest": self.tp_digest.hexdigest(),
-        }  # fmt: skip
