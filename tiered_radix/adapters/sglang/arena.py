@@ -243,6 +243,9 @@ class ArenaAttnBackend(AttentionBackend):
             dtype=p.dtype, device=p.device, budget_override=self.budget, shard=self.shard,
         )  # fmt: skip
 
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1  # padding SGLang may ask for; this backend never captures graphs
+
     # -- per layer -------------------------------------------------------------------------
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache: bool = True, **_kw):
         return self._forward(q, k, v, layer)
