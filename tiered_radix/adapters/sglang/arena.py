@@ -40,13 +40,21 @@ from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
-from tiered_radix.adapters.transformers.attention import attend, attend_sdpa
+from tiered_radix.adapters.transformers.attention import attend
 from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_reads
 from tiered_radix.engine.store import TierStore
 from tiered_radix.policy.model import Budget, Policy
 
-from .backend import CHUNK_ELEMS, EXTEND_ENV, RouteDigest, Session, _Req, tp_shard
-from .reps import STATE_NAMES, PoolConfigError, env_choice
+from .backend import (
+    CHUNK_ELEMS,
+    RouteDigest,
+    Session,
+    _Req,
+    due_routings,
+    extend_attention,
+    tp_shard,
+)
+from .reps import STATE_NAMES, PoolConfigError
 from .stats import BackendStats
 
 
@@ -177,18 +185,16 @@ class ArenaAttnBackend(AttentionBackend):
         self.layers = pool.layer_num
         self.last_layer = pool.start_layer + pool.layer_num - 1
         self.prefill_needs = frozenset(policy_reads(self.policy) & set(PREFILL_SIGNALS))
-        cpu = torch.device(pool.device).type == "cpu"
-        want = env_choice(EXTEND_ENV, "exact" if cpu else "sdpa", "sdpa", "exact")
-        self.extend_attend = attend_sdpa if want == "sdpa" else attend
+        self.extend_attend = extend_attention(pool.device)
         self.chunk_elems = CHUNK_ELEMS.get(torch.device(pool.device).type, 1 << 22)
         self.batch: list[_Req] = []
         self.extend = False
         self.counters = BackendStats()
         self.host_s: dict[str, float] = defaultdict(float)
-        self.shard = tp_shard(runner, pool.head_num)  # --tp: every rank plans over all heads
+        # --tp: every rank plans over all heads (TieredAttnBackend's docstring)
+        self.shard, self.tp = tp_shard(runner, pool.head_num), None
         if self.shard is not None:
-            self.counters.rank = self.shard.rank
-        self.tp = RouteDigest(self.shard) if self.shard is not None else None
+            self.counters.rank, self.tp = self.shard.rank, RouteDigest(self.shard)
 
     @contextmanager
     def _timed(self, phase: str):
@@ -284,17 +290,7 @@ class ArenaAttnBackend(AttentionBackend):
     def _route_due(self) -> None:
         tokens = sum(s.store.n_tokens(0) for s in self.sessions.values())
         self.counters.forward_done(self.pool, tokens)
-        due = []
-        for r in self.batch:
-            s = r.session
-            if self.extend:
-                s.prefills += 1
-                if self.policy.schedule.after_prefill:
-                    due.append((r, f"after prefill {s.prefills}"))
-            else:
-                step, s.decode_steps = s.decode_steps, s.decode_steps + 1
-                if s.store.schedule_due(step):
-                    due.append((r, f"decode step {step}"))
+        due = due_routings(self.batch, self.extend, self.policy)
         # each store moves its own data; one planning pass over all of them
         stores = [r.session.store for r, _ in due]
         moves = TierStore.route_many(stores, [why for _, why in due])

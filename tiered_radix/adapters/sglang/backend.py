@@ -141,6 +141,33 @@ class _Req:
     seq: int
 
 
+def extend_attention(device):
+    """Extend's attention, ``$TIERED_RADIX_EXTEND``: ``attend_sdpa`` (``sdpa``, the default on
+    CUDA: a fused kernel in the model's dtype; GPU run 6 spent 25 s of a 37 s prefill in the
+    float32 path) or ``attend`` (``exact``, the default on CPU: float32, the engine's reference
+    numbers)."""
+    cpu = torch.device(device).type == "cpu"
+    want = env_choice(EXTEND_ENV, "exact" if cpu else "sdpa", "sdpa", "exact")
+    return attend_sdpa if want == "sdpa" else attend
+
+
+def due_routings(batch: list[_Req], extend: bool, policy) -> list[tuple[_Req, str]]:
+    """After a forward of ``batch``: count each request's prefill or decode step, and return
+    those whose schedule is due now, with the reason the engine records."""
+    due = []
+    for r in batch:
+        s = r.session
+        if extend:
+            s.prefills += 1
+            if policy.schedule.after_prefill:
+                due.append((r, f"after prefill {s.prefills}"))
+        else:
+            step, s.decode_steps = s.decode_steps, s.decode_steps + 1
+            if s.store.schedule_due(step):
+                due.append((r, f"decode step {step}"))
+    return due
+
+
 class TieredAttnBackend(AttentionBackend):
     """Raises:
     PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`."""
@@ -166,7 +193,7 @@ class TieredAttnBackend(AttentionBackend):
         self.extend = False
         self.counters = BackendStats()
         self.kernel = self._use_kernel()
-        self.extend_attend = self._extend_attention()
+        self.extend_attend = extend_attention(pool.device)
         self.kernel_error: str | None = None
         self.dbatch: trizone.DecodeBatch | None = None
         model = getattr(runner, "model_config", None)
@@ -184,10 +211,9 @@ class TieredAttnBackend(AttentionBackend):
         self.replay_events: list | None = [] if timing else None  # the replay in flight
         self.replays_timed: list[tuple] = []  # ended replays' (start, end), read at stats()
         self.profiler = StepProfiler()  # $TIERED_RADIX_PROFILE: a window of decode steps
-        self.shard = tp_shard(runner, pool.head_num)
+        self.shard, self.tp = tp_shard(runner, pool.head_num), None
         if self.shard is not None:
-            self.counters.rank = self.shard.rank
-        self.tp = RouteDigest(self.shard) if self.shard is not None else None
+            self.counters.rank, self.tp = self.shard.rank, RouteDigest(self.shard)
 
     @contextmanager
     def _timed(self, phase: str):
@@ -198,15 +224,6 @@ class TieredAttnBackend(AttentionBackend):
                 yield
         finally:
             self.host_s[phase] += time.perf_counter() - t0
-
-    def _extend_attention(self):
-        """Extend's attention: ``attend_sdpa`` (a fused kernel in the model's dtype; GPU run 6
-        spent 25 s of a 37 s prefill in the float32 path) or ``attend`` (float32, the engine's
-        reference numbers)."""
-        want = env_choice(
-            EXTEND_ENV, "exact" if self.pool.device == "cpu" else "sdpa", "sdpa", "exact"
-        )
-        return attend_sdpa if want == "sdpa" else attend
 
     def _use_kernel(self) -> bool:
         """Decode with the TriZone kernel where it can read the pool (and Triton can run)."""
@@ -473,7 +490,7 @@ class TieredAttnBackend(AttentionBackend):
 
     def _gather(self, q3, layer, li: int, dv: int):
         """Attention over each request's rows as read from the pool (PyTorch: extend through
-        :meth:`_extend_attention`'s choice, decode without the kernel in float32). Windows that
+        :func:`extend_attention`'s choice, decode without the kernel in float32). Windows that
         every head evicted are not read (``read_live``): a long prompt at a 10% budget reads a
         fraction of its rows; the signals go back to their tokens' positions."""
         out = q3.new_empty(q3.shape[0], q3.shape[1], dv)
@@ -519,17 +536,7 @@ class TieredAttnBackend(AttentionBackend):
     def _route_due(self) -> bool:
         alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
         self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
-        due = []
-        for r in self.batch:
-            s = r.session
-            if self.extend:
-                s.prefills += 1
-                if self.policy.schedule.after_prefill:
-                    due.append((r, f"after prefill {s.prefills}"))
-            else:
-                step, s.decode_steps = s.decode_steps, s.decode_steps + 1
-                if s.store.schedule_due(step):
-                    due.append((r, f"decode step {step}"))
+        due = due_routings(self.batch, self.extend, self.policy)
         if due:
             self.fold_pending()  # scores up to date (replayed steps summed their attention)
         # planned together (one pass over their stacked layers), then one pool move for all
