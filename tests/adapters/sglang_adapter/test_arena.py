@@ -333,3 +333,25 @@ def test_tensor_parallel_ranks_decide_and_attend_as_one_arena(tmp_path):
                     want = theirs[:, rank * d : (rank + 1) * d]
                     torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6)
     assert not _same_tiers(_serve(rank=1), whole, 1)
+
+
+def test_decode_retracts_before_the_arenas_outgrow_the_pool_bytes():
+    """The decode-memory hook over arenas: a step's tokens (full precision until the next
+    routing) must fit the bytes SGLang set aside for the pool, beside what the arenas hold;
+    otherwise SGLang retracts requests instead of the device running out of memory."""
+    srv = Server(slots=4096)  # 10%: 409 tokens' worth of full K/V set aside
+    per_token = srv.pool.full_bytes_per_token()
+    assert per_token == 2 * L * H * D * 2 and sum(srv.pool.get_kv_size_bytes()) == 409 * per_token
+    req = srv.admit("a")
+    srv.forward([req], [_prompt(9, 256)], extend=True)
+    room = (409 * per_token - srv.pool.bytes_used()) // per_token
+    assert 0 < room < 409 - 20  # the prompt's arena holds ~10% of its 256 tokens' bytes
+
+    def batch(tokens: int) -> SimpleNamespace:
+        return SimpleNamespace(token_to_kv_pool_allocator=srv.alloc,
+                               new_tokens_required_next_decode=lambda _idx: tokens)  # fmt: skip
+
+    yes = lambda _self, selected_indices=None: True  # noqa: E731
+    assert plugin.check_decode_mem(yes, batch(room)) is True
+    assert plugin.check_decode_mem(yes, batch(room + 1)) is False
+    assert plugin.check_decode_mem(lambda _s, selected_indices=None: False, batch(1)) is False

@@ -121,6 +121,17 @@ class ArenaKVPool(MHATokenToKVPool):
         self.sessions.pop(rid, None)
 
     # -- accounting (the same interface as TieredKVPool's, for stats.py) -------------------
+    def full_bytes_per_token(self) -> int:
+        """K and V of one token at the pool's dtype, over every layer and head."""
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.layer_num * self.head_num * self.head_dim * itemsize
+
+    def bytes_for_tokens(self, n: int) -> bool:
+        """Whether the arenas can take ``n`` more tokens at full precision (a decode step's:
+        decoded tokens stay full until the next routing) and stay within the bytes SGLang set
+        aside for the pool (``get_kv_size_bytes``). One host sync."""
+        return self.bytes_used() + n * self.full_bytes_per_token() <= sum(self.get_kv_size_bytes())
+
     def bytes_used(self) -> int:
         """Bytes the requests' stores hold (one host sync)."""
         parts = [s.store._bytes() for s in self.sessions.values()]

@@ -23,7 +23,8 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   when ``$TIERED_RADIX_DEVICE_TIMES=1``) and SGLang's coarse write-after-read barrier (see
   :func:`graph_execute`);
 - ``ScheduleBatch.check_decode_mem`` (AROUND): a decode step whose new windows find too few row
-  blocks makes SGLang retract requests, as a full pool does;
+  blocks (over arenas: whose tokens the pool's bytes cannot hold) makes SGLang retract
+  requests, as a full pool does;
 - ``PrefillAdder.add_one_req`` and ``add_chunked_req`` (AROUND): a prefill batch admits only the
   windows its pool's row blocks hold: a request's chunk is cut to them, or it waits (NO_TOKEN);
 - radix cache backend ``tiered`` (a :class:`~.radix.TieredRadixCache`; for decoupled policies
@@ -243,14 +244,20 @@ def graph_execute(original, self, forward_batch, *args, **kwargs):
 
 def check_decode_mem(original, self, selected_indices=None) -> bool:
     """SGLang's answer (logical slots for the next decode step) and, over a tiered pool, whether
-    its row blocks hold the step's new windows: when they do not, SGLang retracts requests
-    (its answer to a full pool) instead of the forward raising ``PoolFullError``."""
+    its row blocks hold the step's new windows; over a decoupled policy's arenas, whether the
+    bytes SGLang set aside for the pool hold the step's tokens at full precision. When they do
+    not, SGLang retracts requests (its answer to a full pool) instead of the forward raising
+    ``PoolFullError`` or the device running out of memory."""
     ok = original(self, selected_indices=selected_indices)
     pool = self.token_to_kv_pool_allocator.get_kvcache()
-    if not ok or not hasattr(pool, "rows_for_windows"):
+    if not ok:
         return ok
-    tokens = self.new_tokens_required_next_decode(selected_indices)
-    return pool.rows_for_windows(-(-tokens // pool.layout.window))
+    if hasattr(pool, "rows_for_windows"):
+        tokens = self.new_tokens_required_next_decode(selected_indices)
+        return pool.rows_for_windows(-(-tokens // pool.layout.window))
+    if hasattr(pool, "bytes_for_tokens"):
+        return pool.bytes_for_tokens(self.new_tokens_required_next_decode(selected_indices))
+    return ok
 
 
 _ADMITTED = "_tiered_windows"  # on a PrefillAdder: windows its batch opens so far
