@@ -1,5 +1,6 @@
 """End to end on a GPU: ``sglang.launch_server --kv-policy P`` serves a real model; a multi-turn
-chat hits the radix cache with tiers active; a needle question at ~2.7K tokens is answered.
+chat hits the radix cache with tiers active (decoupled policies, RDKV: no hits, its arenas are
+private to their requests); a needle question at ~2.7K tokens is answered.
 
 Needs a CUDA GPU, SGLang 0.5.17 and a model folder in ``$TR_MODEL_PATH`` (on the GPU machine:
 ``/tmp/models/qwen2.5-0.5b`` after ``../shared/gpu/stage.py --model qwen2.5-0.5b``). Policies:
