@@ -50,6 +50,7 @@ from .backend import (
     RouteDigest,
     Session,
     _Req,
+    batch_rows,
     due_routings,
     extend_attention,
     tp_shard,
@@ -102,8 +103,7 @@ class ArenaKVPool(MHATokenToKVPool):
         """The K and V bytes left to the stores: the budget's share of every slot's full rows
         (a fraction budget ``f`` over ``N0 / f`` slots: ``N0`` tokens' worth)."""
         frac = self.budget.value if self.budget.kind == "fraction" else 1.0
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        per = int(frac * self.size) * self.layer_num * self.head_num * self.head_dim * itemsize
+        per = int(frac * self.size) * self.full_bytes_per_token() // 2  # K, and as much V
         return per, per
 
     def _no_dense(self, *_args, **_kw):
@@ -126,9 +126,9 @@ class ArenaKVPool(MHATokenToKVPool):
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         return 2 * self.layer_num * self.head_num * self.head_dim * itemsize
 
-    def bytes_for_tokens(self, n: int) -> bool:
-        """Whether the arenas can take ``n`` more tokens at full precision (a decode step's:
-        decoded tokens stay full until the next routing) and stay within the bytes SGLang set
+    def holds_decode_tokens(self, n: int) -> bool:
+        """Whether the arenas can take a decode step's ``n`` new tokens at full precision
+        (decoded tokens stay full until the next routing) and stay within the bytes SGLang set
         aside for the pool (``get_kv_size_bytes``). One host sync."""
         return self.bytes_used() + n * self.full_bytes_per_token() <= sum(self.get_kv_size_bytes())
 
@@ -217,20 +217,12 @@ class ArenaAttnBackend(AttentionBackend):
 
     # -- per batch -------------------------------------------------------------------------
     def init_forward_metadata(self, fb) -> None:
-        mode = fb.forward_mode
         self.batch = []
-        if mode.is_idle():
+        rows = batch_rows(fb)
+        if rows is None:
             return
-        if not (mode.is_extend() or mode.is_decode()) or mode.is_target_verify():
-            raise NotImplementedError(f"tiered_triton: forward mode {mode} is not supported")
-        if fb.rids is None:
-            raise NotImplementedError("tiered_triton: a forward batch without request ids")
-        self.extend = mode.is_extend()
-        seqs = fb.seq_lens_cpu.tolist()
-        if self.extend:
-            prefix, new = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
-        else:
-            prefix, new = [s - 1 for s in seqs], [1] * len(seqs)
+        self.extend = fb.forward_mode.is_extend()
+        seqs, prefix, new = rows
         start = 0
         for rid, seq, pre, tq in zip(fb.rids, seqs, prefix, new, strict=True):
             self.batch.append(_Req(rid, self._session(rid, pre), start, tq, seq))

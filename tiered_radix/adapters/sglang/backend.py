@@ -151,6 +151,27 @@ def extend_attention(device):
     return attend_sdpa if want == "sdpa" else attend
 
 
+def batch_rows(fb) -> tuple[list[int], list[int], list[int]] | None:
+    """A forward batch's requests as rows: each one's length after the step, the tokens it held
+    before (``prefix``) and its new ones; ``None`` for an idle batch.
+
+    Raises:
+        NotImplementedError: a forward mode other than extend and decode (target verify
+            included), or a batch without request ids.
+    """
+    mode = fb.forward_mode
+    if mode.is_idle():
+        return None
+    if not (mode.is_extend() or mode.is_decode()) or mode.is_target_verify():
+        raise NotImplementedError(f"tiered_triton: forward mode {mode} is not supported")
+    if fb.rids is None:
+        raise NotImplementedError("tiered_triton: a forward batch without request ids")
+    seqs = fb.seq_lens_cpu.tolist()
+    if mode.is_extend():
+        return seqs, list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
+    return seqs, [s - 1 for s in seqs], [1] * len(seqs)
+
+
 def due_routings(batch: list[_Req], extend: bool, policy) -> list[tuple[_Req, str]]:
     """After a forward of ``batch``: count each request's prefill or decode step, and return
     those whose schedule is due now, with the reason the engine records."""
@@ -253,20 +274,12 @@ class TieredAttnBackend(AttentionBackend):
             self.host_s["extend_batches" if self.extend else "decode_steps"] += 1
 
     def _metadata(self, fb) -> None:
-        mode = fb.forward_mode
         self.batch, self.dbatch, self.graph_bs = [], None, None
-        if mode.is_idle():
+        rows = batch_rows(fb)
+        if rows is None:
             return
-        if not (mode.is_extend() or mode.is_decode()) or mode.is_target_verify():
-            raise NotImplementedError(f"tiered_triton: forward mode {mode} is not supported")
-        self.extend = mode.is_extend()
-        if fb.rids is None:
-            raise NotImplementedError("tiered_triton: a forward batch without request ids")
-        seqs = fb.seq_lens_cpu.tolist()
-        if self.extend:
-            prefix, new = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
-        else:
-            prefix, new = [s - 1 for s in seqs], [1] * len(seqs)
+        self.extend = fb.forward_mode.is_extend()
+        seqs, prefix, new = rows
         self._admit(list(fb.rids), fb.req_pool_indices.tolist(), seqs, prefix, new)
         self.pool.end_step()
         self.pool.prepare_write(fb.out_cache_loc)  # open new windows, find rows in every layer

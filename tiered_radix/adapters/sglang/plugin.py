@@ -250,14 +250,9 @@ def check_decode_mem(original, self, selected_indices=None) -> bool:
     ``PoolFullError`` or the device running out of memory."""
     ok = original(self, selected_indices=selected_indices)
     pool = self.token_to_kv_pool_allocator.get_kvcache()
-    if not ok:
+    if not ok or not hasattr(pool, "holds_decode_tokens"):
         return ok
-    if hasattr(pool, "rows_for_windows"):
-        tokens = self.new_tokens_required_next_decode(selected_indices)
-        return pool.rows_for_windows(-(-tokens // pool.layout.window))
-    if hasattr(pool, "bytes_for_tokens"):
-        return pool.bytes_for_tokens(self.new_tokens_required_next_decode(selected_indices))
-    return ok
+    return pool.holds_decode_tokens(self.new_tokens_required_next_decode(selected_indices))
 
 
 _ADMITTED = "_tiered_windows"  # on a PrefillAdder: windows its batch opens so far

@@ -264,6 +264,11 @@ class TieredKVPool(MHATokenToKVPool):
         self._reclaim_rows(n * self.head_num, list(range(self.layer_num)))
         return self.windows_free() >= n
 
+    def holds_decode_tokens(self, n: int) -> bool:
+        """Whether a decode step's ``n`` new tokens find row blocks for the windows they open
+        (:meth:`rows_for_windows`: at most one window per ``W`` tokens)."""
+        return self.rows_for_windows(-(-n // self.layout.window))
+
     def windows_free(self) -> int:
         """Windows that can open now without evicting: the scarcest layer's free row blocks,
         ``H`` a window."""
