@@ -78,8 +78,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=400, help="prompt tokens per request")
+    ap.add_argument("--gather", choices=("live", "all"), default="live", help="--kv-gather")
     a = ap.parse_args()
-    os.environ.update(TIERED_RADIX_DECODE="kernel", TRITON_INTERPRET="1")
+    os.environ.update(TRITON_INTERPRET="1")
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
     import importlib
 
@@ -142,8 +143,11 @@ def chunked_prefill(a, Harness, policy: str, PoolBlocks, chunks: int = 4) -> Non
     """A prompt prefilled in ``chunks`` chunks, routing after each (``after_prefill``): the
     second chunk, whose gathers read the first one's routed windows."""
     pages = a.batch * (a.prompt // 16 + 4) + 8
+    from tiered_radix.adapters.sglang.options import KVOptions
+
     h = Harness(policy=policy, head_dim=64, pages=pages, blocks=PoolBlocks(20000, 20000),
-                layers=a.layers, context=a.prompt + 64)  # fmt: skip
+                layers=a.layers, context=a.prompt + 64,
+                options=KVOptions(gather=a.gather))  # fmt: skip
     reqs = [
         h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(a.prompt)]) for i in range(a.batch)
     ]
@@ -151,9 +155,8 @@ def chunked_prefill(a, Harness, policy: str, PoolBlocks, chunks: int = 4) -> Non
     h.step(reqs, [r.origin_input_ids[:c] for r in reqs], extend=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         h.step(reqs, [r.origin_input_ids[c : 2 * c] for r in reqs], extend=True)
-    gather = os.environ.get("TIERED_RADIX_GATHER", "live")
     report(prof.events(), f"layers={a.layers} batch={a.batch}, prefill chunk 2 of {chunks} "
-           f"(gather={gather})")  # fmt: skip
+           f"(gather={a.gather})")  # fmt: skip
 
 
 # ops that only make views or metadata: no kernel launch on the GPU

@@ -2,7 +2,7 @@
 
     python bench/compile_check.py [--arch 90] [-k SUBSTRING] [--json PATH]
 
-Every (version, uniform pages, bit widths, head_dim, side output) configuration that
+Every (uniform pages, bit widths, head_dim, side output) configuration that
 ``decode.plan()`` and ``bench/decode_attention.py`` launch is compiled ahead of time with
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` (Triton's bundled ptxas,
 no driver), with the argument specialisation the JIT would choose (16-divisible pointers and
@@ -82,7 +82,7 @@ class Config:
     num_stages: int = 2
 
 
-def _split(ver: int, uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | None,
+def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | None,
            page: int = 32, il: bool = True):  # fmt: skip
     grp, hkv = FAMILIES[d]
     vb, kb = MIXES[mix]
@@ -97,30 +97,25 @@ def _split(ver: int, uniform: bool, mix: str, d: int, side: bool, ppi: int, warp
                 row_fresh=4096 * 32 + 1000, qk_scale=0.127, H_KV=hkv, G=grp, S=33)  # fmt: skip
     cx = dict(DT=tl.bfloat16, D=d, G_PAD=16, P=page, VG=32, BLOCK_N=64 if d == 64 else 32,
               MASS=side, VBITS=sum(vb), KBITS=sum(kb))  # fmt: skip
-    if ver == 2:
-        args.update(page_unit_ptr="*i32", full_units_ptr="*i32", fresh_units_ptr="*i32")
-        cx.update(VER2=True, UNIFORM=uniform, PPI=ppi if uniform and pages else 1, IL=il)
-    w = warps or ((2 if pages else 4) if ver == 1 else 4)
-    tag = f"v{ver}{'u' if uniform else ''} {mix:7} d{d} {'mass' if side else '-   '} ppi{ppi} w{w}"
+    args.update(page_unit_ptr="*i32", full_units_ptr="*i32", fresh_units_ptr="*i32")
+    cx.update(UNIFORM=uniform, PPI=ppi if uniform and pages else 1, IL=il)
+    w = warps or 4
+    tag = f"{'u' if uniform else 'g'} {mix:7} d{d} {'mass' if side else '-   '} ppi{ppi} w{w}"
     tag += "" if page == 32 and il else f" p{page}{'' if il else ' shift'}"
     return Config(f"split {tag}", "_decode_split_kernel", args, cx, w)
 
 
-def _merge(ver: int, d: int, s: int) -> Config:
+def _merge(d: int, s: int) -> Config:
     grp, hkv = FAMILIES[d]
     s_pad = max(2, 1 << (s - 1).bit_length())
     args = dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr="*bf16",
                 out_stride_b=grp * hkv * d, out_stride_h=d, lse_ptr="*fp32", H_KV=hkv, G=grp,
                 S=s)  # fmt: skip
-    cx = dict(D=d, G_PAD=16, S_PAD=s_pad)
-    name = "_decode_merge_kernel"
-    if ver == 2:
-        cx["BLOCK_S"] = min(s_pad, 16)
-        name += "_v2"
-    return Config(f"merge v{ver} d{d} S{s}", name, args, cx, 4)
+    cx = dict(D=d, G_PAD=16, S_PAD=s_pad, BLOCK_S=min(s_pad, 16))
+    return Config(f"merge d{d} S{s}", "_decode_merge_kernel", args, cx, 4)
 
 
-def _mass(ver: int, d: int) -> Config:
+def _mass(d: int) -> Config:
     grp, hkv = FAMILIES[d]
     args = {n: "*i32" for n in ("full_indptr_ptr", "full_end_ptr", "full_units_ptr",
                                 "fresh_indptr_ptr", "fresh_units_ptr", "page_indptr_ptr",
@@ -136,31 +131,26 @@ def _mass(ver: int, d: int) -> Config:
         G=grp,
         S=33,
     )
-    cx = dict(G_PAD=16, P=32)
-    if ver == 2:
-        args["page_unit_ptr"] = "*i32"
-        g_p2 = max(2, 1 << (grp - 1).bit_length())
-        cx.update(G_P2=g_p2, BLOCK_N=64 if d == 64 else 32, NT=16, NBLK=8)
-        return Config(f"mass v2 d{d}", "_decode_mass_kernel_v2", args, cx, 4)
-    cx["BLOCK_N"] = 32
-    return Config(f"mass v1 d{d}", "_decode_mass_kernel", args, cx, 4)
+    args["page_unit_ptr"] = "*i32"
+    g_p2 = max(2, 1 << (grp - 1).bit_length())
+    cx = dict(G_PAD=16, P=32, G_P2=g_p2, BLOCK_N=64 if d == 64 else 32, NT=16, NBLK=8)
+    return Config(f"mass d{d}", "_decode_mass_kernel", args, cx, 4)
 
 
 def configs() -> list[Config]:
     out = []
     for d in (64, 128):
         for side in (False, True):
-            out += [_split(1, False, m, d, side, 1, None) for m in ("full", "qevict2", "rdkv")]
-            out += [_split(2, False, m, d, side, 1, None) for m in MIXES]
-            out += [_split(2, True, m, d, side, 1, None) for m in UNIFORM_MIXES]
+            out += [_split(False, m, d, side, 1, None) for m in MIXES]
+            out += [_split(True, m, d, side, 1, None) for m in UNIFORM_MIXES]
         # bench/decode_attention.py tuning rows: 2 pages an iteration at 4 and 8 warps
-        out += [_split(2, True, "qevict2", d, False, 2, w) for w in (4, 8)]
-        # 16-token pages, where v2 failed on the H200 (run 6): interleave vs shift unpacking
+        out += [_split(True, "qevict2", d, False, 2, w) for w in (4, 8)]
+        # 16-token pages, where the kernel failed on the H200 (run 6): interleave vs shift
         for il in (True, False):
-            out += [_split(2, False, m, d, True, 1, None, 16, il) for m in ("u4", "rdkv")]
-            out += [_split(2, True, m, d, True, 2, None, 16, il) for m in ("qevict2", "u4")]
-        out += [_merge(v, d, s) for v in (1, 2) for s in (4, 64)]
-        out += [_mass(v, d) for v in (1, 2)]
+            out += [_split(False, m, d, True, 1, None, 16, il) for m in ("u4", "rdkv")]
+            out += [_split(True, m, d, True, 2, None, 16, il) for m in ("qevict2", "u4")]
+        out += [_merge(d, s) for s in (4, 64)]
+        out.append(_mass(d))
     return out
 
 

@@ -8,9 +8,9 @@ every peer (errors recorded, never fatal) and ours at tier mixes: ``full`` (100%
 precision), ``qevict@B`` (32-token windows; half the byte budget B on full windows, the rest on
 INT2 windows, others evicted) and ``rdkv@B`` (V per token at 2/4/8/16 bits, K channels at mixed
 bits). Ours is timed as a CUDA-graph replay (ms; eager launch in ms_eager), peers eagerly.
-Rows ``ours_*`` run the default kernel (version 2; uniform QEvict pages take its uniform-page
-path); ``ours_*_v1`` the previous code path on the same layout (key mixes and configs),
-``ours_qevict@10%_general`` v2's general page path, ``_ppi2`` / ``_ppi2w8`` the uniform path with
+Rows ``ours_*`` run the kernel (uniform QEvict pages take its uniform-page path; result files
+before the first kernel generation was deleted also hold ``ours_*_v1`` rows),
+``ours_qevict@10%_general`` its general page path, ``_ppi2`` / ``_ppi2w8`` the uniform path with
 2 pages an iteration (4 / 8 warps) (Llama 32K x1 and 128K x8 only).
 ``--splits 16,32,64,128`` instead times only ``qevict@10%+mass`` (the SGLang backend's decode:
 side output on) of the Qwen shapes at 32K x 1 and x 8 at each split count, with each kernel's
@@ -53,10 +53,6 @@ FULL = [(4096, 1), (4096, 32), (32768, 1), (32768, 8), (32768, 64), (131072, 1),
 QUICK = [(32768, 1), (131072, 8)]
 TINY = [(96, 2)]
 BUDGETS = (0.05, 0.10, 0.20)
-V1_CONFIGS = {  # ~20 extra rows: the full run stays under 4 minutes on the H200
-    ("llama3-8b", 32768, 1), ("llama3-8b", 131072, 1), ("llama3-8b", 131072, 8),
-    ("qwen2.5-0.5b", 32768, 1), ("llama3-8b", 96, 2),
-}  # fmt: skip
 TUNE_CONFIGS = {("llama3-8b", 32768, 1), ("llama3-8b", 131072, 8), ("llama3-8b", 96, 2)}
 V_DIST = {16: 0.1, 8: 0.2, 4: 0.3, 2: 0.4}  # rdkv: share of kept tokens / K channels per width
 
@@ -152,9 +148,7 @@ def ours(q, k, v, kind, budget, dev, side, gen, cache, breakdown=False, **plan_k
             decode.run(q, lay, p, out=out, mass=mass)
         ms = timeit(graph.replay, dev)
     extra = q.numel() * 4 + p.part_acc.numel() * 8 + p.part_ml.numel() * 8
-    if side and p.version == 1:  # every token's logit written and read back, units read
-        extra += lay.bytes_side + 2 * p.score.numel() * 4
-    elif side:  # units read twice; one value per (tile, head) written and read (windows)
+    if side:  # units read twice; one value per (tile, head) written and read (windows)
         tiles = lay.page_ntok.numel() + (lay.full_slots.numel() + lay.fresh_slots.numel()) // 32
         extra += 2 * lay.bytes_side + 8 * p.group * tiles
     full_bytes = sum(x.numel() for x in k) * 4
@@ -162,7 +156,6 @@ def ours(q, k, v, kind, budget, dev, side, gen, cache, breakdown=False, **plan_k
         "splits": p.num_splits,
         "budget_actual": lay.bytes_kv / full_bytes,
         "ms_eager": eager,
-        "version": p.version,
         "pages_per_iter": p.pages_per_iter,
         "num_warps": p.num_warps,
     }
@@ -249,10 +242,8 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     key = [("full", 1.0, False), ("qevict", 0.1, False), ("rdkv", 0.1, False),
            ("full", 1.0, True), ("qevict", 0.1, True)]  # fmt: skip
     variants = [("", {})]
-    if (fam, ctx, batch) in V1_CONFIGS or quick:
-        variants.append(("_v1", {"version": 1}))
     if (fam, ctx, batch) in TUNE_CONFIGS:
-        # the default row runs v2's uniform-page path (qevict pages); "_general" times v2's
+        # the default row runs the uniform-page path (qevict pages); "_general" times the
         # general page path on the same layout, "_ppi2*" the uniform path's tuning knobs
         variants += [("_general", {"uniform_pages": False}),
                      ("_ppi2", {"pages_per_iter": 2, "uniform_pages": True}),

@@ -26,14 +26,12 @@ from tiered_radix.kernels import decode  # noqa: E402
 
 CASES = {  # the failing ids of run 6, as calls of their test bodies
     "twin_dense[3-2]": lambda: t.test_decode_matches_twin_and_dense(3, 2),
-    "windowed[1-general]": lambda: t.test_v2_windowed_pages_and_unit_side_output(1, False),
-    "windowed[2-general]": lambda: t.test_v2_windowed_pages_and_unit_side_output(2, False),
-    "uniform[2-d64g7]": lambda: t.test_v2_uniform_path_each_width(2, 64, 7, 16, "interleave"),
-    "uniform[4-d64g7]": lambda: t.test_v2_uniform_path_each_width(4, 64, 7, 16, "interleave"),
-    "control uniform[8-d64g7]": lambda: t.test_v2_uniform_path_each_width(
-        8, 64, 7, 16, "interleave"
-    ),
-    "control windowed[0-general]": lambda: t.test_v2_windowed_pages_and_unit_side_output(0, False),
+    "windowed[1-general]": lambda: t.test_windowed_pages_and_unit_side_output(1, False),
+    "windowed[2-general]": lambda: t.test_windowed_pages_and_unit_side_output(2, False),
+    "uniform[2-d64g7]": lambda: t.test_uniform_path_each_width(2, 64, 7, 16, "interleave"),
+    "uniform[4-d64g7]": lambda: t.test_uniform_path_each_width(4, 64, 7, 16, "interleave"),
+    "control uniform[8-d64g7]": lambda: t.test_uniform_path_each_width(8, 64, 7, 16, "interleave"),
+    "control windowed[0-general]": lambda: t.test_windowed_pages_and_unit_side_output(0, False),
 }
 VARIANTS = {
     "default": {},

@@ -11,7 +11,6 @@ prompts of ``--prompt`` tokens prefilled and routed, then three timed extends of
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=24)
     a = ap.parse_args()
-    os.environ.setdefault("TIERED_RADIX_EXTEND", "sdpa")
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
     from test_backend import KERNEL_POLICY, Harness
 
@@ -40,8 +38,11 @@ def main() -> None:
         .replace("40%", "10%")
     )
     n = a.batch * (a.prompt // 32 + 4) + 8
+    from tiered_radix.adapters.sglang.options import KVOptions
+
     h = Harness(policy=policy, layers=a.layers, head_dim=64, pages=n,
-                blocks=PoolBlocks(2 * n, 2 * n), context=a.prompt + 64)  # fmt: skip
+                blocks=PoolBlocks(2 * n, 2 * n), context=a.prompt + 64,
+                options=KVOptions(extend="sdpa"))  # fmt: skip
     reqs = [
         h.start(f"r{i}", [(i * 7 + t * 3) % 97 + 1 for t in range(a.prompt)])
         for i in range(a.batch)

@@ -5,15 +5,15 @@ Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`
 - ``plain``: SGLang 0.5.17 with its Triton attention backend, bf16 KV, CUDA graphs on;
 - ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), chunked prefill of
   ``--chunk`` tokens so routing runs between chunks, decode CUDA graphs on;
-- ``tiered_overlap``: ``tiered`` with SGLang's overlap scheduler on (``$TIERED_RADIX_OVERLAP=1``;
+- ``tiered_overlap``: ``tiered`` with SGLang's overlap scheduler on (``kv_overlap=True``;
   ``tiered``, like every run before GPU run 12, runs without it);
 - ``plain_serial``: ``plain`` without the overlap scheduler (``disable_overlap_schedule``);
 - ``tiered_eager``: the same with CUDA graphs off (what every run before GPU run 8 measured);
 - ``tiered_step``: ``tiered`` observing each replayed step's attention on the host
-  (``$TIERED_RADIX_OBSERVE=step``, every run before GPU run 9) instead of summing it on the
+  (``kv_observe="step"``, every run before GPU run 9) instead of summing it on the
   device between routings.
 
-Tiered runs time each graph replay on the device (``$TIERED_RADIX_DEVICE_TIMES=1``: two CUDA
+Tiered runs time each graph replay on the device (``kv_device_times=True``: two CUDA
 events a step), reported per step as ``replay_device`` beside the host phases.
 
 Every kind captures decode graphs up to batch ``--graph-max-bs`` (startup time on a shared
@@ -64,7 +64,7 @@ def timed(engine, prompts: list[list[int]], n: int, digest: list | None = None) 
 def _host_s(stats: Path) -> dict:
     """The backend's host seconds per phase so far (the stats file, rewritten at each routing:
     up to one routing interval stale), with the device seconds of graph replays as
-    ``replay_device`` (``$TIERED_RADIX_DEVICE_TIMES=1``; counted by ``replays_steps``)."""
+    ``replay_device`` (``kv_device_times=True``; counted by ``replays_steps``)."""
     if not stats.exists():
         return {}
     st = json.loads(stats.read_text())
@@ -100,27 +100,26 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
     import sglang
 
     stats = Path(tempfile.mkdtemp()) / "stats.json"
-    os.environ["TIERED_RADIX_STATS"] = str(stats)
-    os.environ["TIERED_RADIX_DEVICE_TIMES"] = "1"  # two CUDA events a replay
     kw = dict(model_path=a.model, mem_fraction_static=0.6, context_length=a.context + 512,
               attention_backend="triton", log_level="error",
               cuda_graph_max_bs_decode=a.graph_max_bs)  # fmt: skip
     if a.load_format != "auto":  # "dummy": random weights of the model's shapes (timing only)
         kw.update(load_format=a.load_format, skip_tokenizer_init=True)
     if kind.startswith("tiered"):
-        kw.update(kv_policy=a.policy, chunked_prefill_size=a.chunk)
+        kw.update(kv_policy=a.policy, chunked_prefill_size=a.chunk, kv_stats=str(stats),
+                  kv_device_times=True)  # two CUDA events a replay  # fmt: skip
         kw.pop("attention_backend")
         if a.budget:
             kw["kv_budget"] = a.budget
+        kw["kv_overlap"] = kind == "tiered_overlap"
+        # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
+        kw["kv_observe"] = "step" if kind == "tiered_step" else "fold"
+        if a.profile:  # a window of decode steps (.profile)
+            kw["kv_profile"] = a.profile
     if kind == "tiered_eager":
         kw["disable_cuda_graph"] = True
     if kind == "plain_serial":
         kw["disable_overlap_schedule"] = True
-    os.environ["TIERED_RADIX_OVERLAP"] = "1" if kind == "tiered_overlap" else "0"
-    # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
-    os.environ["TIERED_RADIX_OBSERVE"] = "step" if kind == "tiered_step" else "fold"
-    if a.profile and kind.startswith("tiered"):  # a window of decode steps (.profile)
-        os.environ["TIERED_RADIX_PROFILE"] = a.profile
     t0 = time.perf_counter()
     engine = sglang.Engine(**kw)
     startup = time.perf_counter() - t0
@@ -189,7 +188,6 @@ def main() -> None:
         "command": "python bench/sglang_decode.py " + " ".join(os.sys.argv[1:]),
         "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
         "python": platform.python_version(), "args": vars(a), "runs": [],
-        "env": {k: v for k, v in os.environ.items() if k.startswith("TIERED_RADIX_")},
     }  # fmt: skip
     import sglang
 

@@ -82,7 +82,7 @@ def _store_logits(score_ptr, rows, s, ok, g, gm, G):
 @triton.jit
 def _store_lse(score_ptr, row, m, p, g, mask, G):
     """score[row, g] = log2(sum_n exp2(s[g, n])) = m + log2(sum p): one value per head for a
-    tile whose tokens share one unit (v2 side output)."""
+    tile whose tokens share one unit (the side output)."""
     tl.store(score_ptr + row * G + g, m + tl.log2(tl.sum(p, 1)), mask=mask)
 
 
@@ -90,7 +90,7 @@ def _store_lse(score_ptr, row, m, p, g, mask, G):
 def _k_section(
     s, q_ptr, perm_ptr, q_row, gm, c0, n, arena8, arena16, arenadt, base, o_code, o_sc, o_lo,
     DT: tl.constexpr, KB: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr,
-    VER2: tl.constexpr, IL: tl.constexpr = True,
+    IL: tl.constexpr = True,
 ):  # fmt: skip
     """s [G_PAD, P] plus the logits of the n permuted K channels c0..c0+n of the page at base,
     stored at KB bits (general pages; nothing when n == 0)."""
@@ -110,7 +110,7 @@ def _k_section(
             tb = tl.arange(0, P // PER)
             byte = tl.load(arena8 + base + o_code + c[:, None] * (P // PER) + tb[None, :],
                            mask=cm[:, None], other=0)  # fmt: skip
-            if VER2 and IL:
+            if IL:
                 code = _unpack_il(byte, KB)
             else:
                 code = _unpack(byte, KB, D, P // PER)
@@ -125,7 +125,7 @@ def _k_section(
 
 @triton.jit
 def _v_page(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.constexpr,
-            VG: tl.constexpr, D: tl.constexpr, P: tl.constexpr, VER2: tl.constexpr,
+            VG: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
             IL: tl.constexpr = True):  # fmt: skip
     """V [P, D] of the page whose V part starts at byte vbase (rows where tm), VB bits."""
     c = tl.arange(0, D)
@@ -139,7 +139,7 @@ def _v_page(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.conste
         cb = tl.arange(0, D // PER)
         byte = tl.load(arena8 + vbase + t[:, None] * (D // PER) + cb[None, :], mask=tm[:, None],
                        other=0)  # fmt: skip
-        if VER2 and IL:
+        if IL:
             code = tl.reshape(_unpack_il(byte, VB).to(tl.float32), (P, NG, VG))
         else:
             code = tl.reshape(_unpack(byte, VB, P, D // PER).to(tl.float32), (P, NG, VG))

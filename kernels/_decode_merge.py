@@ -1,4 +1,4 @@
-"""TriZone decode merge kernels: log-sum-exp combination of the split kernel's partial states
+"""TriZone decode merge kernel: log-sum-exp combination of the split kernel's partial states
 into the attention output and the per-head log2-sum-exp2 (lse) the side output needs."""
 
 from __future__ import annotations
@@ -10,41 +10,6 @@ from tiered_radix.kernels._decode_common import NEG
 
 @triton.jit
 def _decode_merge_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, out_stride_b, out_stride_h, lse_ptr, H_KV, G, S,
-    D: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
-):  # fmt: skip
-    """Log-sum-exp merge of the S splits of one (request, KV head); writes out and lse (log2)."""
-    rh = tl.program_id(0)
-    g = tl.arange(0, G_PAD)
-    d = tl.arange(0, D)
-    sj = tl.arange(0, S_PAD)
-    po = (rh * S + sj).to(tl.int64) * G_PAD
-    ms = tl.load(part_ml_ptr + 2 * po[:, None] + g[None, :], mask=(sj < S)[:, None], other=NEG)
-    big_m = tl.max(ms, 0)
-    acc = tl.zeros([G_PAD, D], dtype=tl.float32)
-    big_l = tl.zeros([G_PAD], dtype=tl.float32)
-    for jj in range(S):
-        o = (rh * S + jj).to(tl.int64) * G_PAD
-        w = tl.exp2(tl.load(part_ml_ptr + 2 * o + g) - big_m)
-        big_l += w * tl.load(part_ml_ptr + 2 * o + G_PAD + g)
-        part = tl.load(
-            part_acc_ptr + (o + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0
-        )
-        acc += w[:, None] * part
-    safe = tl.where(big_l > 0, big_l, 1.0)
-    out = acc / safe[:, None]
-    r = rh // H_KV
-    h = rh % H_KV
-    orow = r.to(tl.int64) * out_stride_b + (h * G + g) * out_stride_h
-    gm = g < G
-    tl.store(
-        out_ptr + orow[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=gm[:, None]
-    )
-    tl.store(lse_ptr + rh * G_PAD + g, big_m + tl.log2(safe))
-
-
-@triton.jit
-def _decode_merge_kernel_v2(
     part_acc_ptr, part_ml_ptr, out_ptr, out_stride_b, out_stride_h, lse_ptr, H_KV, G, S,
     D: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip

@@ -1,5 +1,5 @@
 """Zone A page loops of the TriZone decode split kernel: general pages (K sections of runtime
-size, from k_table) and v2's uniform pages (compile-time geometry, PPI pages an iteration)."""
+size, from k_table) and uniform pages (compile-time geometry, PPI pages an iteration)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ def _pages(
     m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt, page_off_ptr,
     page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
     DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-    P: tl.constexpr, MASS: tl.constexpr, KBITS: tl.constexpr, VER2: tl.constexpr,
-    IL: tl.constexpr = True,
+    P: tl.constexpr, MASS: tl.constexpr, KBITS: tl.constexpr, IL: tl.constexpr = True,
 ):  # fmt: skip
     """Pages page_ids[ps:pe] of list li (one (request, head), V bit width VB; K channels at the
-    widths in the bit mask KBITS).  VER2: section offsets known to be 16-byte aligned (vector
-    loads), interleave unpacking, per-page log2-sum-exp2 side output for single-unit pages."""
+    widths in the bit mask KBITS).  Section offsets are 16-byte aligned (vector loads); IL:
+    interleave unpacking; side output: one log2-sum-exp2 per head for a single-unit page, every
+    token's logit otherwise."""
     kt = k_table_ptr + li * 12
     n2 = tl.load(kt + 0)
     n4 = tl.load(kt + 1)
@@ -42,14 +42,14 @@ def _pages(
     o4 = tl.load(kt + 5)
     o8 = tl.load(kt + 6)
     o16 = tl.load(kt + 7)
-    if VER2:  # every section starts on a 16-byte boundary (layout.pad16)
-        o_sc = tl.multiple_of(o_sc, 16)
-        o_lo = tl.multiple_of(o_lo, 16)
-        k_bytes = tl.multiple_of(k_bytes, 16)
-        o2 = tl.multiple_of(o2, 16)
-        o4 = tl.multiple_of(o4, 16)
-        o8 = tl.multiple_of(o8, 16)
-        o16 = tl.multiple_of(o16, 16)
+    # every section starts on a 16-byte boundary (layout.pad16)
+    o_sc = tl.multiple_of(o_sc, 16)
+    o_lo = tl.multiple_of(o_lo, 16)
+    k_bytes = tl.multiple_of(k_bytes, 16)
+    o2 = tl.multiple_of(o2, 16)
+    o4 = tl.multiple_of(o4, 16)
+    o8 = tl.multiple_of(o8, 16)
+    o16 = tl.multiple_of(o16, 16)
     nq = n2 + n4 + n8
     t = tl.arange(0, P)
     g = tl.arange(0, G_PAD)
@@ -71,22 +71,20 @@ def _pages(
         # K sections by width, channels permuted so each width's channels are contiguous
         if KBITS & 2:
             s = _k_section(s, q_ptr, perm_row, q_row, gm, 0, n2, arena8, arena16, arenadt, base,
-                           o2, o_sc, o_lo, DT, 2, D, G_PAD, P, VER2, IL)  # fmt: skip
+                           o2, o_sc, o_lo, DT, 2, D, G_PAD, P, IL)  # fmt: skip
         if KBITS & 4:
             s = _k_section(s, q_ptr, perm_row, q_row, gm, n2, n4, arena8, arena16, arenadt, base,
-                           o4, o_sc, o_lo, DT, 4, D, G_PAD, P, VER2, IL)  # fmt: skip
+                           o4, o_sc, o_lo, DT, 4, D, G_PAD, P, IL)  # fmt: skip
         if KBITS & 8:
             s = _k_section(s, q_ptr, perm_row, q_row, gm, n2 + n4, n8, arena8, arena16, arenadt,
-                           base, o8, o_sc, o_lo, DT, 8, D, G_PAD, P, VER2, IL)  # fmt: skip
+                           base, o8, o_sc, o_lo, DT, 8, D, G_PAD, P, IL)  # fmt: skip
         if KBITS & 16:
             s = _k_section(s, q_ptr, perm_row, q_row, gm, nq, n16, arena8, arena16, arenadt,
-                           base, o16, o_sc, o_lo, DT, 16, D, G_PAD, P, VER2, IL)  # fmt: skip
+                           base, o16, o_sc, o_lo, DT, 16, D, G_PAD, P, IL)  # fmt: skip
         s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
-        if MASS and not VER2:
-            _store_logits(score_ptr, pid * P + t, s, tm, g, g < G, G)
-        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, VER2, IL)
+        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, IL)
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
-        if MASS and VER2:
+        if MASS:
             unit = tl.load(page_unit_ptr + pid)
             gm2 = g < G
             _store_lse(score_ptr, pid * P, m, p, g, gm2 & _bcast(unit >= 0, g), G)

@@ -21,11 +21,11 @@ from tiered_radix.kernels._decode_pages import _pages, _pages_u
 def _rows(
     q, m, l_i, acc, k_pool, v_pool, stride_s, stride_h, slots_ptr, units_ptr, start, end, h,
     score_ptr, row0, row_mul, row_add, qk_scale, G, DT: tl.constexpr, D: tl.constexpr,
-    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASS: tl.constexpr, VER2: tl.constexpr,
+    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MASS: tl.constexpr,
 ):  # fmt: skip
     """Full-precision rows slots[start:end] of head h from the pool (zones B and C); side output
-    at score rows row0 + n * row_mul + row_add.  VER2 side output: a block whose rows share one
-    unit stores one log2-sum-exp2 per head at its first row instead of every row's logit."""
+    at score rows row0 + n * row_mul + row_add: a block whose rows share one unit stores one
+    log2-sum-exp2 per head at its first row instead of every row's logit."""
     d = tl.arange(0, D)
     g = tl.arange(0, G_PAD)
     for i in range(start, end, BLOCK_N):
@@ -36,11 +36,9 @@ def _rows(
         k = tl.load(k_pool + base[:, None] + d[None, :], mask=ok[:, None], other=0.0)
         s = tl.dot(q.to(DT), tl.trans(k.to(DT))) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
-        if MASS and not VER2:
-            _store_logits(score_ptr, row0 + n * row_mul + row_add, s, ok, g, g < G, G)
         v = tl.load(v_pool + base[:, None] + d[None, :], mask=ok[:, None], other=0.0)
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
-        if MASS and VER2:
+        if MASS:
             u = tl.load(units_ptr + n, mask=ok, other=0)
             one = tl.min(tl.where(ok, u, 2147483647), 0) == tl.max(tl.where(ok, u, -1), 0)
             rows = row0 + n * row_mul + row_add
@@ -59,13 +57,13 @@ def _decode_split_kernel(
     part_ml_ptr, score_ptr, row_full, row_fresh, qk_scale, H_KV, G, S,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr, VG: tl.constexpr,
     BLOCK_N: tl.constexpr, MASS: tl.constexpr, VBITS: tl.constexpr, KBITS: tl.constexpr,
-    page_unit_ptr=None, full_units_ptr=None, fresh_units_ptr=None, VER2: tl.constexpr = False,
+    page_unit_ptr=None, full_units_ptr=None, fresh_units_ptr=None,
     UNIFORM: tl.constexpr = False, PPI: tl.constexpr = 1, IL: tl.constexpr = True,
 ):  # fmt: skip
     """One (request, KV head) x split: partial (m, l_i, acc) of all query heads of the group.
-    VBITS / KBITS: bit masks of the V / K widths compiled in (2 | 4 | 8 | 16).  VER2 (UNIFORM:
-    pages of k_uniform layouts, PPI pages an iteration) is the v2 code path; IL: v2 unpacks
-    sub-byte codes with tl.interleave (else v1's shift-and-reshape)."""
+    VBITS / KBITS: bit masks of the V / K widths compiled in (2 | 4 | 8 | 16).  UNIFORM: pages
+    of k_uniform layouts, PPI pages an iteration; IL: sub-byte codes unpacked with
+    tl.interleave (else shift-and-reshape)."""
     rh = tl.program_id(0)
     j = tl.program_id(1)
     r = rh // H_KV
@@ -96,16 +94,16 @@ def _decode_split_kernel(
                 m, l_i, acc = _pages(
                     m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt,
                     page_off_ptr, page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps,
-                    pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, KBITS, VER2, IL,
+                    pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, KBITS, IL,
                 )  # fmt: skip
     fs, fe = _split_range(tl.load(full_indptr_ptr + rh), tl.load(full_end_ptr + rh), j, S)
     m, l_i, acc = _rows(q, m, l_i, acc, k_pool, v_pool, pool_stride_s, pool_stride_h,
                         full_slots_ptr, full_units_ptr, fs, fe, h, score_ptr, row_full, 1, 0,
-                        qk_scale, G, DT, D, G_PAD, BLOCK_N, MASS, VER2)  # fmt: skip
+                        qk_scale, G, DT, D, G_PAD, BLOCK_N, MASS)  # fmt: skip
     cs, ce = _split_range(tl.load(fresh_indptr_ptr + r), tl.load(fresh_indptr_ptr + r + 1), j, S)
     m, l_i, acc = _rows(q, m, l_i, acc, k_pool, v_pool, pool_stride_s, pool_stride_h,
                         fresh_slots_ptr, fresh_units_ptr, cs, ce, h, score_ptr, row_fresh, H_KV,
-                        h, qk_scale, G, DT, D, G_PAD, BLOCK_N, MASS, VER2)  # fmt: skip
+                        h, qk_scale, G, DT, D, G_PAD, BLOCK_N, MASS)  # fmt: skip
     po = (rh * S + j).to(tl.int64) * G_PAD
     tl.store(part_acc_ptr + (po + g)[:, None] * D + d[None, :], acc, mask=gm[:, None])
     tl.store(part_ml_ptr + 2 * po + g, m)

@@ -5,29 +5,27 @@ captured in a CUDA graph: split (one program per (request, KV head, split) readi
 rows once), merge (log-sum-exp over splits), and, when the side output is on, mass (turns the
 split kernel's stored logits into probabilities with the merged lse and accumulates them per unit).
 
-Two code paths, chosen per plan (``version=``, default from ``$TRIZONE_DECODE_VERSION``, else 2):
-1 is the first GPU-measured kernel; 2 reads uniform pages (``layout.k_uniform``) with a
-compile-time page geometry, several pages an iteration and the next block's bytes in flight,
-stores one log2-sum-exp2 per (single-unit tile, head) for the side output instead of every
-token's logit, and merges with one program per query head.
+The split kernel reads uniform pages (``layout.k_uniform``) with a compile-time page geometry,
+several pages an iteration and the next block's bytes in flight; it stores one log2-sum-exp2
+per (single-unit tile, head) for the side output instead of every token's logit; the merge runs
+one program per query head. (It replaced a first kernel generation, measured against it in
+bench/decode_notes.md, which read every page through the general path.)
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton.language as tl
-from tiered_radix.kernels._decode_mass import _decode_mass_kernel, _decode_mass_kernel_v2
-from tiered_radix.kernels._decode_merge import _decode_merge_kernel, _decode_merge_kernel_v2
+from tiered_radix.kernels._decode_mass import _decode_mass_kernel
+from tiered_radix.kernels._decode_merge import _decode_merge_kernel
 from tiered_radix.kernels._decode_split import _decode_split_kernel
 from tiered_radix.kernels.layout import TriZoneLayout
 
 LOG2E = 1.4426950408889634
 NUM_SMS_DEFAULT = 132
-VERSION_ENV = "TRIZONE_DECODE_VERSION"
 
 
 class DecodeInputError(ValueError):
@@ -51,7 +49,6 @@ class DecodePlan:
     v_bits: tuple[int, ...]
     k_bits: tuple[int, ...]
     side_output: bool
-    version: int
     uniform: bool
     pages_per_iter: int
     block_n: int
@@ -61,8 +58,8 @@ class DecodePlan:
     part_ml: torch.Tensor
     lse: torch.Tensor
     score: torch.Tensor
-    # v2's sub-byte unpacking: "interleave" (tl.interleave, in-thread) or "shift" (v1's
-    # shift-and-reshape; what pages under IL_MIN_PAGE_CUDA tokens need on CUDA)
+    # sub-byte unpacking: "interleave" (tl.interleave, in-thread) or "shift" (shift-and-reshape;
+    # what pages under IL_MIN_PAGE_CUDA tokens need on CUDA)
     unpack: str = "interleave"
 
 
@@ -74,18 +71,9 @@ def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16)
 
 
 # tl.interleave unpacking of pages under 32 tokens (K rows of 4 or 8 bytes) is miscompiled on
-# the H200 under Triton 3.6: wrong outputs from 5 v2 tests at page_size 16, all right with v1's
+# the H200 under Triton 3.6: wrong outputs from 5 tests at page_size 16, all right with
 # shift-and-reshape unpacking and under the interpreter (GPU runs 6 and 7, bench/decode_notes.md).
 IL_MIN_PAGE_CUDA = 32
-
-
-def _version(version: int | None) -> int:
-    if version is None and VERSION_ENV in os.environ:
-        version = int(os.environ[VERSION_ENV])
-    v = 2 if version is None else version
-    if v not in (1, 2):
-        raise DecodeInputError(f"decode kernel version {v} unknown: use 1 or 2 (${VERSION_ENV})")
-    return v
 
 
 def _unpack(unpack: str | None, layout: TriZoneLayout) -> str:
@@ -112,7 +100,6 @@ def plan(
     k_bits: tuple[int, ...] | None = None,
     max_rows: int | None = None,
     num_sms: int | None = None,
-    version: int | None = None,
     pages_per_iter: int | None = None,
     num_warps: int | None = None,
     uniform_pages: bool = True,
@@ -123,13 +110,12 @@ def plan(
     v_bits / k_bits: bit widths the kernel is compiled for (default: those present in
     ``layout``); pass (2, 4, 8, 16) to serve every layer of a model with one plan.
     max_rows: longest per-head token count (default: from ``layout``, a CPU read).
-    version: kernel code path, 1 or 2 (see the module docstring; default 2, or
-    ``$TRIZONE_DECODE_VERSION``).  pages_per_iter (v2, uniform
-    pages; default 32 // page_size) and num_warps override the built-in choices.
-    uniform_pages: use v2's specialised path for ``layout.k_uniform`` layouts (False: v2's
+    pages_per_iter (uniform pages; default 32 // page_size) and num_warps override the
+    built-in choices.
+    uniform_pages: use the specialised path for ``layout.k_uniform`` layouts (False: the
     general page path, as for per-channel K).  GPU run 3 found it failing to compile under Triton
     3.6 (fixed since, bench/decode_notes.md); bench/compile_check.py compiles every config.
-    unpack (v2): ``"interleave"`` or ``"shift"`` (see :class:`DecodePlan`); default
+    unpack: ``"interleave"`` or ``"shift"`` (see :class:`DecodePlan`); default
     interleave, but shift on CUDA for pages under :data:`IL_MIN_PAGE_CUDA` tokens, where
     interleave is refused.
     """
@@ -154,22 +140,20 @@ def plan(
             if dev.type == "cuda"
             else NUM_SMS_DEFAULT
         )
-    ver = _version(version)
     for name, bits in (("v_bits", v_bits), ("k_bits", k_bits)):
         if bits is not None and not set(bits) <= {2, 4, 8, 16}:
             raise DecodeInputError(f"{name}={bits}: bit widths must be among 2, 4, 8, 16")
-    uniform = ver == 2 and layout.k_uniform and uniform_pages
-    # v2: ~32 programs per SM (SGLang's Triton decode: 96% of copy bandwidth at 64 splits for
-    # 128K x 8, 73% at 16; v1 used 16 per SM -> 33 splits, 86%)
-    s = num_splits or _splits(layout.batch, hkv, max_rows, num_sms, 16 if ver == 1 else 32)
+    uniform = layout.k_uniform and uniform_pages
+    # ~32 programs per SM (SGLang's Triton decode: 96% of copy bandwidth at 64 splits for
+    # 128K x 8, 73% at 16; the first kernel generation's 16 per SM -> 33 splits, 86%)
+    s = num_splits or _splits(layout.batch, hkv, max_rows, num_sms, 32)
     # 1 page (P=32) an iteration: 128 registers at 4 warps, 4 programs per SM (sm_90 compile);
     # 2 pages need 215 (2 programs per SM), 4 spill
     ppi = pages_per_iter or max(1, 32 // layout.page_size)
     if ppi & (ppi - 1):
         raise DecodeInputError(f"pages_per_iter={ppi} must be a power of two")
-    has_pages = bool(layout.page_ids.numel())
-    if num_warps is None:  # v1: measured 2 warps best for its page loop (255 registers)
-        num_warps = (2 if has_pages else 4) if ver == 1 else 4
+    if num_warps is None:
+        num_warps = 4
     g_pad = max(16, 1 << (group - 1).bit_length())
     rows = (
         layout.page_ntok.numel() * layout.page_size
@@ -187,7 +171,6 @@ def plan(
         v_bits=tuple(v_bits or layout.v_bits_present),
         k_bits=tuple(k_bits or layout.k_bits_present),
         side_output=side_output,
-        version=ver,
         uniform=uniform,
         pages_per_iter=ppi,
         block_n=64 if d == 64 else 32,
@@ -253,16 +236,13 @@ def run(
     row_fresh = row_full + layout.full_slots.numel()
     if p.uniform and not layout.k_uniform:
         raise DecodeInputError("plan made for a k_uniform layout; this layout has per-channel K")
-    v2 = p.version == 2
     full_end = layout.full_ends
-    extra = {}
-    if v2:
-        extra = dict(
-            page_unit_ptr=layout.page_unit, full_units_ptr=layout.full_units,
-            fresh_units_ptr=layout.fresh_units, VER2=True, UNIFORM=p.uniform,
-            PPI=p.pages_per_iter if p.uniform and layout.page_ids.numel() else 1,
-            IL=p.unpack == "interleave",
-        )  # fmt: skip
+    extra = dict(
+        page_unit_ptr=layout.page_unit, full_units_ptr=layout.full_units,
+        fresh_units_ptr=layout.fresh_units, UNIFORM=p.uniform,
+        PPI=p.pages_per_iter if p.uniform and layout.page_ids.numel() else 1,
+        IL=p.unpack == "interleave",
+    )  # fmt: skip
     _decode_split_kernel[(bh, s)](
         q, q.stride(0), q.stride(1), layout.perm,
         layout.k_pool, layout.v_pool, layout.k_pool.stride(0), layout.k_pool.stride(1),
@@ -275,29 +255,16 @@ def run(
         KBITS=sum(set(p.k_bits)), num_warps=p.num_warps, num_stages=p.num_stages, **extra,
     )  # fmt: skip
     s_pad = max(2, 1 << (s - 1).bit_length())
-    if v2:
-        _decode_merge_kernel_v2[(bh * p.group,)](
-            p.part_acc, p.part_ml, out, out.stride(0), out.stride(1), p.lse, hkv, p.group, s,
-            D=p.head_dim, G_PAD=p.g_pad, S_PAD=s_pad, BLOCK_S=min(s_pad, 16), num_warps=4,
-        )  # fmt: skip
-    else:
-        _decode_merge_kernel[(bh,)](
-            p.part_acc, p.part_ml, out, out.stride(0), out.stride(1), p.lse, hkv, p.group, s,
-            D=p.head_dim, G_PAD=p.g_pad, S_PAD=s_pad, num_warps=4,
-        )  # fmt: skip
-    if p.side_output and v2:
-        _decode_mass_kernel_v2[(bh, s)](
+    _decode_merge_kernel[(bh * p.group,)](
+        p.part_acc, p.part_ml, out, out.stride(0), out.stride(1), p.lse, hkv, p.group, s,
+        D=p.head_dim, G_PAD=p.g_pad, S_PAD=s_pad, BLOCK_S=min(s_pad, 16), num_warps=4,
+    )  # fmt: skip
+    if p.side_output:
+        _decode_mass_kernel[(bh, s)](
             p.score, p.lse, mass, mass.stride(0), layout.full_indptr, full_end, layout.full_units,
             layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,
             layout.page_ntok, layout.page_units, layout.page_unit, row_full, row_fresh, hkv,
             p.group, s, G_PAD=p.g_pad, G_P2=max(2, 1 << (p.group - 1).bit_length()),
             P=layout.page_size, BLOCK_N=p.block_n, NT=16, NBLK=8, num_warps=4,
-        )  # fmt: skip
-    elif p.side_output:
-        _decode_mass_kernel[(bh, s)](
-            p.score, p.lse, mass, mass.stride(0), layout.full_indptr, full_end, layout.full_units,
-            layout.fresh_indptr, layout.fresh_units, layout.page_indptr, layout.page_ids,
-            layout.page_ntok, layout.page_units, row_full, row_fresh, hkv, p.group, s,
-            G_PAD=p.g_pad, P=layout.page_size, BLOCK_N=32, num_warps=4,
         )  # fmt: skip
     return out

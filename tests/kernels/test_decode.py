@@ -97,21 +97,12 @@ def poison(p):
         buf.fill_(float("nan"))
 
 
-VERSIONED = [  # v1 (the fallback path) in full only under -m slow: the CPU suite stays < 60 s
-    pytest.param(c, v, marks=[pytest.mark.slow] if (v, c) in ((1, 0), (1, 2), (1, 3)) else [])
-    for v in (2, 1)
-    for c in range(len(CASES))
-]
-
-
-@pytest.mark.parametrize("case,version", VERSIONED)
-def test_decode_matches_twin_and_dense(case, version):
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_decode_matches_twin_and_dense(case):
     lens, hkv, grp, d, dt, bits, kbits, fresh, unit, page, splits = CASES[case]
     q, k, v, tp = make_case(case, lens, hkv, grp, d, dt, bits, kbits, fresh, unit)
     lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=unit)
-    p = decode.plan(
-        lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits, version=version
-    )
+    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits)
     poison(p)
     out = torch.full_like(q, float("nan"))
     mass = torch.zeros(len(lens), lay.max_units, device=DEV)
@@ -155,7 +146,7 @@ WINDOWED = [  # lens, hkv, grp, d, dtype, bits, window = unit, page, splits, pag
 
 @pytest.mark.parametrize("uniform", [True, False], ids=["uniform_path", "general_path"])
 @pytest.mark.parametrize("case", range(len(WINDOWED)))
-def test_v2_windowed_pages_and_unit_side_output(case, uniform):
+def test_windowed_pages_and_unit_side_output(case, uniform):
     lens, hkv, grp, d, dt, bits, win, page, splits, ppi = WINDOWED[case]
     q, k, v, tp = windowed_case(case, lens, hkv, grp, d, dt, bits, win, [5] * len(lens))
     lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=win)
@@ -163,7 +154,7 @@ def test_v2_windowed_pages_and_unit_side_output(case, uniform):
     single = lay.page_unit >= 0
     assert bool(single.any()) if win >= page else bool((~single).any())
     p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
-                    version=2, pages_per_iter=ppi, uniform_pages=uniform)  # fmt: skip
+                    pages_per_iter=ppi, uniform_pages=uniform)  # fmt: skip
     assert p.uniform == uniform and p.pages_per_iter == ppi
     poison(p)
     out = torch.full_like(q, float("nan"))
@@ -177,8 +168,6 @@ def test_v2_windowed_pages_and_unit_side_output(case, uniform):
     torch.testing.assert_close(ro.double().cpu(), do, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(mass.double().cpu(), dm, atol=5e-3, rtol=1e-2)
     assert ro.abs().max() > 0.05 and (dm > 1e-3).sum() > 2
-    p1 = decode.plan(lay, num_q_heads=hkv * grp, num_splits=splits, version=1)
-    torch.testing.assert_close(decode.run(q, lay, p1), out, atol=tol, rtol=tol)
 
 
 def with_unread_rows(lay, extra: list[int], unit: int = 0):
@@ -205,9 +194,8 @@ def with_unread_rows(lay, extra: list[int], unit: int = 0):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("case", [0, 2])
-def test_rows_past_full_end_are_listed_but_never_read(case, version):
+def test_rows_past_full_end_are_listed_but_never_read(case):
     """Zone-B entries between a list's ``full_end`` and the next list (NaN rows here) change
     neither the output nor the side output, in the kernel and in its reference twin."""
     lens, hkv, grp, d, dt, bits, win, page, splits, ppi = WINDOWED[case]
@@ -217,8 +205,7 @@ def test_rows_past_full_end_are_listed_but_never_read(case, version):
     assert more.full_slots.numel() > lay.full_slots.numel()
     outs = []
     for layout in (lay, more):
-        p = decode.plan(layout, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
-                        version=version)  # fmt: skip
+        p = decode.plan(layout, num_q_heads=hkv * grp, side_output=True, num_splits=splits)
         poison(p)
         out = torch.full_like(q, float("nan"))
         mass = torch.zeros(len(lens), lay.max_units, device=DEV)
@@ -235,9 +222,9 @@ def test_rows_past_full_end_are_listed_but_never_read(case, version):
 @pytest.mark.parametrize("unpack", ["interleave", "shift"])
 @pytest.mark.parametrize("d,grp,page", [(64, 7, 16), (128, 4, 32)], ids=["d64g7", "d128g4"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_v2_uniform_path_each_width(bits, d, grp, page, unpack):
+def test_uniform_path_each_width(bits, d, grp, page, unpack):
     """The uniform-page specialisation (compile-time geometry of one bit width, 32 // page pages
-    an iteration, as plan() picks) against float64 attention and v2's general page path."""
+    an iteration, as plan() picks) against float64 attention and the general page path."""
     lens, hkv = [96, 61], 1
     q, k, v, tp = windowed_case(10 + bits, lens, hkv, grp, d, torch.float16, [bits, 16, 0], 16,
                                 [3, 0])  # fmt: skip
@@ -245,9 +232,9 @@ def test_v2_uniform_path_each_width(bits, d, grp, page, unpack):
     assert lay.k_uniform and lay.v_bits_present == (bits,)
     if DEV == "cuda" and unpack == "interleave" and page < decode.IL_MIN_PAGE_CUDA:
         with pytest.raises(decode.DecodeInputError, match="wrong results on CUDA"):
-            decode.plan(lay, num_q_heads=hkv * grp, version=2, unpack=unpack)
+            decode.plan(lay, num_q_heads=hkv * grp, unpack=unpack)
         return  # (miscompiled by Triton 3.6 on the H200: bench/decode_notes.md, GPU run 7)
-    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=2, version=2,
+    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=2,
                     uniform_pages=True, unpack=unpack)  # fmt: skip
     assert p.uniform and p.pages_per_iter == 32 // page
     poison(p)
@@ -259,24 +246,19 @@ def test_v2_uniform_path_each_width(bits, d, grp, page, unpack):
     torch.testing.assert_close(out.double().cpu(), do, atol=4e-3, rtol=4e-3)
     torch.testing.assert_close(mass.double().cpu(), dm, atol=5e-3, rtol=1e-2)
     assert do.abs().max() > 0.05 and (dm > 1e-3).sum() > 2
-    pg = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2, version=2, uniform_pages=False,
+    pg = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2, uniform_pages=False,
                      unpack=unpack)  # fmt: skip
     assert not pg.uniform
     torch.testing.assert_close(decode.run(q, lay, pg), out, atol=2e-3, rtol=2e-3)
 
 
-def test_version_env_and_errors(monkeypatch):
+def test_plan_errors():
     q, k, v, tp = make_case(5, [20], 1, 2, 64, torch.float16, [2, 16], None, None, 1)
     lay = build_trizone(k, v, tp, page_size=16)
-    monkeypatch.setenv(decode.VERSION_ENV, "1")
-    assert decode.plan(lay, num_q_heads=2).version == 1
-    monkeypatch.setenv(decode.VERSION_ENV, "3")
-    with pytest.raises(decode.DecodeInputError, match="version 3"):
-        decode.plan(lay, num_q_heads=2)
     with pytest.raises(decode.DecodeInputError, match="power of two"):
-        decode.plan(lay, num_q_heads=2, version=2, pages_per_iter=3)
+        decode.plan(lay, num_q_heads=2, pages_per_iter=3)
     with pytest.raises(decode.DecodeInputError, match="bit widths"):
-        decode.plan(lay, num_q_heads=2, version=2, v_bits=(2, 3))
+        decode.plan(lay, num_q_heads=2, v_bits=(2, 3))
 
 
 def test_default_unpack_on_cuda_shifts_small_pages():

@@ -63,6 +63,7 @@ class Sim:
         policy=POLICY,
         context=512,
         kv_heads: slice | None = None,
+        options=None,
     ):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -89,6 +90,7 @@ class Sim:
             "cpu",
             policy=self.policy,
             blocks=blocks,
+            options=options,
         )
         self.alloc = PagedTokenToKVPoolAllocator(
             size, self.W, torch.bfloat16, "cpu", self.pool, need_sort=False

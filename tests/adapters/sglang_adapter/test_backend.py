@@ -16,6 +16,7 @@ from sglang_sim import Sim, require
 require("sglang.srt.mem_cache.radix_cache")
 
 from tiered_radix.adapters.sglang.backend import TieredAttnBackend  # noqa: E402
+from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa: E402
 from tiered_radix.adapters.sglang.profile import StepProfiler  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
@@ -45,15 +46,18 @@ class Mode:
 class Harness:
     """A scheduler stand-in: allocates slots, builds forward batches, runs every layer."""
 
-    def __init__(self, q_heads: slice = slice(0, HQ), tp_group=None, **sim) -> None:
+    def __init__(
+        self, q_heads: slice = slice(0, HQ), tp_group=None, options: KVOptions | None = None, **sim
+    ) -> None:
         """``q_heads`` of the model's ``HQ`` query heads (a tensor-parallel rank's slice, with
-        ``kv_heads=`` for the Sim and SGLang's ``tp_group`` stand-in)."""
-        self.sim = Sim(**({"pages": 60} | sim))
+        ``kv_heads=`` for the Sim and SGLang's ``tp_group`` stand-in); ``options`` the launch's
+        ``--kv-*`` flags, for the pool and the backend."""
+        self.sim = Sim(**({"pages": 60} | sim), options=options)
         context = SimpleNamespace(context_len=self.sim.r2t.req_to_token.shape[1])
         runner = SimpleNamespace(
             token_to_kv_pool=self.sim.pool, tp_group=tp_group, model_config=context
         )
-        self.backend = TieredAttnBackend(runner)
+        self.backend = TieredAttnBackend(runner, options)
         g = torch.Generator().manual_seed(11)
         self.wq = torch.randn(self.sim.L, 100, HQ, self.sim.d, generator=g)[:, :, q_heads]
         self.hq = self.wq.shape[2]
@@ -307,8 +311,8 @@ def test_decode_kernel_matches_the_gather_path(monkeypatch, policy):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     runs = {}
     for path in ("gather", "kernel"):
-        monkeypatch.setenv("TIERED_RADIX_DECODE", path)
-        h = Harness(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
+        h = Harness(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                    options=KVOptions(decode=path))  # fmt: skip
         assert h.backend.kernel == (path == "kernel")
         a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
         h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
@@ -331,10 +335,9 @@ def test_decode_kernel_matches_the_gather_path(monkeypatch, policy):
     assert (ks["decode"], ks["kernel_steps"], gs["kernel_steps"]) == ("kernel", 7, 0)
 
 
-def test_stats_file_is_rewritten_after_each_routing(tmp_path, monkeypatch):
+def test_stats_file_is_rewritten_after_each_routing(tmp_path):
     path = tmp_path / "stats.json"
-    monkeypatch.setenv("TIERED_RADIX_STATS", str(path))
-    h = Harness()
+    h = Harness(options=KVOptions(stats=str(path)))
     req = h.start("a", list(range(1, 39)))
     h.step([req], [req.origin_input_ids], extend=True)  # after_prefill: one routing
     got = json.loads(path.read_text())
@@ -350,11 +353,10 @@ def test_stats_file_is_rewritten_after_each_routing(tmp_path, monkeypatch):
     assert phases <= host.keys() and all(host[p] > 0 for p in phases)
 
 
-def test_a_window_of_decode_steps_is_profiled(tmp_path, monkeypatch):
-    """``$TIERED_RADIX_PROFILE=DIR:1:2``: decode steps 1-3 under the profiler, the backend's
-    phases among the ops; outputs unchanged."""
-    monkeypatch.setenv("TIERED_RADIX_PROFILE", f"{tmp_path}:1:2")
-    h = Harness()
+def test_a_window_of_decode_steps_is_profiled(tmp_path):
+    """``--kv-profile DIR:1:2``: decode steps 1-3 under the profiler, the backend's phases among
+    the ops; outputs unchanged."""
+    h = Harness(options=KVOptions(profile=f"{tmp_path}:1:2"))
     req = h.start("a", list(range(1, 39)))
     h.step([req], [req.origin_input_ids], extend=True)
     for t in range(3):  # decode steps 0, 1 and 2
@@ -371,13 +373,11 @@ def test_a_window_of_decode_steps_is_profiled(tmp_path, monkeypatch):
         StepProfiler("no-numbers")
 
 
-def two_turns(monkeypatch, **env: str):
+def two_turns(**options: str):
     """A prompt, four decode steps, then a second turn that extends over the first (evicted and
-    quantized windows in its prefix), under the ``TIERED_RADIX_*`` variables ``env``: every
-    output, the second turn's tiers and kept masks, and the extend function's name."""
-    for name, value in env.items():
-        monkeypatch.setenv(f"TIERED_RADIX_{name.upper()}", value)
-    h = Harness()
+    quantized windows in its prefix), under the ``--kv-*`` ``options``: every output, the second
+    turn's tiers and kept masks, and the extend function's name."""
+    h = Harness(options=KVOptions(**options))
     r1 = h.start("t1", list(range(1, 33)))
     outs = [h.step([r1], [r1.origin_input_ids], extend=True)]
     for t in range(4):
@@ -400,31 +400,29 @@ def assert_same_turns(want, got) -> None:
         assert torch.equal(x, y)
 
 
-def test_extend_through_sdpa_matches_the_float32_path(monkeypatch):
-    """``$TIERED_RADIX_EXTEND=sdpa`` (the CUDA default): a second turn extends over a prefix with
-    evicted and quantized windows; its outputs equal the float32 path's up to rounding, and so
-    do the tiers every step decides."""
-    exact, sdpa = two_turns(monkeypatch, extend="exact"), two_turns(monkeypatch, extend="sdpa")
+def test_extend_through_sdpa_matches_the_float32_path():
+    """``--kv-extend sdpa`` (the CUDA default): a second turn extends over a prefix with evicted
+    and quantized windows; its outputs equal the float32 path's up to rounding, and so do the
+    tiers every step decides."""
+    exact, sdpa = two_turns(extend="exact"), two_turns(extend="sdpa")
     assert (exact[3], sdpa[3]) == ("attend", "attend_sdpa")
     assert any(not bool(k.all()) for k in sdpa[2])  # the second turn read past evicted windows
     assert_same_turns(exact, sdpa)
-    monkeypatch.setenv("TIERED_RADIX_EXTEND", "flash")
-    with pytest.raises(PoolConfigError, match="'sdpa' or 'exact'"):
-        Harness()
+    with pytest.raises(OptionsError, match="'sdpa' or 'exact'"):
+        KVOptions(extend="flash")
 
 
 @pytest.mark.parametrize("extend", ["exact", "sdpa"])
-def test_gathers_of_every_window_match_gathers_of_live_ones(monkeypatch, extend):
-    """``$TIERED_RADIX_GATHER=all`` (the CUDA default: no host sync per read) reads every window
-    of the prefix, evicted ones masked; ``live`` (the CPU default) only those some head reads.
-    Outputs agree to rounding and every tier decided is the same."""
-    live = two_turns(monkeypatch, extend=extend, gather="live")
-    every = two_turns(monkeypatch, extend=extend, gather="all")
+def test_gathers_of_every_window_match_gathers_of_live_ones(extend):
+    """``--kv-gather all`` (the CUDA default: no host sync per read) reads every window of the
+    prefix, evicted ones masked; ``live`` (the CPU default) only those some head reads. Outputs
+    agree to rounding and every tier decided is the same."""
+    live = two_turns(extend=extend, gather="live")
+    every = two_turns(extend=extend, gather="all")
     assert any(not bool(k.all()) for k in live[2])  # the second turn's prefix has evicted windows
     assert_same_turns(live, every)
-    monkeypatch.setenv("TIERED_RADIX_GATHER", "some")
-    with pytest.raises(PoolConfigError, match="'live' or 'all'"):
-        Harness()
+    with pytest.raises(OptionsError, match="'live' or 'all'"):
+        KVOptions(gather="some")
 
 
 @pytest.mark.parametrize("reclaim", [True, False])
@@ -483,8 +481,8 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy, obse
 
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TIERED_RADIX_OBSERVE", observe)
-    kw = dict(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
+    kw = dict(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+              options=KVOptions(observe=observe))  # fmt: skip
     eager, graphed = Harness(**kw), Harness(**kw)
     sim = graphed.sim
     free0, avail0 = [len(f) for f in sim.pool.free_rows], sim.alloc.available_size()
@@ -598,9 +596,9 @@ def test_overlapped_decode_leaves_the_other_requests_as_serial_decode_does(monke
 
 
 def test_a_batch_over_the_graph_capacity_runs_eagerly(monkeypatch):
-    monkeypatch.setenv("TIERED_RADIX_GRAPH_TOKENS", "100")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64), context=64)
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64), context=64,
+                options=KVOptions(graph_tokens=100))  # fmt: skip
     h.backend.init_cuda_graph_state(4, 4)
     assert h.backend.graph.tokens == 100
     # each request lists its tokens and its last window's W - 1 future rows (W = 16 here)
@@ -608,9 +606,8 @@ def test_a_batch_over_the_graph_capacity_runs_eagerly(monkeypatch):
     assert not h.backend.graph_fits([1] * 5)  # more requests than captured
 
 
-def test_graphs_need_the_decode_kernel(monkeypatch):
-    monkeypatch.setenv("TIERED_RADIX_DECODE", "gather")
-    h = Harness()
+def test_graphs_need_the_decode_kernel():
+    h = Harness(options=KVOptions(decode="gather"))
     with pytest.raises(PoolConfigError, match="--disable-cuda-graph"):
         h.backend.init_cuda_graph_state(4, 4)
 
@@ -647,18 +644,17 @@ def test_replayed_steps_and_their_routing_never_pass_over_a_whole_pool_table(
     pass over one costs ~0.1-0.7 ms of device time (GPU run 12 found routings with ~6 ms of
     them). Through replayed steps, routings and list rebuilds, no op other than indexing takes a
     tensor of a table's size, except the stats snapshot's one histogram of the owner table
-    (with ``$TIERED_RADIX_STATS``, once per routing)."""
+    (with ``--kv-stats``, once per routing)."""
     from torch.profiler import ProfilerActivity, profile
 
     from tiered_radix.adapters.sglang import backend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if stats:
-        monkeypatch.setenv("TIERED_RADIX_STATS", str(tmp_path / "stats.json"))
     monkeypatch.setattr(backend.decode, "run", lambda q, layout, plan, **kw: torch.zeros_like(q))
     pages = 20_000  # windows: far more than the request holds (~30), as on a server
+    path = str(tmp_path / "stats.json") if stats else None
     h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=pages, blocks=PoolBlocks(256, 256),
-                context=200)  # fmt: skip
+                context=200, options=KVOptions(stats=path))  # fmt: skip
     h.backend.init_cuda_graph_state(1, 1)
     h.capture(1)
     req = h.start("a", [(7 * j) % 97 + 1 for j in range(156)])  # token 160 opens a window

@@ -20,6 +20,7 @@ require("sglang.srt.server_args")
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
 
 from tiered_radix.adapters.sglang import config, plugin  # noqa: E402
+from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.policy import PolicyError, load_policy  # noqa: E402
 
@@ -45,7 +46,7 @@ def baseline():
 
 
 def test_without_kv_policy_nothing_changes(baseline):
-    os.environ[config.ENV_POLICY] = "qevict"  # a stale value must not switch tiering on
+    config.export(config.resolve("qevict"))  # a stale value must not switch tiering on
     after = fields(prepare_server_args(ARGV))
     assert {k: after[k] for k in baseline} == baseline
     assert config.current() is None
@@ -75,21 +76,65 @@ def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, 
                                                                       decode_graphs):  # fmt: skip
     """Windows the TriZone kernel pages (qevict's 32) keep SGLang's decode CUDA graphs; token
     units (full) decode through PyTorch gathers, which a graph cannot hold. Prefill graphs are
-    always off, and so is the overlap scheduler (unless ``$TIERED_RADIX_OVERLAP=1``)."""
+    always off, and so is the overlap scheduler (unless ``--kv-overlap``)."""
     args = prepare_server_args([*BARE, "--kv-policy", policy])
     assert args.disable_decode_cuda_graph is not decode_graphs
     assert args.disable_prefill_cuda_graph and args.disable_overlap_schedule
 
 
-def test_the_overlap_scheduler_is_off_unless_asked_for(baseline, monkeypatch):
-    """``$TIERED_RADIX_OVERLAP=1`` leaves SGLang's overlap scheduler on (GPU run 12: the same
-    tokens, slower decode); any other value than 0 or 1 stops the launch with the variable's
-    name."""
-    monkeypatch.setenv(plugin.OVERLAP_ENV, "1")
-    assert not prepare_server_args([*BARE, "--kv-policy", "qevict"]).disable_overlap_schedule
-    monkeypatch.setenv(plugin.OVERLAP_ENV, "yes")
-    with pytest.raises(PoolConfigError, match="TIERED_RADIX_OVERLAP"):
-        plugin.forced()
+def test_the_overlap_scheduler_is_off_unless_asked_for(baseline):
+    """``--kv-overlap`` (``kv_overlap=True``) leaves SGLang's overlap scheduler on (GPU run 12:
+    the same tokens, slower decode)."""
+    args = prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-overlap"])
+    assert not args.disable_overlap_schedule
+    assert config.current().options.overlap
+    assert not ServerArgs(model_path="dummy", kv_policy="qevict", kv_overlap=True
+                          ).disable_overlap_schedule  # fmt: skip
+    assert ServerArgs(model_path="dummy", kv_policy="qevict").disable_overlap_schedule
+
+
+def test_kv_flags_become_one_options_object_in_spawned_processes(baseline, tmp_path):
+    """The ``--kv-*`` flags reach the scheduler processes as one :class:`KVOptions` (no other
+    environment variable is read); a value outside its choices, or an option without
+    ``--kv-policy``, stops the launch (status 2 / a ``ValueError`` from the Engine)."""
+    stats = str(tmp_path / "s.json")
+    prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-decode", "gather", "--kv-extend",
+                         "exact", "--kv-graph-tokens", "4096", "--kv-stats", stats])  # fmt: skip
+    want = KVOptions(decode="gather", extend="exact", graph_tokens=4096, stats=stats)
+    assert config.current().options == want
+    exported = {k for k in os.environ if k.startswith("TIERED_RADIX_")}
+    assert exported - {"TIERED_RADIX_REQUIRE_SGLANG"} == {config.ENV}  # the harness's own
+    child = subprocess.run(
+        [sys.executable, "-c", "from tiered_radix.adapters.sglang import config as c\n"
+         "print(c.current().options.to_dict())"],
+        capture_output=True, text=True, env=dict(os.environ), check=True,
+    )  # fmt: skip
+    assert child.stdout.strip() == str(want.to_dict())
+    ServerArgs(model_path="dummy", kv_policy="qevict", kv_observe="step")
+    assert config.current().options == KVOptions(observe="step")
+    with pytest.raises(SystemExit) as exc:
+        prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-decode", "fast"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit, match="--kv-gather needs --kv-policy"):
+        prepare_server_args([*BARE, "--kv-gather", "all"])
+    with pytest.raises(OptionsError, match="'fold' or 'step'"):
+        ServerArgs(model_path="dummy", kv_policy="qevict", kv_observe="every")
+    with pytest.raises(ValueError, match="need kv_policy"):
+        ServerArgs(model_path="dummy", kv_decode="gather")
+
+
+def test_the_policy_is_compiled_once_per_process(baseline, monkeypatch):
+    """``config.current()`` (called by every pool, cache and backend hook) loads the exported
+    policy once, not at each call."""
+    prepare_server_args([*BARE, "--kv-policy", "qevict"])
+    calls = []
+    real = config.load_policy
+    monkeypatch.setattr(config, "load_policy", lambda arg: calls.append(arg) or real(arg))
+    monkeypatch.setattr(config, "_current", None)  # as a freshly spawned process
+    first = config.current()
+    plugin.cell_size(1000)
+    assert config.current() is first
+    assert calls == ["qevict"]
 
 
 def test_a_decode_batch_over_the_graph_buffers_runs_eagerly():

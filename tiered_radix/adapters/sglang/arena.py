@@ -55,6 +55,7 @@ from .backend import (
     extend_attention,
     tp_shard,
 )
+from .options import KVOptions
 from .reps import STATE_NAMES, PoolConfigError
 from .stats import BackendStats
 
@@ -186,8 +187,9 @@ class ArenaAttnBackend(AttentionBackend):
         PoolConfigError: the model runner's pool is not an :class:`ArenaKVPool`.
     """
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, options: KVOptions | None = None) -> None:
         super().__init__()
+        options = options or KVOptions()
         pool = runner.token_to_kv_pool
         if not isinstance(pool, ArenaKVPool):
             raise PoolConfigError(f"a decoupled policy needs an ArenaKVPool, got {type(pool)}")
@@ -196,11 +198,11 @@ class ArenaAttnBackend(AttentionBackend):
         self.layers = pool.layer_num
         self.last_layer = pool.start_layer + pool.layer_num - 1
         self.prefill_needs = frozenset(policy_reads(self.policy) & set(PREFILL_SIGNALS))
-        self.extend_attend = extend_attention(pool.device)
+        self.extend_attend = extend_attention(pool.device, options)
         self.chunk_elems = CHUNK_ELEMS.get(torch.device(pool.device).type, 1 << 22)
         self.batch: list[_Req] = []
         self.extend = False
-        self.counters = BackendStats()
+        self.counters = BackendStats(path=options.stats)
         self.host_s: dict[str, float] = defaultdict(float)
         # --tp: every rank plans over all heads (TieredAttnBackend's docstring)
         self.shard, self.tp = tp_shard(runner, pool.head_num), None

@@ -19,7 +19,7 @@ route: the store plans, and :meth:`~.radix.TieredRadixCache.route` moves the poo
 Extend routes after every chunk when the policy says ``after_prefill`` (as the transformers
 adapter does); decode steps count per request. Extend gathers rows per request and layer and
 attends with ``scaled_dot_product_attention`` under a kept/causal mask on CUDA (float32 score
-blocks on CPU, or with ``$TIERED_RADIX_EXTEND=exact``); decode runs the TriZone kernel over the
+blocks on CPU, or with ``--kv-extend exact``); decode runs the TriZone kernel over the
 pool's pages and rows in place (:mod:`.trizone`) where it can read the pool, else PyTorch.
 
 CUDA graphs (decode): SGLang calls :meth:`init_forward_metadata_out_graph` before capturing a
@@ -36,7 +36,7 @@ output is not observed per step: the graph's buffer sums the steps (with the sco
 and :meth:`fold_pending` hands them to the engines at once, before routing or a list rebuild.
 Batches over the buffers' capacity run eagerly.
 
-The overlap scheduler (``$TIERED_RADIX_OVERLAP=1``; off by default): SGLang prepares and
+The overlap scheduler (``--kv-overlap``; off by default): SGLang prepares and
 launches step t+1 before it processes step t's tokens, so a request that finished at step t runs
 one more step (its token is dropped) and its view closes (``before_close`` -> :meth:`flush`)
 after step t+1 was launched. Other requests' steps, scores and routings are as in the serial
@@ -72,16 +72,13 @@ from tiered_radix.engine.store import TierStore
 from tiered_radix.kernels import decode
 
 from . import graph, trizone
+from .options import KVOptions
 from .pool import TieredKVPool
 from .profile import StepProfiler
-from .reps import S_Q, S_R, PoolConfigError, env_choice
+from .reps import S_Q, S_R, PoolConfigError
 from .stats import BackendStats, log
 
 CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}  # float32 scores per attention block
-DECODE_ENV = "TIERED_RADIX_DECODE"  # "kernel" (default where supported) or "gather"
-OBSERVE_ENV = "TIERED_RADIX_OBSERVE"  # graph steps' attention: "fold" (default) or "step"
-TIMES_ENV = "TIERED_RADIX_DEVICE_TIMES"  # "1": CUDA events time every graph replay (device_s)
-EXTEND_ENV = "TIERED_RADIX_EXTEND"  # "sdpa" (default on CUDA) or "exact" (default on CPU)
 
 
 def tp_shard(runner, heads_local: int) -> HeadShard | None:
@@ -141,14 +138,12 @@ class _Req:
     seq: int
 
 
-def extend_attention(device):
-    """Extend's attention, ``$TIERED_RADIX_EXTEND``: ``attend_sdpa`` (``sdpa``, the default on
-    CUDA: a fused kernel in the model's dtype; GPU run 6 spent 25 s of a 37 s prefill in the
-    float32 path) or ``attend`` (``exact``, the default on CPU: float32, the engine's reference
+def extend_attention(device, options: KVOptions):
+    """Extend's attention, ``--kv-extend``: ``attend_sdpa`` (``sdpa``, the default on CUDA: a
+    fused kernel in the model's dtype; GPU run 6 spent 25 s of a 37 s prefill in the float32
+    path) or ``attend`` (``exact``, the default on CPU: float32, the engine's reference
     numbers)."""
-    cpu = torch.device(device).type == "cpu"
-    want = env_choice(EXTEND_ENV, "exact" if cpu else "sdpa", "sdpa", "exact")
-    return attend_sdpa if want == "sdpa" else attend
+    return attend_sdpa if options.extend_on(device) == "sdpa" else attend
 
 
 def batch_rows(fb) -> tuple[list[int], list[int], list[int]] | None:
@@ -190,11 +185,14 @@ def due_routings(batch: list[_Req], extend: bool, policy) -> list[tuple[_Req, st
 
 
 class TieredAttnBackend(AttentionBackend):
-    """Raises:
-    PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`."""
+    """``options``: the launch's ``--kv-*`` flags (defaults when omitted).
 
-    def __init__(self, runner) -> None:
+    Raises:
+        PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`."""
+
+    def __init__(self, runner, options: KVOptions | None = None) -> None:
         super().__init__()
+        self.options = options = options or KVOptions()
         pool = runner.token_to_kv_pool
         if not isinstance(pool, TieredKVPool):
             raise PoolConfigError(f"tiered_triton needs a TieredKVPool, got {type(pool).__name__}")
@@ -207,14 +205,14 @@ class TieredAttnBackend(AttentionBackend):
         self.decode_attn = "attn" in reads
         # replayed steps sum the side output on the device and fold it in before routing, where
         # the policy's scores allow it (TierStore.attn_decay); else every step is observed
-        fold = env_choice(OBSERVE_ENV, "fold", "fold", "step") == "fold"
+        fold = options.observe == "fold"
         self.fold_decay = ScoreEvaluator(self.policy, 1, 1).attn_decay() if fold else None
         self.sessions: dict[str, Session] = {}
         self.batch: list[_Req] = []
         self.extend = False
-        self.counters = BackendStats()
+        self.counters = BackendStats(path=options.stats)
         self.kernel = self._use_kernel()
-        self.extend_attend = extend_attention(pool.device)
+        self.extend_attend = extend_attention(pool.device, options)
         self.kernel_error: str | None = None
         self.dbatch: trizone.DecodeBatch | None = None
         model = getattr(runner, "model_config", None)
@@ -228,10 +226,10 @@ class TieredAttnBackend(AttentionBackend):
         self.graph_last: tuple | None = None  # the last replay's (bs, pools, seqs)
         self.host_s: dict[str, float] = defaultdict(float)  # host seconds per phase, see stats()
         self.device_s: dict[str, float] = defaultdict(float)  # device seconds of graph replays
-        timing = os.environ.get(TIMES_ENV) == "1" and torch.device(pool.device).type == "cuda"
+        timing = options.device_times and torch.device(pool.device).type == "cuda"
         self.replay_events: list | None = [] if timing else None  # the replay in flight
         self.replays_timed: list[tuple] = []  # ended replays' (start, end), read at stats()
-        self.profiler = StepProfiler()  # $TIERED_RADIX_PROFILE: a window of decode steps
+        self.profiler = StepProfiler(options.profile)  # a window of decode steps, or none
         self.shard, self.tp = tp_shard(runner, pool.head_num), None
         if self.shard is not None:
             self.counters.rank, self.tp = self.shard.rank, RouteDigest(self.shard)
@@ -248,9 +246,8 @@ class TieredAttnBackend(AttentionBackend):
 
     def _use_kernel(self) -> bool:
         """Decode with the TriZone kernel where it can read the pool (and Triton can run)."""
-        want = env_choice(DECODE_ENV, "kernel", "kernel", "gather")
         runs = self.pool.device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
-        return want == "kernel" and runs and trizone.supported(self.pool)
+        return self.options.decode == "kernel" and runs and trizone.supported(self.pool)
 
     # -- per batch -------------------------------------------------------------------------
     @property
@@ -318,12 +315,13 @@ class TieredAttnBackend(AttentionBackend):
             raise PoolConfigError(
                 "tiered_triton decodes under CUDA graphs through the TriZone kernel, which cannot "
                 f"read this pool (window {self.pool.layout.window}, head dim {self.pool.head_dim}"
-                f", {DECODE_ENV}={os.environ.get(DECODE_ENV, 'kernel')}): relaunch with "
+                f", --kv-decode {self.options.decode}): relaunch with "
                 "--disable-cuda-graph"
             )
-        tokens = graph.capacity(self.context_len)
+        tokens = graph.capacity(self.context_len, self.options.graph_tokens)
         self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
-                                       self.decode_attn, self.fold_decay)  # fmt: skip
+                                       self.decode_attn, self.fold_decay,
+                                       splits=self.options.graph_splits)  # fmt: skip
         log.info("tiered-radix: decode CUDA graphs up to batch %d, %d tokens", max_bs, tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -392,7 +390,7 @@ class TieredAttnBackend(AttentionBackend):
 
     def replay_done(self) -> None:
         """After SGLang launched a decode graph (its runner's ``execute``): with
-        ``$TIERED_RADIX_DEVICE_TIMES=1``, the end mark of the replay's device time."""
+        ``--kv-device-times``, the end mark of the replay's device time."""
         if self.replay_events is not None and len(self.replay_events) == 1:
             self.replay_events.append(torch.cuda.Event(enable_timing=True))
             self.replay_events[1].record()
@@ -571,7 +569,7 @@ class TieredAttnBackend(AttentionBackend):
         (``metadata_extend``, ``write_extend``, ``extend_attend``, ``route_extend``), and the
         ``decode_steps``/``extend_batches`` counts they divide by. On the GPU a phase's time is
         what it costs the host to launch it (plus any host sync in it): where their sum per step
-        nears the step time, the step is launch-bound. With ``$TIERED_RADIX_DEVICE_TIMES=1``,
+        nears the step time, the step is launch-bound. With ``--kv-device-times``,
         ``device_s``: the device seconds of graph replays (``replay``, CUDA events around
         SGLang's replay of the forward) and their count (``replays``)."""
         decode = "kernel" if self.kernel else "gather"

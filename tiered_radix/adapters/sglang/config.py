@@ -1,32 +1,39 @@
-"""``--kv-policy`` / ``--kv-budget``: parsing, validation, and the hand-over to scheduler processes.
+"""``--kv-policy`` / ``--kv-budget`` and the ``--kv-*`` options: parsing, validation, and the
+hand-over to scheduler processes.
 
 SGLang drops unknown attributes in ``ServerArgs.from_cli_args`` and starts its scheduler
-processes with ``spawn``, so the plugin carries the two values in environment variables that the
-children inherit. This is the only module that reads or writes them.
+processes with ``spawn``, so the plugin carries the launch's :class:`KVConfig` (policy argument,
+budget argument, :class:`~.options.KVOptions`) as one JSON value in the environment variable
+:data:`ENV`, which the children inherit. This is the only module that reads or writes it; each
+process loads the policy once (:func:`current` caches it).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiered_radix.policy import Policy, PolicyError, Span, load_policy
 from tiered_radix.policy.model import Budget
 from tiered_radix.policy.transformer import parse
 
-ENV_POLICY = "TIERED_RADIX_KV_POLICY"
-ENV_BUDGET = "TIERED_RADIX_KV_BUDGET"
+from .options import KVOptions
+
+ENV = "TIERED_RADIX_KV"  # the whole launch configuration, JSON (not a switch of its own)
 BACKEND = "tiered"  # the --radix-cache-backend name the plugin registers
 
 
 @dataclass(frozen=True)
 class KVConfig:
-    """A validated ``--kv-policy`` (file path or shipped name) and optional budget override."""
+    """A validated ``--kv-policy`` (file path or shipped name), optional budget override, and
+    the launch's ``--kv-*`` options."""
 
     policy_arg: str
     budget_arg: str | None
     policy: Policy
     budget: Budget  # the override if given, else the policy's own
+    options: KVOptions = field(default_factory=KVOptions)
 
     @property
     def overridden(self) -> bool:
@@ -42,7 +49,9 @@ def parse_budget(text: str) -> Budget:
     return parse(text.strip(), "budget", Span("--kv-budget", 1, 1, text.strip()))
 
 
-def resolve(policy_arg: str, budget_arg: str | None = None) -> KVConfig:
+def resolve(
+    policy_arg: str, budget_arg: str | None = None, options: KVOptions | None = None
+) -> KVConfig:
     """Load and validate the policy (and budget override) the user named.
 
     Raises:
@@ -50,30 +59,41 @@ def resolve(policy_arg: str, budget_arg: str | None = None) -> KVConfig:
     """
     policy = load_policy(policy_arg)
     budget = parse_budget(budget_arg) if budget_arg is not None else policy.budget
-    return KVConfig(policy_arg, budget_arg, policy, budget)
+    return KVConfig(policy_arg, budget_arg, policy, budget, options or KVOptions())
+
+
+_current: tuple[str, KVConfig] | None = None  # (the exported text, what it resolved to)
 
 
 def export(cfg: KVConfig | None) -> None:
     """Publish (or, for ``None``, clear) the configuration for processes spawned after this."""
+    global _current
     if cfg is None:
-        os.environ.pop(ENV_POLICY, None)
-        os.environ.pop(ENV_BUDGET, None)
+        os.environ.pop(ENV, None)
         return
-    os.environ[ENV_POLICY] = cfg.policy_arg
-    if cfg.budget_arg is None:
-        os.environ.pop(ENV_BUDGET, None)
-    else:
-        os.environ[ENV_BUDGET] = cfg.budget_arg
+    text = json.dumps(
+        {"policy": cfg.policy_arg, "budget": cfg.budget_arg, "options": cfg.options.to_dict()}
+    )
+    os.environ[ENV] = text
+    _current = text, cfg
 
 
 def current() -> KVConfig | None:
-    """The configuration this process was started with, or ``None`` when tiering is off.
+    """The configuration this process was started with, or ``None`` when tiering is off. The
+    policy is compiled once per exported configuration, not at every call.
 
     Raises:
         PolicyError: the exported policy became invalid after the launch validated it.
     """
-    arg = os.environ.get(ENV_POLICY)
-    return resolve(arg, os.environ.get(ENV_BUDGET)) if arg else None
+    global _current
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    if _current is None or _current[0] != text:
+        got = json.loads(text)
+        opts = KVOptions.from_dict(got["options"])
+        _current = text, resolve(got["policy"], got["budget"], opts)
+    return _current[1]
 
 
 def describe_error(err: PolicyError, flag: str = "--kv-policy") -> str:

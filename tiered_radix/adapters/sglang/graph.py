@@ -20,14 +20,13 @@ capacity (:class:`GraphDecode`), and each step only overwrites their contents:
 Capacity is in tokens of the batch: a request lists at most its ``seq`` tokens and the ``W - 1``
 future rows of its last window per (layer, head) as rows plus pages, so a batch whose
 ``sum(seq_lens) + W * len(seq_lens) <= tokens`` fits; larger batches run
-eagerly (:meth:`GraphDecode.fits`, checked before SGLang picks the graph). ``tokens`` defaults to
-``$TIERED_RADIX_GRAPH_TOKENS`` (262,144), at least one context.
+eagerly (:meth:`GraphDecode.fits`, checked before SGLang picks the graph). ``tokens`` is
+``--kv-graph-tokens`` (262,144 by default), at least one context.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import Tensor
@@ -36,28 +35,27 @@ from tiered_radix.kernels import decode
 
 from . import trizone
 
-TOKENS_ENV = "TIERED_RADIX_GRAPH_TOKENS"
-TOKENS_DEFAULT = 1 << 18
-SPLITS_ENV = "TIERED_RADIX_GRAPH_SPLITS"  # the kernel's splits per list (default: _splits)
 
-
-def capacity(context_len: int) -> int:
-    """Tokens a captured batch can hold (``$TIERED_RADIX_GRAPH_TOKENS``, at least one context)."""
-    return max(int(os.environ.get(TOKENS_ENV, TOKENS_DEFAULT)), context_len)
+def capacity(context_len: int, tokens: int) -> int:
+    """Tokens a captured batch can hold (``tokens``, ``--kv-graph-tokens``; at least one
+    context)."""
+    return max(tokens, context_len)
 
 
 class GraphDecode:
     """Fixed-address decode state for batch sizes up to ``max_bs`` (one set of buffers: a
     batch size uses their first rows), ``tokens`` tokens a batch, requests of up to
-    ``context_len`` tokens."""
+    ``context_len`` tokens; ``splits``: the kernel's splits per list (``--kv-graph-splits``;
+    ``None``: :meth:`_splits` of the batch size)."""
 
     def __init__(
         self, pool, max_bs: int, tokens: int, context_len: int, side_output: bool,
-        decay: float | None = None,
+        decay: float | None = None, splits: int | None = None,
     ):  # fmt: skip
         L, H, W, d = pool.layer_num, pool.head_num, pool.layout.window, pool.head_dim
         dev = pool.device
         self.pool, self.max_bs, self.tokens, self.side_output = pool, max_bs, tokens, side_output
+        self.splits = splits
         self.decay = decay if side_output else None
         self.steps = 0  # steps summed in mass (with decay) since load() or folded()
         self.bs = 0  # the batch size of the last load() or clear()
@@ -95,7 +93,7 @@ class GraphDecode:
     def batch(self, bs: int, num_q_heads: int) -> trizone.DecodeBatch:
         """The :class:`~.trizone.DecodeBatch` of captured size ``bs`` over the buffers (made
         once; its plan is for requests of ``context_len`` tokens, split :meth:`_splits` ways
-        or ``$TIERED_RADIX_GRAPH_SPLITS``)."""
+        or the ``splits`` it was made with)."""
         if bs in self.batches:
             return self.batches[bs]
         pool, H = self.pool, self.pool.head_num
@@ -122,7 +120,7 @@ class GraphDecode:
         ]
         quant = pool.layout.quant
         bits = (quant.bits,) if quant else ()
-        splits = int(os.environ[SPLITS_ENV]) if os.environ.get(SPLITS_ENV) else self._splits(bs)
+        splits = self.splits or self._splits(bs)
         plan = decode.plan(
             lays[0], num_q_heads=num_q_heads, side_output=self.side_output, v_bits=bits,
             k_bits=bits, max_rows=self.context_len, num_splits=splits,

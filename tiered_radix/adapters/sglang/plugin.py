@@ -3,14 +3,16 @@
 SGLang's ``load_plugins()`` runs :func:`register` in the launcher, in ``Engine.__init__`` and in
 every scheduler process. It registers, through ``sglang.srt.plugins.hook_registry``:
 
-- ``ServerArgs.add_cli_args`` (AFTER): the flags ``--kv-policy`` and ``--kv-budget``;
+- ``ServerArgs.add_cli_args`` (AFTER): the flags ``--kv-policy`` and ``--kv-budget``, and the
+  ``--kv-*`` options of the backend (:class:`~.options.KVOptions`);
 - ``ServerArgs.from_cli_args`` (AROUND): validates the policy (a :class:`PolicyError` prints
   ``file:line:col`` and exits with status 2, no traceback), selects ``--radix-cache-backend
   tiered``, ``--page-size W`` and ``--attention-backend tiered_triton`` (and turns prefill CUDA
-  graphs off, and the overlap scheduler unless ``$TIERED_RADIX_OVERLAP=1``), and exports the
-  values to the processes SGLang spawns (:mod:`.config`);
-- ``ServerArgs.__init__`` (AROUND): the same for ``sglang.Engine(..., kv_policy=...)``, where a
-  bad policy raises :class:`PolicyError`;
+  graphs off, and the overlap scheduler unless ``--kv-overlap``), and exports the policy,
+  budget and options to the processes SGLang spawns (:mod:`.config`);
+- ``ServerArgs.__init__`` (AROUND): the same for ``sglang.Engine(..., kv_policy=...)`` (and
+  ``kv_budget=``, ``kv_decode=``, ... for the options), where a bad policy raises
+  :class:`PolicyError`;
 - ``DefaultPoolConfigurator._compute_cell_size`` (AFTER) and
   ``KVCacheConfigurator._build_mha_kv_pool`` (AROUND): the allocator gets
   :func:`~.sizing.logical_tokens` slots and the pool is a :class:`~.pool.TieredKVPool`
@@ -20,7 +22,7 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   buffers (:mod:`.graph`) runs eagerly;
 - ``DecodeCudaGraphRunner.execute`` (AROUND): the step's request ids to the tiered backend (its
   replay view has none), and after the replay its ``replay_done`` (the device time of replays,
-  when ``$TIERED_RADIX_DEVICE_TIMES=1``) and SGLang's coarse write-after-read barrier (see
+  with ``--kv-device-times``) and SGLang's coarse write-after-read barrier (see
   :func:`graph_execute`);
 - ``ScheduleBatch.check_decode_mem`` (AROUND): a decode step whose new windows find too few row
   blocks (over arenas: whose tokens the pool's bytes cannot hold) makes SGLang retract
@@ -40,6 +42,7 @@ import sys
 from tiered_radix.policy import PolicyError
 
 from . import config
+from .options import KVOptions, add_flags
 
 ATTENTION_BACKEND = "tiered_triton"
 _SA = "sglang.srt.server_args.ServerArgs"
@@ -65,6 +68,7 @@ def add_cli_args(_result, parser) -> None:
         metavar="BUDGET",
         help="override the policy's budget: 10%%, 2 GiB or 4096 tokens",
     )
+    add_flags(g)
 
 
 def selections(cfg: config.KVConfig, given: dict) -> dict:
@@ -91,7 +95,7 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
 
     if want["page_size"] not in PAGE_SIZES:  # decode gathers in PyTorch: not capturable
         want["disable_decode_cuda_graph"] = True
-    return want | forced()
+    return want | forced(cfg.options)
 
 
 def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
@@ -116,17 +120,12 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
 
 # Extend gathers rows per request on the host between layers: no prefill CUDA graphs. Decode
 # graphs stay as the user has them (the backend captures them, :mod:`.graph`). The overlap
-# scheduler is off unless $TIERED_RADIX_OVERLAP=1: GPU run 12 served the same tokens with it but
-# decoded slower (6.64 ms a token at batch 1 against 3.53 serially; docs/sglang.md).
-OVERLAP_ENV = "TIERED_RADIX_OVERLAP"
-
-
-def forced() -> dict:
+# scheduler is off unless --kv-overlap: GPU run 12 served the same tokens with it but decoded
+# slower (6.64 ms a token at batch 1 against 3.53 serially; docs/sglang.md).
+def forced(options: KVOptions) -> dict:
     """ServerArgs fields every tiered launch sets, whatever the user gave."""
-    from .reps import env_choice
-
     out = {"disable_prefill_cuda_graph": True}
-    if env_choice(OVERLAP_ENV, "0", "0", "1") == "0":
+    if not options.overlap:
         out["disable_overlap_schedule"] = True
     return out
 
@@ -135,18 +134,20 @@ def from_cli_args(original, cls, args):
     global _in_cli
     policy = getattr(args, "kv_policy", None)
     if policy is None:
-        if getattr(args, "kv_budget", None) is not None:
-            sys.exit("error: --kv-budget needs --kv-policy")
+        given = [k for k in ("kv_budget", *KVOptions.keys()) if getattr(args, k, None) is not None]
+        if given:
+            sys.exit(f"error: --{given[0].replace('_', '-')} needs --kv-policy")
         config.export(None)
     else:
         try:
-            cfg = config.resolve(policy, getattr(args, "kv_budget", None))
+            options = KVOptions.from_args(vars(args))
+            cfg = config.resolve(policy, getattr(args, "kv_budget", None), options)
             for key, value in selections(cfg, vars(args)).items():
                 setattr(args, key, value)
         except PolicyError as err:
             print(config.describe_error(err), file=sys.stderr)
             raise SystemExit(2) from None
-        except ValueError as err:  # PoolConfigError and contradicting flags
+        except ValueError as err:  # PoolConfigError, OptionsError and contradicting flags
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         config.export(cfg)
@@ -159,12 +160,13 @@ def from_cli_args(original, cls, args):
 
 def server_args_init(original, self, *args, **kwargs):
     policy, budget = kwargs.pop("kv_policy", None), kwargs.pop("kv_budget", None)
+    options = KVOptions.from_args(kwargs, pop=True)  # OptionsError reaches the Engine's caller
     if policy is not None:
-        cfg = config.resolve(policy, budget)  # PolicyError reaches the Engine's caller
+        cfg = config.resolve(policy, budget, options)  # PolicyError reaches the Engine's caller
         kwargs.update(selections(cfg, kwargs))
         config.export(cfg)
-    elif budget is not None:
-        raise ValueError("kv_budget needs kv_policy")
+    elif budget is not None or options != KVOptions():
+        raise ValueError("kv_budget and the kv_* options need kv_policy")
     elif not _in_cli:
         config.export(None)
     return original(self, *args, **kwargs)
@@ -188,8 +190,10 @@ def build_mha_kv_pool(original, self, *, max_total_num_tokens: int, mha_pool_cla
     from .arena import ArenaKVPool
     from .pool import TieredKVPool
 
-    cls = TieredKVPool if cfg.policy.coupled else ArenaKVPool
-    tiered = partial(cls, policy=cfg.policy, budget=cfg.budget)
+    if cfg.policy.coupled:
+        tiered = partial(TieredKVPool, policy=cfg.policy, budget=cfg.budget, options=cfg.options)
+    else:
+        tiered = partial(ArenaKVPool, policy=cfg.policy, budget=cfg.budget)
     return original(self, max_total_num_tokens=max_total_num_tokens, mha_pool_class=tiered, **kw)
 
 
@@ -221,7 +225,7 @@ def graph_execute(original, self, forward_batch, *args, **kwargs):
     - before it, the batch's request ids (``replay_rids``): the replay view its metadata gets
       has none, and reading them back from the padded ``req_pool_indices`` would be a host sync
       (under the overlap scheduler: a wait for the step still in flight);
-    - after it, ``replay_done`` (the replay's device time with ``$TIERED_RADIX_DEVICE_TIMES=1``);
+    - after it, ``replay_done`` (the replay's device time with ``--kv-device-times``);
     - after it, no read-done event for the scheduler's write-after-read barrier. SGLang publishes
       one at the replay's input snapshot, so that its schedule stream waits only for that; the
       tiered backend's work outside a forward (the step's routing at :meth:`~.backend.
@@ -327,9 +331,11 @@ def attention_backend_factory(runner):
             "KV heads evenly: SGLang would replicate heads across ranks, and the tiered engine "
             "needs each rank to hold its own heads; use a --tp that divides the KV heads"
         )
+    cfg = config.current()
+    options = cfg.options if cfg is not None else KVOptions()
     if isinstance(runner.token_to_kv_pool, ArenaKVPool):
-        return ArenaAttnBackend(runner)
-    return TieredAttnBackend(runner)
+        return ArenaAttnBackend(runner, options)
+    return TieredAttnBackend(runner, options)
 
 
 def register() -> None:

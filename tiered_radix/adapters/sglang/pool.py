@@ -39,10 +39,10 @@ from tiered_radix.policy.model import Budget, Policy
 
 from . import reps
 from .metrics import BLOCK_KINDS
-from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R, env_choice
+from .options import KVOptions
+from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R
 from .sizing import PoolBlocks, plan_blocks
 
-GATHER_ENV = "TIERED_RADIX_GATHER"  # "live" (default on CPU) or "all" (default on CUDA)
 log = logging.getLogger(__name__)
 
 
@@ -76,6 +76,7 @@ class TieredKVPool(MHATokenToKVPool):
         policy: Policy,
         budget: Budget | None = None,
         blocks: PoolBlocks | None = None,
+        options: KVOptions | None = None,
         enable_memory_saver: bool = False,
         **kwargs,
     ) -> None:
@@ -92,8 +93,7 @@ class TieredKVPool(MHATokenToKVPool):
         # gathers skip evicted windows and dequantize only quantized ones (two host syncs per
         # read: 2x faster extend on CPU) or read everything without a sync (the GPU's choice:
         # run 9's prefill spent 2.6x run 8's time in extend attention with the syncs)
-        self.gather_live = env_choice(GATHER_ENV, "all" if torch.device(device).type == "cuda"
-                                       else "live", "live", "all") == "live"  # fmt: skip
+        self.gather_live = (options or KVOptions()).gather_on(device) == "live"  # --kv-gather
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
@@ -331,7 +331,7 @@ class TieredKVPool(MHATokenToKVPool):
         ``windows [n]`` (the request's, in sequence order; its first ``n_tokens`` tokens):
         float32 ``k, v [H, T', d]``, ``kept [H, T']`` and ``pos`` int64 ``[T']``, each row's token
         position. The last window must be read (attention's newest tokens are in it). One host
-        sync more than :meth:`read`; without ``gather_live`` (``$TIERED_RADIX_GATHER=all``, the
+        sync more than :meth:`read`; without ``gather_live`` (``--kv-gather all``, the
         default on CUDA) every window, ``pos`` every position, and no sync."""
         W = self.layout.window
         if not self.gather_live:  # every window, no host sync

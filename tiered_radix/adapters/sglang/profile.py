@@ -1,6 +1,6 @@
 """A window of decode steps under ``torch.profiler``, for finding where a step's time goes.
 
-``$TIERED_RADIX_PROFILE=DIR:START:STEPS`` profiles decode steps ``START`` to ``START + STEPS``
+``--kv-profile DIR:START:STEPS`` profiles decode steps ``START`` to ``START + STEPS``
 of the scheduler process (counted from its first decode step; a window of two routing periods
 holds two routings), host and device, SGLang's own work in between included, and writes
 ``DIR/profile-START-END.txt``: the wall time, then the ops and kernels by their own device time
@@ -14,7 +14,6 @@ step.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from contextlib import nullcontext
@@ -22,14 +21,12 @@ from pathlib import Path
 
 import torch
 
-PROFILE_ENV = "TIERED_RADIX_PROFILE"
-
 
 class StepProfiler:
-    """Starts and stops the profiler at decode step boundaries (:meth:`at_step`)."""
+    """Starts and stops the profiler at decode step boundaries (:meth:`at_step`); ``spec``:
+    ``DIR:START:STEPS``, or ``None`` (off)."""
 
     def __init__(self, spec: str | None = None) -> None:
-        spec = os.environ.get(PROFILE_ENV, "") if spec is None else spec
         self.prof = None
         self.t0 = 0.0
         if not spec:
@@ -40,7 +37,7 @@ class StepProfiler:
             self.dir, self.start = Path(folder), int(start)
             self.end = self.start + int(steps)
         except ValueError:
-            raise ValueError(f"${PROFILE_ENV}={spec!r}: use DIR:START:STEPS") from None
+            raise ValueError(f"--kv-profile {spec!r}: use DIR:START:STEPS") from None
 
     def phase(self, name: str):
         """A labelled range while profiling (a no-op context otherwise)."""

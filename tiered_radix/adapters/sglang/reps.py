@@ -16,7 +16,6 @@ the pure state algebra; :mod:`.pool` stores the blocks and counts the references
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from tiered_radix.engine.routing import TierSet
@@ -98,15 +97,3 @@ class Layout:
             return S_Q
         assert engine_tier == 0, f"unknown engine tier {engine_tier}"
         return S_FULL if state == S_FULL else S_R
-
-
-def env_choice(name: str, default: str, *choices: str) -> str:
-    """``$name`` (or ``default``), one of ``choices``.
-
-    Raises:
-        PoolConfigError: any other value.
-    """
-    want = os.environ.get(name, default)
-    if want not in choices:
-        raise PoolConfigError(f"${name}={want!r}: use {' or '.join(repr(c) for c in choices)}")
-    return want

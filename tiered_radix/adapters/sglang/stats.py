@@ -2,7 +2,7 @@
 the peak.
 
 Written to the server log every :data:`LOG_EVERY_S` seconds (``tiered-radix: {...}``), when
-``$TIERED_RADIX_STATS`` names a file rewritten there as JSON after every routing (the GPU test
+``--kv-stats FILE`` names a file rewritten there as JSON after every routing (the GPU test
 and the benchmark read it; one per rank under ``--tp``), and with SGLang's ``--enable-metrics``
 exported as Prometheus series every :data:`~.metrics.METRICS_EVERY_S` seconds (:mod:`.metrics`).
 """
@@ -24,7 +24,6 @@ from .metrics import TierMetrics, from_server_args
 
 log = logging.getLogger("tiered_radix.adapters.sglang.backend")
 LOG_EVERY_S = 30.0
-STATS_ENV = "TIERED_RADIX_STATS"
 
 
 @dataclass
@@ -43,6 +42,7 @@ class BackendStats:
     metrics_checked: bool = False
     rank: int | None = None  # under --tp: the stats file is per rank (``name.rank{r}.json``)
     counts: Tensor | None = None  # int64 [4] on the device: demote, promote, evict, ledger writes
+    path: str | None = None  # --kv-stats: the JSON file rewritten after every routing
 
     def forward_done(self, pool, tokens: int) -> None:
         self.tokens_held = tokens
@@ -104,7 +104,7 @@ class BackendStats:
             self.metrics_checked = True
             self.metrics = from_server_args()
         now = time.monotonic()
-        path = os.environ.get(STATS_ENV) if routed else None
+        path = self.path if routed else None
         if path and self.rank is not None:
             root, ext = os.path.splitext(path)
             path = f"{root}.rank{self.rank}{ext}"

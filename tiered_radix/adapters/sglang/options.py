@@ -1,0 +1,143 @@
+"""``KVOptions``: how the tiered SGLang backend runs, one frozen object per launch.
+
+The policy file says *what* the cache keeps; these options say how the adapter computes it
+(which attention path, how CUDA graphs are sized, what it measures). They are built once from
+the ``--kv-*`` flags (or the matching ``sglang.Engine(kv_...=...)`` keywords) by the plugin,
+carried to SGLang's scheduler processes inside :class:`~.config.KVConfig` and handed explicitly
+to the pool, the attention backend, the graph buffers and the profiler. Nothing reads them from
+the environment.
+
+=====================  ==========================  ===============================================
+flag                   default                     what it selects
+=====================  ==========================  ===============================================
+``--kv-overlap``       off                         keep SGLang's overlap scheduler on (GPU run 12:
+                                                   same tokens, slower decode; docs/sglang.md)
+``--kv-decode``        ``kernel``                  decode attention: the TriZone kernel, or
+                                                   ``gather`` (PyTorch over gathered rows)
+``--kv-extend``        ``sdpa`` CUDA, ``exact`` CPU  extend attention: a fused SDPA kernel in the
+                                                   model's dtype, or float32 score blocks
+``--kv-gather``        ``all`` CUDA, ``live`` CPU  extend reads every window (no host sync) or
+                                                   only those some head reads (two syncs a read)
+``--kv-observe``       ``fold``                    replayed decode steps sum their attention on the
+                                                   device (``fold``) or observe every step
+``--kv-graph-tokens``  262,144                     tokens a captured decode batch holds
+``--kv-graph-splits``  per batch size              the decode kernel's splits per list (graphs)
+``--kv-device-times``  off                         CUDA events time every graph replay
+``--kv-profile``       off                         ``DIR:START:STEPS``: decode steps under
+                                                   ``torch.profiler`` (:mod:`.profile`)
+``--kv-stats``         off                         a JSON file rewritten after every routing
+=====================  ==========================  ===============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+DECODE = ("kernel", "gather")
+EXTEND = ("sdpa", "exact")
+GATHER = ("live", "all")
+OBSERVE = ("fold", "step")
+GRAPH_TOKENS = 1 << 18
+
+
+class OptionsError(ValueError):
+    """A ``--kv-*`` value outside its choices."""
+
+
+def _on_cuda(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    """The ``--kv-*`` flags of one launch (see the module docstring); ``None``: the device's
+    default.
+
+    Raises:
+        OptionsError: a value outside its choices.
+    """
+
+    overlap: bool = False
+    decode: str = "kernel"
+    extend: str | None = None
+    gather: str | None = None
+    observe: str = "fold"
+    graph_tokens: int = GRAPH_TOKENS
+    graph_splits: int | None = None
+    device_times: bool = False
+    profile: str | None = None
+    stats: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, choices in (("decode", DECODE), ("extend", EXTEND), ("gather", GATHER),
+                              ("observe", OBSERVE)):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise OptionsError(
+                    f"--kv-{name} {value!r}: use {' or '.join(repr(c) for c in choices)}"
+                )
+        if self.graph_tokens < 1 or (self.graph_splits is not None and self.graph_splits < 1):
+            raise OptionsError("--kv-graph-tokens and --kv-graph-splits must be positive")
+
+    def extend_on(self, device) -> str:
+        """Extend's attention on ``device``: ``sdpa`` on CUDA, ``exact`` on CPU by default."""
+        return self.extend or ("sdpa" if _on_cuda(device) else "exact")
+
+    def gather_on(self, device) -> str:
+        """What extend reads on ``device``: ``all`` on CUDA, ``live`` on CPU by default."""
+        return self.gather or ("all" if _on_cuda(device) else "live")
+
+    def to_dict(self) -> dict:
+        """Plain values (JSON-serialisable), :meth:`from_dict`'s input."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> KVOptions:
+        return cls(**values)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The ServerArgs attribute / Engine keyword of every option (``kv_decode``, ...)."""
+        return tuple("kv_" + f.name for f in fields(cls))
+
+    @classmethod
+    def from_args(cls, args: dict, pop: bool = False) -> KVOptions:
+        """The options among ServerArgs fields or Engine keywords ``args`` (``kv_decode``, ...;
+        absent or ``None``: the default); ``pop`` removes them from ``args``."""
+        given = {}
+        for f in fields(cls):
+            key = "kv_" + f.name
+            value = args.pop(key, None) if pop else args.get(key)
+            if value is not None:
+                given[f.name] = value
+        return cls(**given)
+
+
+# (field, metavar or None for a switch, help) of every --kv-* option flag, in --help order
+FLAGS = (
+    ("overlap", None, "keep SGLang's overlap scheduler on (off by default: slower decode)"),
+    ("decode", "{kernel,gather}", "decode attention: TriZone kernel (default) or PyTorch"),
+    ("extend", "{sdpa,exact}", "extend attention (default: sdpa on CUDA, exact on CPU)"),
+    ("gather", "{live,all}", "extend reads live windows or all (default: all on CUDA)"),
+    ("observe", "{fold,step}", "graph steps' attention: summed on the device (fold) or per step"),
+    ("graph_tokens", "N", f"tokens a captured decode batch holds (default {GRAPH_TOKENS})"),
+    ("graph_splits", "N", "decode kernel splits per list under CUDA graphs (default: by batch)"),
+    ("device_times", None, "time every decode graph replay with CUDA events (stats device_s)"),
+    ("profile", "DIR:START:STEPS", "profile decode steps START..START+STEPS into DIR"),
+    ("stats", "FILE", "rewrite FILE with the backend's stats (JSON) after every routing"),
+)
+
+
+def add_flags(group) -> None:
+    """The ``--kv-*`` option flags on an argparse group (``None`` defaults: unset)."""
+    kinds = {"graph_tokens": int, "graph_splits": int}
+    choices = {"decode": DECODE, "extend": EXTEND, "gather": GATHER, "observe": OBSERVE}
+    for name, metavar, help_ in FLAGS:
+        flag = "--kv-" + name.replace("_", "-")
+        if metavar is None:
+            group.add_argument(flag, action="store_true", default=None, help=help_)
+        else:
+            group.add_argument(flag, default=None, metavar=metavar, type=kinds.get(name, str),
+                               choices=choices.get(name), help=help_)  # fmt: skip
