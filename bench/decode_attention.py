@@ -99,7 +99,7 @@ def copy_bandwidth(dev) -> float:
 
 
 def tier_plan(kind, budget, ctx, batch, hkv, d, gen):
-    from tiered_radix.kernels.layout import TierPlan
+    from tiered_radix.formats.layout import TierPlan
 
     fresh = [16] * batch
     if kind == "full":
@@ -130,7 +130,8 @@ def ours(q, k, v, kind, budget, dev, side, gen, cache, breakdown=False, **plan_k
     """Time decode.run on the (cached) layout of this tier mix; plan_kw go to decode.plan;
     ``breakdown``: also each kernel's device time (``kernels_us``, CUDA)."""
     from tiered_radix.kernels import decode
-    from tiered_radix.kernels.layout import build_trizone
+
+    from tiered_radix.formats.layout import build_trizone
 
     batch, hq, d = q.shape
     hkv = k[0].shape[1]

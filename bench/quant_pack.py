@@ -5,9 +5,9 @@
 
 Codec (Llama-3.1-8B-like, fp16 input): K windows ``[4096 windows * 8 heads, 128, 32]`` grouped
 along tokens and V rows ``[131072 tokens * 8 heads, 128]`` grouped along d, at 2/4/8 bits:
-``quantize_pack`` / ``dequantize_unpack`` vs ``engine.codecs.quantize`` / ``dequantize`` (the
+``quantize_pack`` / ``dequantize_unpack`` vs ``formats.codecs.quantize`` / ``dequantize`` (the
 target is >= 10x). Column mass: causal prefill of 8K-32K tokens, 32 query / 8 KV heads, d 128,
-``column_mass`` vs the chunked ``engine.colmass_ref.column_mass_ref``. Every case also checks
+``column_mass`` vs the chunked ``kernels.colmass_ref.column_mass_ref``. Every case also checks
 that the two agree (codes bit for bit; column mass to 1e-3 relative). Writes OUT/quant_pack.json.
 """
 
@@ -75,7 +75,7 @@ def _entry(name: str, times: list[float], **extra) -> dict:
 
 
 def bench_codec(quant, kind, shape, group, bits, dev, gen) -> list[dict]:
-    from tiered_radix.engine import codecs
+    from tiered_radix.formats import codecs
 
     x = torch.randn(shape, generator=gen).to(dev, torch.float16)
     ours_q, ref_q = quant.quantize_pack(x, bits=bits, group=group), codecs.quantize(x, bits, group)
@@ -104,7 +104,7 @@ def bench_codec(quant, kind, shape, group, bits, dev, gen) -> list[dict]:
 
 
 def bench_colmass(colmass, tokens, heads, dev, gen) -> dict:
-    from tiered_radix.engine.colmass_ref import column_mass_ref
+    from tiered_radix.kernels.colmass_ref import column_mass_ref
 
     hq, hkv, d = heads
     q = torch.randn(tokens, hq, d, generator=gen).to(dev, torch.float16)

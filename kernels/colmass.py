@@ -8,7 +8,7 @@ RDKV V-token weight and the QEvict window score (summed over a window's tokens).
 Pass 1 computes the row log-sum-exps flash-style (online max); pass 2 recomputes the scores
 per ``[BLOCK_M, BLOCK_N]`` block and accumulates ``exp(s - lse)`` into columns. Extra memory is
 ``Hq * Tq + Hkv * Tk`` float32; compute is twice a flash-attention forward without the PV
-product. The plain-PyTorch twin is ``tiered_radix.engine.colmass_ref.column_mass_ref``.
+product. The plain-PyTorch twin is ``tiered_radix.kernels.colmass_ref.column_mass_ref``.
 
 ``channel_norms`` / ``channel_weights`` are re-exported from the engine: they are single fused
 ``vector_norm`` reductions that read each element once, already bandwidth-bound.
@@ -21,8 +21,7 @@ import os
 
 import torch
 import triton
-
-from tiered_radix.engine.colmass_ref import channel_norms, channel_weights, check_attention_inputs
+from tiered_radix.kernels.colmass_ref import channel_norms, channel_weights, check_attention_inputs
 
 from ._colmass_kernels import _column_mass_kernel, _row_lse_kernel
 
@@ -67,7 +66,7 @@ def column_mass(
     if q.device.type != "cuda" and not interpreting:
         raise ValueError(
             f"q/k are on {q.device}; column_mass needs CUDA tensors. On CPU use "
-            "tiered_radix.engine.colmass_ref.column_mass_ref (same result)."
+            "tiered_radix.kernels.colmass_ref.column_mass_ref (same result)."
         )
     (tq, hq, d), (tk, hkv, _) = q.shape, k.shape
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)

@@ -22,7 +22,8 @@ import triton.language as tl
 from tiered_radix.kernels._decode_mass import _decode_mass_kernel
 from tiered_radix.kernels._decode_merge import _decode_merge_kernel
 from tiered_radix.kernels._decode_split import _decode_split_kernel
-from tiered_radix.kernels.layout import TriZoneLayout
+
+from tiered_radix.formats.layout import TriZoneLayout
 
 LOG2E = 1.4426950408889634
 NUM_SMS_DEFAULT = 132

@@ -1,6 +1,6 @@
 """Fused group-wise quantize+pack and unpack+dequantize (Triton), one launch for all rows.
 
-Bit-exact twin of ``tiered_radix.engine.codecs.quantize`` / ``dequantize`` (the plain-PyTorch
+Bit-exact twin of ``tiered_radix.formats.codecs.quantize`` / ``dequantize`` (the plain-PyTorch
 reference): asymmetric integer codes along the last axis, groups of ``group`` consecutive
 elements, fp16 ``scale``/``lo`` per group, ``8 // bits`` codes per byte, first code in the
 lowest bits. Codes, scales and lows equal the engine's bit for bit; dequantized values equal up
@@ -17,7 +17,7 @@ import os
 import torch
 import triton
 
-from tiered_radix.engine.codecs import CodecError, QuantizedTensor
+from tiered_radix.formats.codecs import CodecError, QuantizedTensor
 
 from ._quant_kernels import _dequantize_unpack_kernel, _quantize_pack_kernel
 
@@ -31,7 +31,7 @@ def _check_device(t: torch.Tensor, name: str) -> None:
     if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError(
             f"{name} is on {t.device}; the Triton kernels need a CUDA tensor. On CPU use "
-            "tiered_radix.engine.codecs.quantize/dequantize (same results)."
+            "tiered_radix.formats.codecs.quantize/dequantize (same results)."
         )
 
 
@@ -45,7 +45,7 @@ def _check_layout(bits: int, group: int, n: int) -> None:
     if group % (8 // bits):
         raise CodecError(
             f"group={group} must be a multiple of {8 // bits} at bits={bits} so that no packed "
-            "byte straddles two groups (use tiered_radix.engine.codecs.quantize for such groups)"
+            "byte straddles two groups (use tiered_radix.formats.codecs.quantize for such groups)"
         )
 
 

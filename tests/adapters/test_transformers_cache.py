@@ -10,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiered_radix.kernels.colmass_ref import column_mass_ref  # noqa: E402
 from tiny_llama import tiny_llama, tokens  # noqa: E402
 
 from tiered_radix.adapters.transformers import (  # noqa: E402
@@ -19,8 +20,7 @@ from tiered_radix.adapters.transformers import (  # noqa: E402
     attend,
     tiered_attention_on,
 )
-from tiered_radix.adapters.transformers.attention import attend_sdpa  # noqa: E402
-from tiered_radix.engine.colmass_ref import column_mass_ref  # noqa: E402
+from tiered_radix.engine.attention import attend_sdpa  # noqa: E402
 
 POLICIES = sorted(Path(__file__).parents[2].joinpath("policies").glob("*.yaml"))
 

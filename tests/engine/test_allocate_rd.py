@@ -16,7 +16,7 @@ from tiered_radix.engine.allocate_rd import (
     rd_allocate_kv,
     token_costs,
 )
-from tiered_radix.engine.codecs import quantized_nbytes
+from tiered_radix.formats.codecs import quantized_nbytes
 
 BITS = (0, 2, 4, 8, 16)
 

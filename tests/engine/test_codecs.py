@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from tiered_radix.engine.codecs import (
+from tiered_radix.formats.codecs import (
     CodecError,
     dequantize,
     pack,

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiered_radix.engine import codecs
 from tiered_radix.engine.ledger import CopyStore, LedgerError, part_codecs
+from tiered_radix.formats import codecs
 
 
 def test_part_codecs_layout():

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from test_shard import CUSTOM
 
 from tiered_radix import load_policy
-from tiered_radix.engine import codecs
 from tiered_radix.engine.signals import Signals
 from tiered_radix.engine.store import TierStore
+from tiered_radix.formats import codecs
 from tiered_radix.policy.compiler import compile_text
 from tiered_radix.policy.model import Budget, Evict, Quantize
 

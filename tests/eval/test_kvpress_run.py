@@ -13,16 +13,8 @@ import torch
 
 from tiered_radix.eval import report, runner
 from tiered_radix.eval.engines import Reply
-from tiered_radix.eval.kvpress_engine import cache_bytes, kv_bytes
-from tiered_radix.eval.kvpress_run import (
-    FULL,
-    Config,
-    KVPressRunError,
-    compression_ratio,
-    configurations,
-    record,
-    split_prompt,
-)
+from tiered_radix.eval.kvpress_engine import KVPressRunError, cache_bytes, kv_bytes, split_prompt
+from tiered_radix.eval.kvpress_run import FULL, Config, compression_ratio, configurations, record
 from tiered_radix.eval.tasks import make_sample
 from tiered_radix.policy import load_policy
 

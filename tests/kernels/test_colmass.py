@@ -14,8 +14,7 @@ from triton_guard import CUDA, require_triton  # noqa: E402
 require_triton()
 
 from tiered_radix.kernels.colmass import column_mass  # noqa: E402
-
-from tiered_radix.engine.colmass_ref import (  # noqa: E402
+from tiered_radix.kernels.colmass_ref import (  # noqa: E402
     channel_norms,
     channel_weights,
     column_mass_ref,

@@ -11,10 +11,10 @@ require_triton()
 DEV = "cuda" if CUDA else "cpu"
 
 from tiered_radix.kernels import decode  # noqa: E402
-from tiered_radix.kernels.layout import TierPlan, build_trizone  # noqa: E402
+from tiered_radix.kernels.attention_ref import decode_attention_ref  # noqa: E402
 
-from tiered_radix.engine import codecs  # noqa: E402
-from tiered_radix.engine.attention_ref import decode_attention_ref  # noqa: E402
+from tiered_radix.formats import codecs  # noqa: E402
+from tiered_radix.formats.layout import TierPlan, build_trizone  # noqa: E402
 
 
 def dense_reference(q, k, v, plan, page, v_group, unit_tokens, max_units):

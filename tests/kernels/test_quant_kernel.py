@@ -1,6 +1,6 @@
 """Triton quantize_pack / dequantize_unpack against the engine codec (the plain-PyTorch twin).
 
-Codes, scales and lows must be bit-identical to ``tiered_radix.engine.codecs.quantize``;
+Codes, scales and lows must be bit-identical to ``tiered_radix.formats.codecs.quantize``;
 dequantized values may differ by the rounding of a fused multiply-add (tolerances below).
 On CPU the kernels run under ``TRITON_INTERPRET=1`` at small sizes; on CUDA at larger ones.
 """
@@ -15,7 +15,7 @@ require_triton()
 
 from tiered_radix.kernels.quant import dequantize_unpack, quantize_pack  # noqa: E402
 
-from tiered_radix.engine import codecs  # noqa: E402
+from tiered_radix.formats import codecs  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)

@@ -80,7 +80,7 @@ def test_prefill_stats_match_dense_float64(p, window):
 
 def test_prefill_stats_chunks_rows_never_a_full_matrix(monkeypatch):
     """The observation window runs through the row-chunked column mass, 32 rows at a time."""
-    from tiered_radix.engine import colmass_ref
+    from tiered_radix.kernels import colmass_ref
 
     seen = []
     real = colmass_ref.column_mass_ref

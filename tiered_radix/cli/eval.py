@@ -13,26 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 from ..policy import PolicyError, load_policy
 
-_LENGTH = re.compile(r"^(\d+(?:\.\d+)?)([kK]?)$")
-
 
 class UsageError(ValueError):
     pass
-
-
-def parse_length(text: str) -> int:
-    """``"1k"`` -> 1024, ``"1.5k"`` -> 1536, ``"800"`` -> 800."""
-    m = _LENGTH.match(text.strip())
-    if not m:
-        raise UsageError(f"bad length {text!r}: use a token count like 800, 1k or 2k")
-    return int(float(m.group(1)) * (1024 if m.group(2) else 1))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -128,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report_from:
         return report_from(args)
     from ..eval import EngineError, Grid, TaskError, TransformersEngine, expand_tasks, run_grid
-    from ..eval.runner import parse_shard, process_cuda_peak_mib
+    from ..eval.runner import parse_length, parse_shard, process_cuda_peak_mib
 
     try:
         if args.samples < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.codecs import unit_nbytes
+from ..formats.codecs import unit_nbytes
 from ..policy import Policy
 from ..policy.expr import Name, to_text
 from ..policy.model import Evict, Keep, Quantize, RankAllocation, Tier

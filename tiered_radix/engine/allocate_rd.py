@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tiered_radix.engine.codecs import unit_nbytes
+from tiered_radix.formats.codecs import unit_nbytes
 
 
 @dataclass(frozen=True)

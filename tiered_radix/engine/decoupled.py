@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import codecs
+from tiered_radix.formats import codecs
+
 from .routing import TierSet
 
 

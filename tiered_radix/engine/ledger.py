@@ -1,7 +1,7 @@
 """Quantized copies of units, one store per (layer, quantized tier): the write-once ledger.
 
 A copy of unit ``u`` of KV head ``h`` at quantized tier ``j`` holds K and V of the unit's tokens
-as :class:`~tiered_radix.engine.codecs.QuantizedTensor` rows. How each part is laid out
+as :class:`~tiered_radix.formats.codecs.QuantizedTensor` rows. How each part is laid out
 (:class:`PartCodec`):
 
 - ``along_tokens=True`` (K under ``axis=kivi``/``channel`` for windows): per channel, groups of
@@ -21,7 +21,8 @@ Storage is dense ``[*lead, capacity, ...]`` per tier with a ``present`` mask, ``
 ``[H]`` (one layer) or ``[L, H]`` (every layer of a store, so one routing step moves all layers'
 units with a few index ops); byte accounting uses ``present`` and :attr:`CopyStore.unit_nbytes`,
 i.e. what a packed pool would hold. On CUDA, encoding uses the fused Triton
-``quantize_pack`` kernel when it supports the group (bit-identical to :mod:`.codecs`).
+``quantize_pack`` kernel when it supports the group (bit-identical to
+:mod:`~tiered_radix.formats.codecs`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import codecs
+from tiered_radix.formats import codecs
 
 
 def _quantize(x: Tensor, bits: int, group: int) -> codecs.QuantizedTensor:

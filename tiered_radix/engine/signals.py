@@ -12,12 +12,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tiered_radix.policy.expr import Name
+from tiered_radix.policy.model import Policy, RankAllocation
+
 
 class SignalError(ValueError):
     """A policy needs a signal the caller never provided, or a signal has the wrong shape."""
 
 
 TOKEN_SIGNALS = ("attn", "colmass", "obs_attn")  # the signals indexed by token, [H, T']
+PREFILL_SIGNALS = ("colmass", "obs_attn", "qnorm")  # computed on prefill chunks, when read
 
 
 @dataclass(frozen=True)
@@ -135,3 +139,13 @@ class CacheState:
 def _clean(x: Tensor) -> Tensor:
     """Evicted rows are NaN-poisoned; derived signals treat them as 0 (they are masked anyway)."""
     return torch.nan_to_num(x.float(), nan=0.0)
+
+
+def policy_reads(policy: Policy) -> set[str]:
+    """Every name any expression of ``policy`` reads (signals, scores, constants): what an
+    adapter's attention must compute (:data:`PREFILL_SIGNALS` only when read)."""
+    exprs = [e for _, e in policy.scores] + [r.when for r in policy.rules]
+    a = policy.allocate
+    exprs += [a.by] if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
+    exprs += [policy.spread.by] if policy.spread.by is not None else []
+    return {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}

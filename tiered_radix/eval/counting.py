@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 from . import words
-from .tasks import Sample, TokenCounter, fit, register
+from .sample import Sample, TokenCounter, fit, register
 
 CWE_COMMON = 10
 FWE_TOP = 3

@@ -159,7 +159,7 @@ class TransformersEngine:
         return conversation_ids(self.tokenizer, [{"role": "user", "content": prompt}])
 
     def prefill(self, prompt: str, policies: Sequence[Policy]):
-        from ..adapters.transformers.cache import policy_reads
+        from ..engine.signals import policy_reads
         from .prefill import PREFILL_SIGNALS, capture
 
         need = frozenset(n for p in policies for n in policy_reads(p)) & PREFILL_SIGNALS

@@ -13,7 +13,19 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .kvpress_run import KVPressRunError, split_prompt
+
+class KVPressRunError(ValueError):
+    """Bad input (press, budget, task, model folder) or a missing kvpress; says what to do."""
+
+
+def split_prompt(text: str) -> tuple[str, str]:
+    """``(context, question)``: the question is the last line, the context all before it
+    (newline included), so ``context + question == text``."""
+    cut = text.rfind("\n")
+    if cut < 0:
+        raise KVPressRunError("a prompt without a newline has no question line to hold back")
+    return text[: cut + 1], text[cut + 1 :]
+
 
 # The stop rule of adapters.transformers.session.stop_ids (not importable here: it needs
 # transformers 5.x): the model's EOS ids, the tokenizer's, and a known end-of-turn token.

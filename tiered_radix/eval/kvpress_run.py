@@ -27,19 +27,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..cli.eval import UsageError, parse_length
+from .kvpress_engine import KVPressRunError
 from .report import build_report, markdown_report, write_json
-from .runner import RESULTS, answer_cap, load_results, parse_shard, sample_fields
+from .runner import RESULTS, answer_cap, load_results, parse_length, parse_shard, sample_fields
 from .scoring import score
 from .tasks import Sample, expand_tasks, make_samples
 
 ENGINE = "kvpress"
 FULL = "kvpress-full"  # the pipeline without a press: this run's full-KV reference
 PRESSES = ("snapkv", "expected", "streaming", "observed", "knorm", "tova", "kivi2")
-
-
-class KVPressRunError(ValueError):
-    """Bad input (press, budget, task, model folder) or a missing kvpress; says what to do."""
 
 
 def compression_ratio(label: str) -> float:
@@ -56,15 +52,6 @@ def compression_ratio(label: str) -> float:
             "equivalent"
         )
     return round(1.0 - kept, 6)
-
-
-def split_prompt(text: str) -> tuple[str, str]:
-    """``(context, question)``: the question is the last line, the context all before it
-    (newline included), so ``context + question == text``."""
-    cut = text.rfind("\n")
-    if cut < 0:
-        raise KVPressRunError("a prompt without a newline has no question line to hold back")
-    return text[: cut + 1], text[cut + 1 :]
 
 
 def cell_key(model: str, policy: str, label: str, s: Sample, seed: int, cap, config: str) -> str:
@@ -216,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine = KVPressEngine(
             args.model, device=args.device, dtype=args.dtype, threads=args.threads
         )
-    except (KVPressRunError, UsageError, ValueError) as e:
+    except (KVPressRunError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.name:

@@ -10,7 +10,7 @@ import random
 
 from . import words
 from .ruler import NEEDLE, Filler, haystack
-from .tasks import Sample, TokenCounter, fit, register
+from .sample import Sample, TokenCounter, fit, register
 
 DOCUMENT = (
     "Here is a document. Read it carefully; I will ask you questions about it later.\n"

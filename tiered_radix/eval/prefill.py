@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tiered_radix.adapters.transformers.attention import attend, attend_sdpa
+from tiered_radix.engine.attention import attend, attend_sdpa
 from tiered_radix.engine.signals import Signals
 
 CAPTURE_NAME = "tiered_radix_capture"

@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable
 
 from . import words
-from .tasks import DEPTHS, Sample, TokenCounter, fit, register
+from .sample import DEPTHS, Sample, TokenCounter, fit, register
 
 NIAH = (
     "Some special magic numbers are hidden within the following text. Make sure to memorize "

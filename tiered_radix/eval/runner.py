@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -98,6 +99,21 @@ def cell_key(engine: Engine, policy: Policy, label: str, s: Sample, grid: Grid) 
     parts += [variant] if variant else []
     parts += ["stop-when-answered"] if grid.stop_when_answered else []
     return json.dumps(parts)
+
+
+_LENGTH = re.compile(r"^(\d+(?:\.\d+)?)([kK]?)$")
+
+
+def parse_length(text: str) -> int:
+    """``"1k"`` -> 1024, ``"1.5k"`` -> 1536, ``"800"`` -> 800: a grid's context length.
+
+    Raises:
+        ValueError: not a token count.
+    """
+    m = _LENGTH.match(text.strip())
+    if not m:
+        raise ValueError(f"bad length {text!r}: use a token count like 800, 1k or 2k")
+    return int(float(m.group(1)) * (1024 if m.group(2) else 1))
 
 
 def parse_shard(text: str) -> tuple[int, int]:

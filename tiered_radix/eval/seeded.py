@@ -28,12 +28,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from tiered_radix.adapters.transformers.attention import (
-    AdapterError,
-    attend,
-    attention_implementation,
-)
+from tiered_radix.adapters.transformers.attention import AdapterError, attention_implementation
 from tiered_radix.adapters.transformers.cache import TieredCache, TieredLayer
+from tiered_radix.engine.attention import attend
 from tiered_radix.engine.signals import Signals
 
 from .prefill import Prefill

@@ -258,7 +258,7 @@ def prefill_stats(
     """
     import torch
 
-    from tiered_radix.engine.colmass_ref import channel_norms, column_mass_ref
+    from tiered_radix.kernels.colmass_ref import channel_norms, column_mass_ref
 
     qt, kt = (
         torch.from_numpy(np.asarray(q, np.float32)),

@@ -24,7 +24,7 @@ from test_backend import Mode  # noqa: E402
 from tiered_radix.adapters.sglang import config, plugin  # noqa: E402
 from tiered_radix.adapters.sglang.arena import ArenaAttnBackend, ArenaCache, ArenaKVPool  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
-from tiered_radix.adapters.transformers.attention import attend  # noqa: E402
+from tiered_radix.engine.attention import attend  # noqa: E402
 from tiered_radix.engine.store import TierStore  # noqa: E402
 from tiered_radix.policy import compile_text, load_policy  # noqa: E402
 

@@ -20,7 +20,7 @@ from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa
 from tiered_radix.adapters.sglang.profile import StepProfiler  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
-from tiered_radix.adapters.transformers.attention import attend  # noqa: E402
+from tiered_radix.engine.attention import attend  # noqa: E402
 from tiered_radix.engine.store import TierStore  # noqa: E402
 
 HQ = 4  # query heads: GQA group 2 over the Sim's 2 KV heads

@@ -17,7 +17,7 @@ from tiered_radix.adapters.sglang.reps import (  # noqa: E402
     PoolConfigError,
 )
 from tiered_radix.adapters.sglang.sizing import PoolBlocks, logical_tokens, plan_blocks  # noqa: E402
-from tiered_radix.engine import codecs  # noqa: E402
+from tiered_radix.formats import codecs  # noqa: E402
 from tiered_radix.policy import load_policy  # noqa: E402
 from tiered_radix.policy.model import Budget  # noqa: E402
 

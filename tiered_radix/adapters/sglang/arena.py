@@ -40,8 +40,8 @@ from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
-from tiered_radix.adapters.transformers.attention import attend
-from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_reads
+from tiered_radix.engine.attention import attend
+from tiered_radix.engine.signals import PREFILL_SIGNALS, policy_reads
 from tiered_radix.engine.store import TierStore
 from tiered_radix.policy.model import Budget, Policy
 

@@ -63,11 +63,10 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from tiered_radix.adapters.transformers.attention import attend, attend_sdpa
-from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_reads
+from tiered_radix.engine.attention import attend, attend_sdpa
 from tiered_radix.engine.scores import ScoreEvaluator
 from tiered_radix.engine.shard import HeadShard
-from tiered_radix.engine.signals import at_positions
+from tiered_radix.engine.signals import PREFILL_SIGNALS, at_positions, policy_reads
 from tiered_radix.engine.store import TierStore
 from tiered_radix.kernels import decode
 

@@ -9,7 +9,8 @@ Storage per layer (``F`` row blocks and ``Qn`` ledger blocks, index 0 of each is
 - ``rows_k[l], rows_v[l]``: ``dtype [F + 2, W, d]``: the ``FULL`` and ``R`` representations
   (block ``F + 1`` is scratch: a CUDA graph's padding tokens are written there, nobody reads it);
 - ``pages[l]``: uint8 ``[Qn + 1, page_bytes]`` ledger copies at the policy's quantized tier, each
-  one TriZone page (``kernels/layout.py``: K per channel over the window, V per token in groups),
+  one TriZone page (:mod:`tiered_radix.formats.layout`: K per channel over the window, V per
+  token in groups),
   the same codes as the engine's :class:`~tiered_radix.engine.ledger.PartCodec`, so the decode
   kernel reads them in place;
 - ``block[l]``: int64 ``[3, H, NW]`` block id of each representation (``reps.FULL/Q/R``), 0 none;
@@ -30,7 +31,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
-from tiered_radix.kernels.layout import (
+from tiered_radix.formats.layout import (
     pack_uniform_pages,
     uniform_page_nbytes,
     unpack_uniform_pages,

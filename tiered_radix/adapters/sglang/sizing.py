@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tiered_radix.kernels.layout import uniform_page_nbytes
+from tiered_radix.formats.layout import uniform_page_nbytes
 from tiered_radix.policy.model import Budget, Policy, RankAllocation
 
 from .reps import Layout

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tiered_radix.formats.layout import K_BITS, V_BITS, TriZoneLayout, k_sections
 from tiered_radix.kernels import decode
-from tiered_radix.kernels.layout import K_BITS, V_BITS, TriZoneLayout, k_sections
 
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Q, R
 

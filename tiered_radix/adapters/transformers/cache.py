@@ -37,31 +37,19 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tiered_radix.engine.events import Transitions
-from tiered_radix.engine.signals import Signals
+from tiered_radix.engine.signals import PREFILL_SIGNALS, Signals, policy_reads
 from tiered_radix.engine.store import TierStore
 from tiered_radix.policy import Policy, load_policy
 from tiered_radix.policy.errors import Span
-from tiered_radix.policy.expr import Name
-from tiered_radix.policy.model import Budget, RankAllocation
+from tiered_radix.policy.model import Budget
 from tiered_radix.policy.transformer import parse
 
 from .attention import AdapterError, hand_over
-
-PREFILL_SIGNALS = ("colmass", "obs_attn", "qnorm")
 
 
 def parse_budget(text: str) -> Budget:
     """``"10%"``, ``"64 MiB"``, ``"2048 tokens"`` -> :class:`Budget` (raises ``PolicyError``)."""
     return parse(text.strip(), "budget", Span("--budget", 1, 1, text.strip()))
-
-
-def policy_reads(policy: Policy) -> set[str]:
-    """Every name any expression of ``policy`` reads (signals, scores, constants)."""
-    exprs = [e for _, e in policy.scores] + [r.when for r in policy.rules]
-    a = policy.allocate
-    exprs += [a.by] if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
-    exprs += [policy.spread.by] if policy.spread.by is not None else []
-    return {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
 
 
 class TieredLayer(CacheLayerMixin):

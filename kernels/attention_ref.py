@@ -1,6 +1,6 @@
 """Plain-PyTorch twin of the TriZone decode kernel (``tiered_radix.kernels.decode``).
 
-Reads the same layout (``tiered_radix.kernels.layout``), dequantizes every page with the engine
+Reads the same layout (``tiered_radix.formats.layout``), dequantizes every page with the engine
 codec, and computes decode attention and the attention-mass side output in float32.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from tiered_radix.engine import codecs
-from tiered_radix.kernels.layout import K_BITS, V_BITS, TriZoneLayout, k_sections, v_sections
+from tiered_radix.formats import codecs
+from tiered_radix.formats.layout import K_BITS, V_BITS, TriZoneLayout, k_sections, v_sections
 
 
 def _view(arena: torch.Tensor, start: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:

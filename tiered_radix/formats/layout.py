@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tiered_radix.engine import codecs
+from tiered_radix.formats import codecs
 
 V_BITS = (2, 4, 8, 16)
 K_BITS = (2, 4, 8, 16)  # 0 = dropped channel
