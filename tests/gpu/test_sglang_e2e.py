@@ -8,8 +8,8 @@ Needs a CUDA GPU, SGLang 0.5.17 and a model folder in ``$TR_MODEL_PATH`` (on the
 hits, the backend's tier counters) go to ``$TR_E2E_OUT`` (default ``e2e-results``) as JSON.
 ``$TR_E2E_TP=2`` serves with ``--tp 2`` (two GPUs) and checks that both ranks routed the same
 requests at the same steps over the same whole-model byte counts (the ``tp`` digest of each
-rank's stats file). ``$TR_E2E_ARGS`` adds server flags (e.g. ``--disable-cuda-graph`` with
-``TIERED_RADIX_DECODE=gather``: decode through PyTorch instead of the TriZone kernel).
+rank's stats file). ``$TR_E2E_ARGS`` adds server flags (e.g. ``--disable-cuda-graph --kv-decode gather``: decode
+through PyTorch instead of the TriZone kernel).
 ``$TR_E2E_PORT`` (default 31000) and ``$TR_E2E_MEM`` (``--mem-fraction-static``, default 0.5) let
 several of these runs share one GPU, each with its own policies.
 
@@ -74,8 +74,8 @@ def launch(policy: str, budget: str | None, log: Path) -> subprocess.Popen:
     ]  # fmt: skip
     if budget:
         cmd += ["--kv-budget", budget]
-    cmd += EXTRA
-    env = dict(os.environ, TIERED_RADIX_STATS=str(log.with_suffix(".stats.json")))
+    cmd += ["--kv-stats", str(log.with_suffix(".stats.json").resolve()), *EXTRA]
+    env = dict(os.environ)
     log = log.resolve()
     f = open(log, "w")  # noqa: SIM115 - closed with the process
     # cwd outside the checkout: `python -m` puts cwd first on sys.path, and the source tree's
