@@ -129,11 +129,13 @@ def graph_steps(a, Harness, policy: str, PoolBlocks) -> None:
     h.step(reqs, [r.origin_input_ids for r in reqs], extend=True)
     seen = set()
     for t in range(8):
-        before = h.backend.host_s["steady_steps"]
+        before = h.backend.timer.host_s["steady_steps"]
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             h.replay(reqs, [[60 + t]] * a.batch, a.batch)
             h.backend.flush()
-        kind = "steady" if h.backend.host_s["steady_steps"] > before else "rebuilding its lists"
+        kind = (
+            "steady" if h.backend.timer.host_s["steady_steps"] > before else "rebuilding its lists"
+        )
         if kind not in seen:
             seen.add(kind)
             report(prof.events(), f"layers={a.layers} batch={a.batch}, a graph replay {kind}")

@@ -53,12 +53,12 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; request r0 layer 0: "
           f"{int((st != 3).any(0).sum())} of {st.shape[1]} windows read by some head")  # fmt: skip
     for rep in range(3):
-        h.backend.host_s.clear()
+        h.backend.timer.host_s.clear()
         t0 = time.perf_counter()
         h.step(reqs, [[5 + rep]] * a.batch, extend=True)
         dt = time.perf_counter() - t0
         print(f"extend of 1 token x {a.batch} over {a.prompt}: {dt:.3f} s "
-              f"(attention {h.backend.host_s['extend_attend']:.3f} s)")  # fmt: skip
+              f"(attention {h.backend.timer.host_s['extend_attend']:.3f} s)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ Needs a CUDA GPU, SGLang 0.5.17 and a model folder in ``$TR_MODEL_PATH`` (on the
 hits, the backend's tier counters) go to ``$TR_E2E_OUT`` (default ``e2e-results``) as JSON.
 ``$TR_E2E_TP=2`` serves with ``--tp 2`` (two GPUs) and checks that both ranks routed the same
 requests at the same steps over the same whole-model byte counts (the ``tp`` digest of each
-rank's stats file). ``$TR_E2E_ARGS`` adds server flags (e.g. ``--disable-cuda-graph --kv-decode gather``: decode
-through PyTorch instead of the TriZone kernel).
+rank's stats file). ``$TR_E2E_ARGS`` adds server flags (e.g. ``--disable-cuda-graph
+--kv-decode gather``: decode through PyTorch instead of the TriZone kernel).
 ``$TR_E2E_PORT`` (default 31000) and ``$TR_E2E_MEM`` (``--mem-fraction-static``, default 0.5) let
 several of these runs share one GPU, each with its own policies.
 

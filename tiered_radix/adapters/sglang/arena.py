@@ -30,10 +30,6 @@ outputs are those of a :class:`TierStore` driven directly, step by step
 
 from __future__ import annotations
 
-import time
-from collections import defaultdict
-from contextlib import contextmanager
-
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
@@ -56,6 +52,7 @@ from .backend import (
     tp_shard,
 )
 from .options import KVOptions
+from .profile import StepTimer
 from .reps import STATE_NAMES, PoolConfigError
 from .stats import BackendStats
 
@@ -203,19 +200,12 @@ class ArenaAttnBackend(AttentionBackend):
         self.batch: list[_Req] = []
         self.extend = False
         self.counters = BackendStats(path=options.stats)
-        self.host_s: dict[str, float] = defaultdict(float)
+        self.timer = StepTimer()  # host seconds per phase (the tiered backend's phases)
+        self._timed = self.timer.phase
         # --tp: every rank plans over all heads (TieredAttnBackend's docstring)
         self.shard, self.tp = tp_shard(runner, pool.head_num), None
         if self.shard is not None:
             self.counters.rank, self.tp = self.shard.rank, RouteDigest(self.shard)
-
-    @contextmanager
-    def _timed(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.host_s[phase] += time.perf_counter() - t0
 
     # -- per batch -------------------------------------------------------------------------
     def init_forward_metadata(self, fb) -> None:
@@ -229,7 +219,7 @@ class ArenaAttnBackend(AttentionBackend):
         for rid, seq, pre, tq in zip(fb.rids, seqs, prefix, new, strict=True):
             self.batch.append(_Req(rid, self._session(rid, pre), start, tq, seq))
             start += tq
-        self.host_s["extend_batches" if self.extend else "decode_steps"] += 1
+        self.timer.count("extend_batches" if self.extend else "decode_steps")
 
     def _session(self, rid: str, prefix_len: int) -> Session:
         """The request's store, holding exactly its ``prefix_len`` earlier tokens; an extend
@@ -309,7 +299,7 @@ class ArenaAttnBackend(AttentionBackend):
         """:meth:`~.stats.BackendStats.snapshot` of the stores, and ``host_s`` (host seconds
         per phase, as :meth:`~.backend.TieredAttnBackend.stats` reports them)."""
         out = self.counters.snapshot(self.pool, len(self.sessions), "gather", None)
-        out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
+        out |= self.timer.report()
         if self.tp is not None:
             out["tp"] = self.tp.record()
         return out

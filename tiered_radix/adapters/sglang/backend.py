@@ -54,9 +54,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
-from collections import defaultdict
-from contextlib import contextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -73,7 +70,7 @@ from tiered_radix.kernels import decode
 from . import graph, trizone
 from .options import KVOptions
 from .pool import TieredKVPool
-from .profile import StepProfiler
+from .profile import StepTimer
 from .reps import S_Q, S_R, PoolConfigError
 from .stats import BackendStats, log
 
@@ -223,25 +220,12 @@ class TieredAttnBackend(AttentionBackend):
         self.pool_of: dict[str, int] = {}  # rid -> req_pool_idx, for the same
         self.replay_rids: list[str] | None = None  # the next replay's, from the plugin's hook
         self.graph_last: tuple | None = None  # the last replay's (bs, pools, seqs)
-        self.host_s: dict[str, float] = defaultdict(float)  # host seconds per phase, see stats()
-        self.device_s: dict[str, float] = defaultdict(float)  # device seconds of graph replays
         timing = options.device_times and torch.device(pool.device).type == "cuda"
-        self.replay_events: list | None = [] if timing else None  # the replay in flight
-        self.replays_timed: list[tuple] = []  # ended replays' (start, end), read at stats()
-        self.profiler = StepProfiler(options.profile)  # a window of decode steps, or none
+        self.timer = StepTimer(timing, options.profile)  # host/device times, see stats()
+        self._timed = self.timer.phase
         self.shard, self.tp = tp_shard(runner, pool.head_num), None
         if self.shard is not None:
             self.counters.rank, self.tp = self.shard.rank, RouteDigest(self.shard)
-
-    @contextmanager
-    def _timed(self, phase: str):
-        """Host time of a phase (no device sync: on the GPU, the time to issue its work)."""
-        t0 = time.perf_counter()
-        try:
-            with self.profiler.phase(phase):
-                yield
-        finally:
-            self.host_s[phase] += time.perf_counter() - t0
 
     def _use_kernel(self) -> bool:
         """Decode with the TriZone kernel where it can read the pool (and Triton can run)."""
@@ -259,7 +243,7 @@ class TieredAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb) -> None:
         if fb.forward_mode.is_decode():
-            self.profiler.at_step(int(self.host_s["decode_steps"]))
+            self.timer.decode_step()
         self.flush()
         self.fold_pending()  # an eager forward may open windows, route or change the batch
         self.graph_last = None  # an eager forward may open windows or route: lists rebuild
@@ -267,7 +251,7 @@ class TieredAttnBackend(AttentionBackend):
         with self._timed("metadata_extend" if extend else "metadata"):
             self._metadata(fb)
         if self.batch:
-            self.host_s["extend_batches" if self.extend else "decode_steps"] += 1
+            self.timer.count("extend_batches" if self.extend else "decode_steps")
 
     def _metadata(self, fb) -> None:
         self.batch, self.dbatch, self.graph_bs = [], None, None
@@ -335,7 +319,7 @@ class TieredAttnBackend(AttentionBackend):
         each replay (the first ``bs - num_padding`` requests are real): the step's views, engines,
         write rows and index lists, into the graph's buffers."""
         if not in_capture:
-            self.profiler.at_step(int(self.host_s["decode_steps"]))
+            self.timer.decode_step()
         self.flush()
         bs, g, H = fb.batch_size, self.graph, self.pool.head_num
         if in_capture:
@@ -366,17 +350,15 @@ class TieredAttnBackend(AttentionBackend):
             if steady:  # the lists hold the new rows already: their ends move on
                 g.advance(raw)
                 self.pool.graph_dest = g.dest[:, : bs * H]
-                self.host_s["steady_steps"] += 1
+                self.timer.count("steady_steps")
             else:
                 views = [self.tree.views[r.rid] for r in self.batch]
                 g.load(bs, trizone.lists(self.pool, views, seqs, g.n_max, ahead=True))
         self.graph_last = (bs, pools, seqs)
         self.pending = True
-        self.host_s["decode_steps"] += 1
-        self.host_s["graph_steps"] += 1
-        if self.replay_events is not None:  # the replay starts after this (SGLang launches it)
-            self.replay_events = [torch.cuda.Event(enable_timing=True)]
-            self.replay_events[0].record()
+        self.timer.count("decode_steps")
+        self.timer.count("graph_steps")
+        self.timer.replay_starts()  # SGLang launches the replay after this
 
     def _graph_step(self, bs: int, steady: bool) -> None:
         """A step of captured batch size ``bs`` begins (no requests yet). Unless ``steady``, the
@@ -390,9 +372,7 @@ class TieredAttnBackend(AttentionBackend):
     def replay_done(self) -> None:
         """After SGLang launched a decode graph (its runner's ``execute``): with
         ``--kv-device-times``, the end mark of the replay's device time."""
-        if self.replay_events is not None and len(self.replay_events) == 1:
-            self.replay_events.append(torch.cuda.Event(enable_timing=True))
-            self.replay_events[1].record()
+        self.timer.replay_launched()
 
     def flush(self) -> None:
         """A replayed decode step's work after its last layer, which a graph cannot record:
@@ -403,9 +383,7 @@ class TieredAttnBackend(AttentionBackend):
             return
         self.pending = False
         self.counters.kernel_steps += 1
-        if self.replay_events is not None and len(self.replay_events) == 2:
-            self.replays_timed.append(tuple(self.replay_events))  # read at stats(), no wait
-            self.replay_events = []
+        self.timer.replay_done()  # its device time is read at stats(), no wait
         folds = self.graph.decay is not None
         if self.dbatch is not None and self.dbatch.mass is not None and not folds:
             with self._timed("observe"):
@@ -573,14 +551,7 @@ class TieredAttnBackend(AttentionBackend):
         SGLang's replay of the forward) and their count (``replays``)."""
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
-        out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
-        if self.replay_events is not None:
-            for start, end in self.replays_timed:
-                end.synchronize()
-                self.device_s["replay"] += start.elapsed_time(end) / 1e3
-                self.device_s["replays"] += 1
-            self.replays_timed.clear()
-            out["device_s"] = {k: round(v, 6) for k, v in self.device_s.items()}
+        out |= self.timer.report()
         if self.tp is not None:
             out["tp"] = self.tp.record()
         return out

@@ -1,4 +1,8 @@
-"""A window of decode steps under ``torch.profiler``, for finding where a step's time goes.
+"""Where the tiered backends' time goes: :class:`StepTimer` (host seconds per phase, step counts,
+device time of graph replays) and :class:`StepProfiler`, the one interface the backends time
+through.
+
+:class:`StepProfiler`: a window of decode steps under ``torch.profiler``.
 
 ``--kv-profile DIR:START:STEPS`` profiles decode steps ``START`` to ``START + STEPS``
 of the scheduler process (counted from its first decode step; a window of two routing periods
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -108,3 +112,66 @@ class StepProfiler:
             for (p, op, line), (n, dev, host) in top
         ]
         return "\n".join([head, *body])
+
+
+class StepTimer:
+    """A backend's timing: host seconds per phase (:meth:`phase`, a ``tr:`` range under the
+    profiler too), step counts (:meth:`count`), with ``device_times`` the device time of each
+    decode graph replay (two CUDA events, read at :meth:`report`: no host sync per step), and
+    the ``--kv-profile`` window (``profile``, :class:`StepProfiler`) at decode step starts."""
+
+    def __init__(self, device_times: bool = False, profile: str | None = None) -> None:
+        self.host_s: dict[str, float] = defaultdict(float)  # phase -> seconds, or a count
+        self.device_s: dict[str, float] = defaultdict(float)  # replay seconds, replays
+        self.replay: list | None = [] if device_times else None  # the replay in flight
+        self.replays: list[tuple] = []  # ended replays' (start, end) events, read at report()
+        self.profiler = StepProfiler(profile)
+
+    @contextmanager
+    def phase(self, name: str):
+        """Host time of a phase (no device sync: on the GPU, the time to issue its work)."""
+        t0 = time.perf_counter()
+        try:
+            with self.profiler.phase(name):
+                yield
+        finally:
+            self.host_s[name] += time.perf_counter() - t0
+
+    def count(self, name: str) -> None:
+        """One more ``name`` (``decode_steps``, ``extend_batches``, ...)."""
+        self.host_s[name] += 1
+
+    def decode_step(self) -> None:
+        """A decode step is about to begin (the profiler's window opens and closes here)."""
+        self.profiler.at_step(int(self.host_s["decode_steps"]))
+
+    def replay_starts(self) -> None:
+        """SGLang launches a decode graph replay next (with ``device_times``: its start mark)."""
+        if self.replay is not None:
+            self.replay = [torch.cuda.Event(enable_timing=True)]
+            self.replay[0].record()
+
+    def replay_launched(self) -> None:
+        """After the replay's launch: its end mark."""
+        if self.replay is not None and len(self.replay) == 1:
+            self.replay.append(torch.cuda.Event(enable_timing=True))
+            self.replay[1].record()
+
+    def replay_done(self) -> None:
+        """The replayed step's work is over on the host: its marks wait for :meth:`report`."""
+        if self.replay is not None and len(self.replay) == 2:
+            self.replays.append(tuple(self.replay))
+            self.replay = []
+
+    def report(self) -> dict:
+        """``host_s`` (rounded), and with ``device_times`` ``device_s``: ``replay`` seconds and
+        ``replays`` (one sync per ended replay's end mark, here rather than per step)."""
+        out = {"host_s": {k: round(v, 6) for k, v in self.host_s.items()}}
+        if self.replay is not None:
+            for start, end in self.replays:
+                end.synchronize()
+                self.device_s["replay"] += start.elapsed_time(end) / 1e3
+                self.device_s["replays"] += 1
+            self.replays.clear()
+            out["device_s"] = {k: round(v, 6) for k, v in self.device_s.items()}
+        return out
