@@ -155,15 +155,11 @@ def layout(pool, li: int, batch: int, **zones) -> TriZoneLayout:
     )  # fmt: skip
 
 
-def build(
-    pool, views, seqs: list[int], num_q_heads: int, version: int | None = None,
-    side_output: bool = True,
-) -> DecodeBatch:  # fmt: skip
+def build(pool, views, seqs: list[int], num_q_heads: int, side_output: bool = True) -> DecodeBatch:
     """Index lists of every layer for requests with ``views`` (``RequestView``) and lengths
     ``seqs``; ``num_q_heads`` query heads (GQA over ``pool.head_num``). ``side_output``: the
-    kernel accumulates each window's attention mass (``mass``; None when off). ``version``: the
-    decode kernel's code path (``decode.plan``'s default: v2, whose uniform-page path reads the
-    pool's single-width ledger pages; GPU run 6: 0.49 ms vs v1's 0.97 at Llama 128K x 8)."""
+    kernel accumulates each window's attention mass (``mass``; None when off). The plan takes
+    the kernel's uniform-page path: the pool's ledger pages have one bit width."""
     L, H, W, d, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.head_dim, pool.device
     B = len(views)
     ls = lists(pool, views, seqs)
@@ -191,7 +187,7 @@ def build(
     bits = (quant.bits,) if quant else ()
     plan = decode.plan(
         layouts[0], num_q_heads=num_q_heads, side_output=side_output, v_bits=bits, k_bits=bits,
-        max_rows=max(seqs), version=version,
+        max_rows=max(seqs),
     )  # fmt: skip
     mass = torch.zeros(L, B, H * ls.n_max, dtype=torch.float32, device=dev) if side_output else None
     return DecodeBatch(layouts, plan, mass, ls.n, ls.n_max)
