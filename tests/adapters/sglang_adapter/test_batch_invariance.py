@@ -1,0 +1,258 @@
+"""Batch invariance on CPU: a request's outputs and tiers are the same served alone and inside a
+batch, for every shipped policy (RDKV through the arena backend, the others through
+``TieredAttnBackend``).
+
+SGLang's scheduler is played by :class:`Scheduler`: each round a fresh prefill budget of
+``--chunked-prefill-size`` tokens, the chunked request first (``add_chunked_req``), then the
+waiting requests (``add_one_req``) until one is not admitted, through the plugin's admission
+hooks around a stand-in (:class:`Adder`) that cuts chunks as SGLang's ``PrefillAdder`` does (the
+whole rest if its page-rounded length fits the budget, else the budget rounded down to pages,
+which spends it). A round without a prefill runs one decode step of the running requests, so
+requests of different lengths decode together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang_sim import require
+
+require("sglang.srt.managers.schedule_policy")
+
+from sglang.srt.managers.schedule_policy import AddReqResult  # noqa: E402
+from test_arena import Server  # noqa: E402
+from test_backend import Harness, Mode  # noqa: E402
+
+from tiered_radix.adapters.sglang import plugin  # noqa: E402
+from tiered_radix.adapters.sglang.reps import Layout  # noqa: E402
+from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
+from tiered_radix.policy import compile_text  # noqa: E402
+
+POLICIES = Path(__file__).parents[3] / "policies"
+SHIPPED = sorted(p.stem for p in POLICIES.glob("*.yaml"))
+STRIDE = 64  # --chunked-prefill-size
+HEAD_DIM = 32
+PROMPTS = {"a": 200, "b": 150, "c": 90}  # prompt lengths: chunks of a batch end mid-prompt
+DECODES = {"a": 5, "b": 3, "c": 4}  # decode steps: the batch shrinks as requests finish
+
+
+def policy_text(name: str) -> str:
+    """The shipped policy; a 10% budget becomes 35%, so that prompts of a few hundred tokens
+    leave the allocator choices beyond the protected tokens."""
+    return (POLICIES / f"{name}.yaml").read_text().replace("budget: 10%", "budget: 35%")
+
+
+class Adder:
+    """What SGLang's ``PrefillAdder`` does for the admission hooks: a chunk budget per round and
+    SGLang's cut (see the module docstring)."""
+
+    def __init__(self, rig, running: bool) -> None:
+        self.token_to_kv_pool_allocator, self.page_size = rig.alloc, rig.page
+        self.rem_chunk_tokens = STRIDE
+        self.can_run_list: list = []
+        self.running_batch = SimpleNamespace(is_empty=lambda: not running)
+
+    @contextlib.contextmanager
+    def _lock_node(self, _node):
+        yield
+
+    def add_one_req(self, _self, req, *_args, **_kw):
+        rest = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+        n = rest
+        if -(-rest // self.page_size) * self.page_size > self.rem_chunk_tokens:
+            n = self.rem_chunk_tokens // self.page_size * self.page_size
+            if n <= 0:
+                return AddReqResult.OTHER
+        return self._take(req, n)
+
+    def add_chunked_req(self, _self, req):
+        rest = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
+        truncated = rest > self.rem_chunk_tokens
+        self._take(req, min(rest, self.rem_chunk_tokens))
+        return req if truncated else None
+
+    def _take(self, req, n: int):
+        req.extend_range = SimpleNamespace(length=n)
+        self.can_run_list.append(req)
+        self.rem_chunk_tokens -= n
+        return AddReqResult.CONTINUE if self.rem_chunk_tokens > 0 else AddReqResult.OTHER
+
+
+class ArenaRig:
+    """RDKV's arena backend (:class:`test_arena.Server`)."""
+
+    page = 1
+
+    def __init__(self, text: str) -> None:
+        self.srv = Server(policy=compile_text(text))
+        self.alloc = self.srv.alloc
+
+    def start(self, rid: str, prompt: list[int]):
+        return self.srv.admit(rid)
+
+    def forward(self, reqs, new: list[list[int]], extend: bool) -> list[list[torch.Tensor]]:
+        return self.srv.forward(reqs, new, extend)
+
+    def store(self, rid: str):
+        return self.srv.pool.sessions[rid].store
+
+
+class CoupledRig:
+    """``TieredAttnBackend`` over the pool and radix cache (:class:`test_backend.Harness`)."""
+
+    def __init__(self, text: str) -> None:
+        W = Layout.of(compile_text(text)).window
+        pages = -(-sum(PROMPTS.values()) // W) + len(PROMPTS) * (2 + max(DECODES.values()))
+        blocks = 4 * pages  # row and ledger blocks for every window of every head: no cuts
+        self.h = Harness(policy=text, head_dim=HEAD_DIM, pages=pages,
+                         blocks=PoolBlocks(blocks, blocks))  # fmt: skip
+        self.alloc, self.page = self.h.sim.alloc, W
+
+    def start(self, rid: str, prompt: list[int]):
+        return self.h.start(rid, prompt)
+
+    def forward(self, reqs, new: list[list[int]], extend: bool) -> list[list[torch.Tensor]]:
+        """``Harness.step`` with every query a function of its own token and position (not of
+        where its chunk starts); per request and layer its output ``[n, HQ, D]``."""
+        h, sim = self.h, self.h.sim
+        locs, pre = h._locs(reqs, new)
+        fb = SimpleNamespace(
+            forward_mode=Mode(extend), rids=[r.rid for r in reqs],
+            seq_lens_cpu=torch.tensor([len(r.tokens) for r in reqs]),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs]),
+            extend_prefix_lens_cpu=pre, extend_seq_lens_cpu=[len(t) for t in new],
+            out_cache_loc=torch.cat(locs),
+        )  # fmt: skip
+        h.backend.init_forward_metadata(fb)
+        per = [[] for _ in reqs]
+        for li, layer in enumerate(h.layers):
+            kv = [sim.kv(li, t, p) for t, p in zip(new, pre, strict=True)]
+            qs = [
+                h.wq[li, torch.tensor(t)] + 0.1 * torch.arange(p, p + len(t))[:, None, None]
+                for t, p in zip(new, pre, strict=True)
+            ]
+            q = torch.cat(qs).reshape(-1, h.hq * sim.d).bfloat16().float()
+            k, v = (torch.cat([x[i] for x in kv]) for i in (0, 1))
+            o = h.backend.forward_extend(q, k, v, layer, fb).reshape(-1, h.hq, sim.d).float()
+            start = 0
+            for b, t in enumerate(new):
+                per[b].append(o[start : start + len(t)])
+                start += len(t)
+        return per
+
+    def store(self, rid: str):
+        return self.h.backend.sessions[rid].store
+
+
+def rig(name: str):
+    text = policy_text(name)
+    return ArenaRig(text) if not compile_text(text).coupled else CoupledRig(text)
+
+
+def prompt(rid: str) -> list[int]:
+    g = torch.Generator().manual_seed(ord(rid))
+    return torch.randint(1, 100, (PROMPTS[rid],), generator=g).tolist()
+
+
+class Scheduler:
+    """SGLang's loop over one rig: prefill rounds through the admission hooks, else a decode
+    step of every running request. Records each request's chunks, its outputs per position
+    (prompt rows, then one per decode step) and its tiers after prefill."""
+
+    def __init__(self, r, rids: list[str]) -> None:
+        self.r = r
+        self.reqs = {}
+        for rid in rids:
+            req = r.start(rid, prompt(rid))
+            req.full_untruncated_fill_ids = prompt(rid)
+            req.prefix_indices, req.last_node = [], None
+            self.reqs[rid] = req
+        self.waiting, self.chunked, self.running = list(self.reqs.values()), None, []
+        self.chunks = {rid: [] for rid in rids}
+        self.outs = {rid: [] for rid in rids}  # per forward: per layer [n, HQ, D]
+        self.prefill_tiers: dict[str, list[torch.Tensor]] = {}
+        self.left = {rid: DECODES[rid] for rid in rids}
+
+    def run(self) -> Scheduler:
+        while self.waiting or self.chunked is not None or self.running:
+            batch = self._prefill_batch()
+            if batch:
+                self._extend(batch)
+            else:
+                self._decode()
+        return self
+
+    def _prefill_batch(self) -> list:
+        adder = Adder(self.r, running=bool(self.running))
+        if self.chunked is not None:
+            plugin.add_chunked_req(adder.add_chunked_req, adder, self.chunked)
+        for req in list(self.waiting):
+            res = plugin.add_one_req(adder.add_one_req, adder, req, False, None)
+            if adder.can_run_list and adder.can_run_list[-1] is req:
+                self.waiting.remove(req)
+            if res != AddReqResult.CONTINUE:
+                break
+        return adder.can_run_list
+
+    def _extend(self, batch) -> None:
+        spans = []
+        for req in batch:
+            s = len(req.prefix_indices)
+            spans.append((s, s + req.extend_range.length))
+        new = [req.full_untruncated_fill_ids[s:e] for req, (s, e) in zip(batch, spans, strict=True)]
+        outs = self.r.forward(batch, new, extend=True)
+        self.chunked = None
+        for req, (s, e), out in zip(batch, spans, outs, strict=True):
+            self.chunks[req.rid].append((s, e))
+            self.outs[req.rid].append(out)
+            req.prefix_indices = list(range(e))
+            if e < len(req.full_untruncated_fill_ids):
+                assert self.chunked is None, "SGLang keeps one chunked request per batch"
+                self.chunked = req
+            else:
+                self.running.append(req)
+                store = self.r.store(req.rid)
+                self.prefill_tiers[req.rid] = [store.tiers(li).clone() for li in range(2)]
+
+    def _decode(self) -> None:
+        batch = self.running
+        toks = [[50 + self.left[r.rid]] for r in batch]
+        for req, out in zip(batch, self.r.forward(batch, toks, extend=False), strict=True):
+            self.outs[req.rid].append(out)
+            self.left[req.rid] -= 1
+        self.running = [r for r in batch if self.left[r.rid] > 0]
+
+    def rows(self, rid: str) -> list[torch.Tensor]:
+        """Per layer: the request's outputs at every position it computed, ``[n, HQ, D]``."""
+        return [torch.cat([o[li] for o in self.outs[rid]]) for li in range(2)]
+
+
+@pytest.fixture
+def stride(monkeypatch):
+    """The scheduler's ``--chunked-prefill-size`` as the plugin reads it."""
+    monkeypatch.setattr(plugin, "route_stride", lambda: STRIDE, raising=False)
+    return STRIDE
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_request_reads_and_routes_alike_alone_and_in_a_batch(name, stride):
+    """Three prompts of 200, 150 and 90 tokens at a 64-token chunk budget, each served alone
+    and all three together (their chunks share the budget; their decode steps run together):
+    every request's attention outputs at every position, its tiers after prefill and at the
+    end, and its bytes are the same both ways."""
+    together = Scheduler(rig(name), list(PROMPTS)).run()
+    for rid in PROMPTS:
+        alone = Scheduler(rig(name), [rid]).run()
+        for li, (x, y) in enumerate(zip(alone.rows(rid), together.rows(rid), strict=True)):
+            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"{rid} layer {li}")
+        for x, y in zip(alone.prefill_tiers[rid], together.prefill_tiers[rid], strict=True):
+            assert torch.equal(x, y), rid
+        a, t = alone.r.store(rid), together.r.store(rid)
+        for li in range(2):
+            assert torch.equal(a.tiers(li), t.tiers(li)), rid
+        assert a.bytes_used() == t.bytes_used()
+        assert together.chunks[rid] == alone.chunks[rid], rid  # what makes it so (docstring)
