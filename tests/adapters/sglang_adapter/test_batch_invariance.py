@@ -2,18 +2,16 @@
 batch, for every shipped policy (RDKV through the arena backend, the others through
 ``TieredAttnBackend``).
 
-SGLang's scheduler is played by :class:`Scheduler`: each round a fresh prefill budget of
-``--chunked-prefill-size`` tokens, the chunked request first (``add_chunked_req``), then the
-waiting requests (``add_one_req``) until one is not admitted, through the plugin's admission
-hooks around a stand-in (:class:`Adder`) that cuts chunks as SGLang's ``PrefillAdder`` does (the
-whole rest if its page-rounded length fits the budget, else the budget rounded down to pages,
-which spends it). A round without a prefill runs one decode step of the running requests, so
-requests of different lengths decode together.
+SGLang's scheduler is played by :class:`Scheduler`: each round SGLang's own ``PrefillAdder``
+with a fresh budget of ``--chunked-prefill-size`` tokens takes the chunked request first
+(``add_chunked_req``), then the waiting requests (``add_one_req``) until one is not admitted,
+through the plugin's admission hooks, as SGLang's ``get_new_batch_prefill`` does. A round without
+a prefill runs one decode step of the running requests, so requests of different lengths decode
+together.
 """
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,7 +21,8 @@ from sglang_sim import require
 
 require("sglang.srt.managers.schedule_policy")
 
-from sglang.srt.managers.schedule_policy import AddReqResult  # noqa: E402
+from sglang.srt.managers import schedule_policy  # noqa: E402
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
 from test_arena import Server  # noqa: E402
 from test_backend import Harness, Mode  # noqa: E402
 
@@ -46,40 +45,12 @@ def policy_text(name: str) -> str:
     return (POLICIES / f"{name}.yaml").read_text().replace("budget: 10%", "budget: 35%")
 
 
-class Adder:
-    """What SGLang's ``PrefillAdder`` does for the admission hooks: a chunk budget per round and
-    SGLang's cut (see the module docstring)."""
-
-    def __init__(self, rig, running: bool) -> None:
-        self.token_to_kv_pool_allocator, self.page_size = rig.alloc, rig.page
-        self.rem_chunk_tokens = STRIDE
-        self.can_run_list: list = []
-        self.running_batch = SimpleNamespace(is_empty=lambda: not running)
-
-    @contextlib.contextmanager
-    def _lock_node(self, _node):
-        yield
-
-    def add_one_req(self, _self, req, *_args, **_kw):
-        rest = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
-        n = rest
-        if -(-rest // self.page_size) * self.page_size > self.rem_chunk_tokens:
-            n = self.rem_chunk_tokens // self.page_size * self.page_size
-            if n <= 0:
-                return AddReqResult.OTHER
-        return self._take(req, n)
-
-    def add_chunked_req(self, _self, req):
-        rest = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
-        truncated = rest > self.rem_chunk_tokens
-        self._take(req, min(rest, self.rem_chunk_tokens))
-        return req if truncated else None
-
-    def _take(self, req, n: int):
-        req.extend_range = SimpleNamespace(length=n)
-        self.can_run_list.append(req)
-        self.rem_chunk_tokens -= n
-        return AddReqResult.CONTINUE if self.rem_chunk_tokens > 0 else AddReqResult.OTHER
+def prefill_adder(rig, running: list):
+    """SGLang's ``PrefillAdder`` for one round: the rig's allocator and cache, the running
+    requests, a chunk budget of ``STRIDE`` tokens."""
+    batch = SimpleNamespace(reqs=running, batch_size=lambda: len(running),
+                            is_empty=lambda: not running)  # fmt: skip
+    return PrefillAdder(rig.page, rig.cache, rig.alloc, batch, 0.5, 1 << 20, STRIDE)
 
 
 class ArenaRig:
@@ -89,7 +60,7 @@ class ArenaRig:
 
     def __init__(self, text: str) -> None:
         self.srv = Server(policy=compile_text(text))
-        self.alloc = self.srv.alloc
+        self.alloc, self.cache = self.srv.alloc, self.srv.cache
 
     def start(self, rid: str, prompt: list[int]):
         return self.srv.admit(rid)
@@ -106,11 +77,11 @@ class CoupledRig:
 
     def __init__(self, text: str) -> None:
         W = Layout.of(compile_text(text)).window
-        pages = -(-sum(PROMPTS.values()) // W) + len(PROMPTS) * (2 + max(DECODES.values()))
+        pages = 2 * (-(-sum(PROMPTS.values()) // W) + len(PROMPTS) * (2 + max(DECODES.values())))
         blocks = 4 * pages  # row and ledger blocks for every window of every head: no cuts
         self.h = Harness(policy=text, head_dim=HEAD_DIM, pages=pages,
                          blocks=PoolBlocks(blocks, blocks))  # fmt: skip
-        self.alloc, self.page = self.h.sim.alloc, W
+        self.alloc, self.cache, self.page = self.h.sim.alloc, self.h.sim.cache, W
 
     def start(self, rid: str, prompt: list[int]):
         return self.h.start(rid, prompt)
@@ -167,9 +138,16 @@ class Scheduler:
         self.r = r
         self.reqs = {}
         for rid in rids:
-            req = r.start(rid, prompt(rid))
-            req.full_untruncated_fill_ids = prompt(rid)
-            req.prefix_indices, req.last_node = [], None
+            req = r.start(rid, prompt(rid))  # what PrefillAdder reads of SGLang's Req:
+            req.full_untruncated_fill_ids, req.output_ids = prompt(rid), []
+            req.prefix_indices = torch.empty(0, dtype=torch.int64)
+            req.last_node = getattr(req, "last_node", None)
+            req.sampling_params = SimpleNamespace(max_new_tokens=DECODES[rid], ignore_eos=False)
+            req.host_hit_length, req.retracted_stain, req.mamba_pool_idx = 0, False, None
+            req.needs_host_load_back = lambda: False
+            req.set_extend_range = lambda a, b, req=req: setattr(
+                req, "extend_range", SimpleNamespace(start=a, end=b, length=b - a)
+            )
             self.reqs[rid] = req
         self.waiting, self.chunked, self.running = list(self.reqs.values()), None, []
         self.chunks = {rid: [] for rid in rids}
@@ -187,11 +165,11 @@ class Scheduler:
         return self
 
     def _prefill_batch(self) -> list:
-        adder = Adder(self.r, running=bool(self.running))
+        adder = prefill_adder(self.r, self.running)
         if self.chunked is not None:
-            plugin.add_chunked_req(adder.add_chunked_req, adder, self.chunked)
+            plugin.add_chunked_req(PrefillAdder.add_chunked_req, adder, self.chunked)
         for req in list(self.waiting):
-            res = plugin.add_one_req(adder.add_one_req, adder, req, False, None)
+            res = plugin.add_one_req(PrefillAdder.add_one_req, adder, req, False, None)
             if adder.can_run_list and adder.can_run_list[-1] is req:
                 self.waiting.remove(req)
             if res != AddReqResult.CONTINUE:
@@ -209,7 +187,7 @@ class Scheduler:
         for req, (s, e), out in zip(batch, spans, outs, strict=True):
             self.chunks[req.rid].append((s, e))
             self.outs[req.rid].append(out)
-            req.prefix_indices = list(range(e))
+            req.prefix_indices = torch.arange(e)
             if e < len(req.full_untruncated_fill_ids):
                 assert self.chunked is None, "SGLang keeps one chunked request per batch"
                 self.chunked = req
@@ -233,8 +211,11 @@ class Scheduler:
 
 @pytest.fixture
 def stride(monkeypatch):
-    """The scheduler's ``--chunked-prefill-size`` as the plugin reads it."""
+    """The scheduler's ``--chunked-prefill-size`` as the plugin reads it, and no context
+    parallelism (what ``PrefillAdder`` asks SGLang's runtime context, unpublished here)."""
     monkeypatch.setattr(plugin, "route_stride", lambda: STRIDE, raising=False)
+    for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
+        monkeypatch.setattr(schedule_policy, name, lambda: False)
     return STRIDE
 
 
