@@ -75,11 +75,11 @@ class ArenaRig:
 class CoupledRig:
     """``TieredAttnBackend`` over the pool and radix cache (:class:`test_backend.Harness`)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, head_dim: int = HEAD_DIM) -> None:
         W = Layout.of(compile_text(text)).window
         pages = 2 * (-(-sum(PROMPTS.values()) // W) + len(PROMPTS) * (2 + max(DECODES.values())))
         blocks = 4 * pages  # row and ledger blocks for every window of every head: no cuts
-        self.h = Harness(policy=text, head_dim=HEAD_DIM, pages=pages,
+        self.h = Harness(policy=text, head_dim=head_dim, pages=pages,
                          blocks=PoolBlocks(blocks, blocks))  # fmt: skip
         self.alloc, self.cache, self.page = self.h.sim.alloc, self.h.sim.cache, W
 
@@ -119,9 +119,9 @@ class CoupledRig:
         return self.h.backend.sessions[rid].store
 
 
-def rig(name: str):
+def rig(name: str, head_dim: int = HEAD_DIM):
     text = policy_text(name)
-    return ArenaRig(text) if not compile_text(text).coupled else CoupledRig(text)
+    return ArenaRig(text) if not compile_text(text).coupled else CoupledRig(text, head_dim)
 
 
 def prompt(rid: str) -> list[int]:
@@ -223,13 +223,29 @@ def stride(monkeypatch):
 def test_a_request_reads_and_routes_alike_alone_and_in_a_batch(name, stride):
     """Three prompts of 200, 150 and 90 tokens at a 64-token chunk budget, each served alone
     and all three together (their chunks share the budget; their decode steps run together):
-    every request's attention outputs at every position, its tiers after prefill and at the
-    end, and its bytes are the same both ways."""
-    together = Scheduler(rig(name), list(PROMPTS)).run()
+    every request's attention outputs at every position (bit for bit: on the CPU each
+    request's attention runs alone), its tiers after prefill and at the end, and its bytes
+    are the same both ways. Decode through PyTorch (the TriZone kernel: next test)."""
+    assert_alike(name, HEAD_DIM)
+
+
+def test_decode_through_the_trizone_kernel_is_alike_alone_and_in_a_batch(stride, monkeypatch):
+    """The same for qevict with the TriZone kernel decoding (interpreted; head dim 64, which
+    it reads): one launch over the batch's requests of different lengths."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TIERED_RADIX_DECODE", "kernel")
+    together = assert_alike("qevict", 64)
+    assert together.r.h.backend.stats()["kernel_steps"] == max(DECODES.values())
+
+
+def assert_alike(name: str, head_dim: int) -> Scheduler:
+    """The comparison of both tests; returns the batch's run."""
+    together = Scheduler(rig(name, head_dim), list(PROMPTS)).run()
     for rid in PROMPTS:
-        alone = Scheduler(rig(name), [rid]).run()
+        alone = Scheduler(rig(name, head_dim), [rid]).run()
         for li, (x, y) in enumerate(zip(alone.rows(rid), together.rows(rid), strict=True)):
-            torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"{rid} layer {li}")
+            torch.testing.assert_close(y, x, rtol=0, atol=0, msg=f"{rid} layer {li}")
         for x, y in zip(alone.prefill_tiers[rid], together.prefill_tiers[rid], strict=True):
             assert torch.equal(x, y), rid
         a, t = alone.r.store(rid), together.r.store(rid)
@@ -237,3 +253,4 @@ def test_a_request_reads_and_routes_alike_alone_and_in_a_batch(name, stride):
             assert torch.equal(a.tiers(li), t.tiers(li)), rid
         assert a.bytes_used() == t.bytes_used()
         assert together.chunks[rid] == alone.chunks[rid], rid  # what makes it so (docstring)
+    return together
