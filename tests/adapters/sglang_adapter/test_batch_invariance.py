@@ -254,3 +254,43 @@ def assert_alike(name: str, head_dim: int) -> Scheduler:
         assert a.bytes_used() == t.bytes_used()
         assert together.chunks[rid] == alone.chunks[rid], rid  # what makes it so (docstring)
     return together
+
+
+def test_chunks_end_at_routing_points_whatever_the_budget_left(stride):
+    """``aligned_chunk`` around a recording admission: the budget SGLang's cut sees, or the
+    request waits. Routing points at multiples of 64 from the request's token 0."""
+    seen = []
+
+    def original(adder, req, *_args):
+        seen.append(adder.rem_chunk_tokens)
+        return AddReqResult.CONTINUE
+
+    def admit(start: int, rest: int, limit: int, page: int = 1, admitted: int = 0):
+        seen.clear()
+        adder = SimpleNamespace(rem_chunk_tokens=limit, page_size=page,
+                                can_run_list=[None] * admitted)  # fmt: skip
+        req = SimpleNamespace(prefix_indices=[0] * start,
+                              full_untruncated_fill_ids=[1] * (start + rest))  # fmt: skip
+        res = plugin.aligned_chunk(original, adder, req, False, None)
+        return res, (seen[0] if seen else None)
+
+    assert admit(0, 150, 64) == (AddReqResult.CONTINUE, 64)  # cut at 64, as SGLang would
+    assert admit(40, 110, 64) == (AddReqResult.CONTINUE, 24)  # a matched prefix: cut at 64
+    assert admit(40, 20, 64) == (AddReqResult.CONTINUE, 64)  # ends at 60: whole
+    assert admit(40, 30, 64) == (AddReqResult.CONTINUE, 24)  # would cross 64: cut there
+    assert admit(0, 150, 30, admitted=1) == (AddReqResult.OTHER, None)  # waits for a batch
+    assert admit(0, 20, 30, admitted=1) == (AddReqResult.CONTINUE, 30)  # its whole prompt fits
+    assert admit(0, 150, 30) == (AddReqResult.CONTINUE, 30)  # first of its batch: SGLang's cut
+    # pages of 32: SGLang takes a rest whole only if its pages fit the budget
+    assert admit(64, 8, 20, page=32, admitted=1) == (AddReqResult.OTHER, None)
+    assert admit(64, 8, 32, page=32, admitted=1) == (AddReqResult.CONTINUE, 32)
+
+
+def test_the_stride_is_the_schedulers_chunked_prefill_size(monkeypatch):
+    from sglang.srt import runtime_context
+
+    assert plugin.route_stride() is None  # no scheduler here: nothing published
+    for size, want in ((8192, 8192), (-1, None), (None, None)):
+        bag = SimpleNamespace(chunked_prefill_size=size)
+        monkeypatch.setattr(runtime_context, "get_schedule", lambda bag=bag: bag)
+        assert plugin.route_stride() == want
