@@ -229,14 +229,25 @@ def test_a_request_reads_and_routes_alike_alone_and_in_a_batch(name, stride):
     assert_alike(name, HEAD_DIM)
 
 
-def test_decode_through_the_trizone_kernel_is_alike_alone_and_in_a_batch(stride, monkeypatch):
+@pytest.mark.parametrize("splits", [None, "2"], ids=["splits-per-batch", "splits-fixed"])
+def test_decode_through_the_trizone_kernel_is_alike_alone_and_in_a_batch(
+    stride, monkeypatch, splits
+):
     """The same for qevict with the TriZone kernel decoding (interpreted; head dim 64, which
-    it reads): one launch over the batch's requests of different lengths."""
+    it reads): one launch over the batch's requests of different lengths. By default the
+    kernel splits every list by the batch's longest one (here 2 ways in the batch, 1 for ``c``
+    alone), which changes the float32 merge order but not these bf16 outputs;
+    ``$TIERED_RADIX_GRAPH_SPLITS`` fixes the splits of every step, whatever the batch."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("TIERED_RADIX_DECODE", "kernel")
+    if splits is not None:
+        monkeypatch.setenv("TIERED_RADIX_GRAPH_SPLITS", splits)
+    monkeypatch.setitem(PROMPTS, "a", 300)  # the batch's longest list: 2 splits of 128 rows
     together = assert_alike("qevict", 64)
     assert together.r.h.backend.stats()["kernel_steps"] == max(DECODES.values())
+    if splits is not None:
+        assert together.r.h.backend.dbatch.plan.num_splits == int(splits)
 
 
 def assert_alike(name: str, head_dim: int) -> Scheduler:

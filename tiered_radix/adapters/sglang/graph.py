@@ -38,7 +38,7 @@ from . import trizone
 
 TOKENS_ENV = "TIERED_RADIX_GRAPH_TOKENS"
 TOKENS_DEFAULT = 1 << 18
-SPLITS_ENV = "TIERED_RADIX_GRAPH_SPLITS"  # the kernel's splits per list (default: _splits)
+SPLITS_ENV = trizone.SPLITS_ENV  # the kernel's splits per list (default: _splits)
 
 
 def capacity(context_len: int) -> int:

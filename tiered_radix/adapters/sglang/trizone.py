@@ -21,6 +21,7 @@ sliced per layer: index pointers hold global offsets into shared slot and page t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,9 @@ from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Q, R
 
 PAGE_SIZES = (16, 32, 64)
 HEAD_DIMS = (64, 128)
+# the kernel's splits per (request, head) list in every decode step, eager and replayed (default:
+# chosen per batch, so a request's float32 reduction order depends on its batch; docs/sglang.md)
+SPLITS_ENV = "TIERED_RADIX_GRAPH_SPLITS"
 
 
 @dataclass
@@ -189,9 +193,10 @@ def build(
     ]
     quant = pool.layout.quant
     bits = (quant.bits,) if quant else ()
+    splits = int(os.environ[SPLITS_ENV]) if os.environ.get(SPLITS_ENV) else None
     plan = decode.plan(
         layouts[0], num_q_heads=num_q_heads, side_output=side_output, v_bits=bits, k_bits=bits,
-        max_rows=max(seqs), version=version,
+        max_rows=max(seqs), version=version, num_splits=splits,
     )  # fmt: skip
     mass = torch.zeros(L, B, H * ls.n_max, dtype=torch.float32, device=dev) if side_output else None
     return DecodeBatch(layouts, plan, mass, ls.n, ls.n_max)
