@@ -2,7 +2,7 @@
 reference), ``N`` prompts sent as one batch and then one at a time get the same greedy texts, and
 the policy moves the same units both ways (issue 21, failure 3).
 
-The prompts (~1.2K to ~3K tokens each, a distinct passphrase at a distinct depth, and distinct
+The prompts (~1.3K to ~2.6K tokens each, a distinct passphrase at a distinct depth, and distinct
 first words so that no two share a radix prefix) are longer than ``--chunked-prefill-size``
 (default 1024 here), so sent together they share each prefill batch's token budget: SGLang alone
 would cut their chunks at other positions than one at a time. The plugin cuts every chunk at a

@@ -27,6 +27,8 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   requests, as a full pool does;
 - ``PrefillAdder.add_one_req`` and ``add_chunked_req`` (AROUND): a prefill batch admits only the
   windows its pool's row blocks hold: a request's chunk is cut to them, or it waits (NO_TOKEN);
+  and a chunk ends only at a routing point of its request (:func:`aligned_chunk`: batch
+  invariance);
 - radix cache backend ``tiered`` (a :class:`~.radix.TieredRadixCache`; for decoupled policies
   an :class:`~.arena.ArenaCache`, no prefix sharing) and attention backend ``tiered_triton``.
 
@@ -277,7 +279,8 @@ def add_one_req(original, self, req, *args, **kwargs):
     (the rest is prefilled after routing frees rows), or, with no room or chunked prefill off,
     the request waits (NO_TOKEN, SGLang's answer to a full pool). A request that cannot wait
     (nothing admitted, nothing running to free rows) goes through: its forward raises
-    :class:`~.pool.PoolFullError`, as it did before this hook."""
+    :class:`~.pool.PoolFullError`, as it did before this hook. Within that, over any tiered
+    pool, the chunk ends at a routing point (:func:`aligned_chunk`)."""
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     if not hasattr(pool, "rows_for_windows"):
         from .arena import ArenaKVPool
