@@ -504,7 +504,7 @@ class TieredAttnBackend(AttentionBackend):
             with self._timed("decode_lists"):
                 self.dbatch = trizone.build(
                     self.pool, views, [r.seq for r in self.batch], q3.shape[1],
-                    side_output=self.decode_attn,
+                    side_output=self.decode_attn, splits=self.options.graph_splits,
                 )  # fmt: skip
         db = self.dbatch
         out = decode.run(

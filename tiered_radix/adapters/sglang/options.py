@@ -21,7 +21,8 @@ flag                   default                     what it selects
 ``--kv-observe``       ``fold``                    replayed decode steps sum their attention on the
                                                    device (``fold``) or observe every step
 ``--kv-graph-tokens``  262,144                     tokens a captured decode batch holds
-``--kv-graph-splits``  per batch size              the decode kernel's splits per list (graphs)
+``--kv-graph-splits``  per batch size              the decode kernel's splits per list, eager and
+                                                   replayed (fixed: batch-invariant float order)
 ``--kv-device-times``  off                         CUDA events time every graph replay
 ``--kv-profile``       off                         ``DIR:START:STEPS``: decode steps under
                                                    ``torch.profiler`` (:mod:`.profile`)
@@ -123,7 +124,7 @@ FLAGS = (
     ("gather", "{live,all}", "extend reads live windows or all (default: all on CUDA)"),
     ("observe", "{fold,step}", "graph steps' attention: summed on the device (fold) or per step"),
     ("graph_tokens", "N", f"tokens a captured decode batch holds (default {GRAPH_TOKENS})"),
-    ("graph_splits", "N", "decode kernel splits per list under CUDA graphs (default: by batch)"),
+    ("graph_splits", "N", "decode kernel splits per list, every step (default: by batch)"),
     ("device_times", None, "time every decode graph replay with CUDA events (stats device_s)"),
     ("profile", "DIR:START:STEPS", "profile decode steps START..START+STEPS into DIR"),
     ("stats", "FILE", "rewrite FILE with the backend's stats (JSON) after every routing"),

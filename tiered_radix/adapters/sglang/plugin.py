@@ -29,6 +29,8 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   requests, as a full pool does;
 - ``PrefillAdder.add_one_req`` and ``add_chunked_req`` (AROUND): a prefill batch admits only the
   windows its pool's row blocks hold: a request's chunk is cut to them, or it waits (NO_TOKEN);
+  and a chunk ends only at a routing point of its request (:func:`aligned_chunk`: batch
+  invariance);
 - radix cache backend ``tiered`` (a :class:`~.radix.TieredRadixCache`; for decoupled policies
   an :class:`~.arena.ArenaCache`, no prefix sharing) and attention backend ``tiered_triton``.
 
@@ -281,11 +283,16 @@ def add_one_req(original, self, req, *args, **kwargs):
     (the rest is prefilled after routing frees rows), or, with no room or chunked prefill off,
     the request waits (NO_TOKEN, SGLang's answer to a full pool). A request that cannot wait
     (nothing admitted, nothing running to free rows) goes through: its forward raises
-    :class:`~.pool.PoolFullError`, as it did before this hook."""
+    :class:`~.pool.PoolFullError`, as it did before this hook. Within that, over any tiered
+    pool, the chunk ends at a routing point (:func:`aligned_chunk`)."""
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     if not hasattr(pool, "rows_for_windows"):
-        return original(self, req, *args, **kwargs)
-    call = lambda: original(self, req, *args, **kwargs)  # noqa: E731
+        from .arena import ArenaKVPool
+
+        if not isinstance(pool, ArenaKVPool):
+            return original(self, req, *args, **kwargs)
+        return aligned_chunk(original, self, req, *args, **kwargs)
+    call = lambda: aligned_chunk(original, self, req, *args, **kwargs)  # noqa: E731
     W, taken = pool.layout.window, getattr(self, _ADMITTED, 0)
     want = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
     if self.rem_chunk_tokens is not None:
@@ -309,6 +316,54 @@ def add_one_req(original, self, req, *args, **kwargs):
         return _admitted(self, req, pool, call)
     finally:  # what the cut chunk used comes off the real one
         self.rem_chunk_tokens = chunk - (cut - self.rem_chunk_tokens)
+
+
+def route_stride() -> int | None:
+    """The prefill routing stride: SGLang's ``--chunked-prefill-size`` in this scheduler
+    process; ``None`` with chunked prefill off (or outside a scheduler)."""
+    try:
+        from sglang.srt.runtime_context import get_schedule
+
+        size = get_schedule().chunked_prefill_size
+    except (ImportError, ValueError, AttributeError):
+        return None
+    return size if size is not None and size > 0 else None
+
+
+def aligned_chunk(original, self, req, *args, **kwargs):
+    """SGLang's admission (``original``: ``PrefillAdder.add_one_req``) of a chunk that ends at
+    a *routing point* of the request: a multiple of the stride (:func:`route_stride`, rounded
+    down to the page size) counted from the request's own token 0, or its prompt's end.
+
+    A request routes after every chunk (``after_prefill``), so where its chunks end decides its
+    tiers. SGLang cuts a chunk wherever the batch's shared token budget (``rem_chunk_tokens``)
+    runs out, which depends on the other requests of the batch; cut here at routing points
+    only, a request's chunks, its routings and so its tokens are the same alone and in any
+    batch. The chunk is the rest of the prompt when that fits the budget and crosses no
+    routing point; else the part up to the next routing point when that fits; else the request
+    waits for the next batch (``OTHER``, as SGLang's own ``truncation_align_size`` does). The
+    first request of a batch never waits: with a budget smaller than its next routing point
+    (mixed chunks, rows a coupled pool lacks) it takes SGLang's cut, as before."""
+    stride, limit = route_stride(), self.rem_chunk_tokens
+    page = getattr(self, "page_size", 1)
+    if stride is None or limit is None or stride < page:
+        return original(self, req, *args, **kwargs)
+    stride -= stride % page
+    start = len(req.prefix_indices)
+    rest = len(req.full_untruncated_fill_ids) - start
+    to_point = stride - start % stride
+    if rest <= to_point and -(-rest // page) * page <= limit:
+        return original(self, req, *args, **kwargs)  # the prompt's end: SGLang takes it whole
+    if rest > to_point and to_point <= limit:
+        # SGLang cuts the chunk at the routing point and, as after any cut, the batch's budget
+        # is spent: one chunked request per batch
+        self.rem_chunk_tokens = to_point
+        return original(self, req, *args, **kwargs)
+    if not self.can_run_list:
+        return original(self, req, *args, **kwargs)
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    return AddReqResult.OTHER
 
 
 def add_chunked_req(original, self, req):

@@ -155,7 +155,14 @@ def layout(pool, li: int, batch: int, **zones) -> TriZoneLayout:
     )  # fmt: skip
 
 
-def build(pool, views, seqs: list[int], num_q_heads: int, side_output: bool = True) -> DecodeBatch:
+def build(
+    pool,
+    views,
+    seqs: list[int],
+    num_q_heads: int,
+    side_output: bool = True,
+    splits: int | None = None,
+) -> DecodeBatch:
     """Index lists of every layer for requests with ``views`` (``RequestView``) and lengths
     ``seqs``; ``num_q_heads`` query heads (GQA over ``pool.head_num``). ``side_output``: the
     kernel accumulates each window's attention mass (``mass``; None when off). The plan takes
@@ -187,7 +194,7 @@ def build(pool, views, seqs: list[int], num_q_heads: int, side_output: bool = Tr
     bits = (quant.bits,) if quant else ()
     plan = decode.plan(
         layouts[0], num_q_heads=num_q_heads, side_output=side_output, v_bits=bits, k_bits=bits,
-        max_rows=max(seqs),
+        max_rows=max(seqs), num_splits=splits,
     )  # fmt: skip
     mass = torch.zeros(L, B, H * ls.n_max, dtype=torch.float32, device=dev) if side_output else None
     return DecodeBatch(layouts, plan, mass, ls.n, ls.n_max)

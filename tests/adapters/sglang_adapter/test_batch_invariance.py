@@ -1,0 +1,308 @@
+"""Batch invariance on CPU: a request's outputs and tiers are the same served alone and inside a
+batch, for every shipped policy (RDKV through the arena backend, the others through
+``TieredAttnBackend``).
+
+SGLang's scheduler is played by :class:`Scheduler`: each round SGLang's own ``PrefillAdder``
+with a fresh budget of ``--chunked-prefill-size`` tokens takes the chunked request first
+(``add_chunked_req``), then the waiting requests (``add_one_req``) until one is not admitted,
+through the plugin's admission hooks, as SGLang's ``get_new_batch_prefill`` does. A round without
+a prefill runs one decode step of the running requests, so requests of different lengths decode
+together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang_sim import require
+
+require("sglang.srt.managers.schedule_policy")
+
+from sglang.srt.managers import schedule_policy  # noqa: E402
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
+from test_arena import Server  # noqa: E402
+from test_backend import Harness, Mode  # noqa: E402
+
+from tiered_radix.adapters.sglang import plugin  # noqa: E402
+from tiered_radix.adapters.sglang.options import KVOptions  # noqa: E402
+from tiered_radix.adapters.sglang.reps import Layout  # noqa: E402
+from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
+from tiered_radix.policy import compile_text  # noqa: E402
+
+POLICIES = Path(__file__).parents[3] / "policies"
+SHIPPED = sorted(p.stem for p in POLICIES.glob("*.yaml"))
+STRIDE = 64  # --chunked-prefill-size
+HEAD_DIM = 32
+PROMPTS = {"a": 200, "b": 150, "c": 90}  # prompt lengths: chunks of a batch end mid-prompt
+DECODES = {"a": 5, "b": 3, "c": 4}  # decode steps: the batch shrinks as requests finish
+
+
+def policy_text(name: str) -> str:
+    """The shipped policy; a 10% budget becomes 35%, so that prompts of a few hundred tokens
+    leave the allocator choices beyond the protected tokens."""
+    return (POLICIES / f"{name}.yaml").read_text().replace("budget: 10%", "budget: 35%")
+
+
+def prefill_adder(rig, running: list):
+    """SGLang's ``PrefillAdder`` for one round: the rig's allocator and cache, the running
+    requests, a chunk budget of ``STRIDE`` tokens."""
+    batch = SimpleNamespace(reqs=running, batch_size=lambda: len(running),
+                            is_empty=lambda: not running)  # fmt: skip
+    return PrefillAdder(rig.page, rig.cache, rig.alloc, batch, 0.5, 1 << 20, STRIDE)
+
+
+class ArenaRig:
+    """RDKV's arena backend (:class:`test_arena.Server`)."""
+
+    page = 1
+
+    def __init__(self, text: str) -> None:
+        self.srv = Server(policy=compile_text(text))
+        self.alloc, self.cache = self.srv.alloc, self.srv.cache
+
+    def start(self, rid: str, prompt: list[int]):
+        return self.srv.admit(rid)
+
+    def forward(self, reqs, new: list[list[int]], extend: bool) -> list[list[torch.Tensor]]:
+        return self.srv.forward(reqs, new, extend)
+
+    def store(self, rid: str):
+        return self.srv.pool.sessions[rid].store
+
+
+class CoupledRig:
+    """``TieredAttnBackend`` over the pool and radix cache (:class:`test_backend.Harness`)."""
+
+    def __init__(self, text: str, head_dim: int = HEAD_DIM, options: KVOptions | None = None):
+        W = Layout.of(compile_text(text)).window
+        pages = 2 * (-(-sum(PROMPTS.values()) // W) + len(PROMPTS) * (2 + max(DECODES.values())))
+        blocks = 4 * pages  # row and ledger blocks for every window of every head: no cuts
+        self.h = Harness(policy=text, head_dim=head_dim, pages=pages,
+                         blocks=PoolBlocks(blocks, blocks), options=options)  # fmt: skip
+        self.alloc, self.cache, self.page = self.h.sim.alloc, self.h.sim.cache, W
+
+    def start(self, rid: str, prompt: list[int]):
+        return self.h.start(rid, prompt)
+
+    def forward(self, reqs, new: list[list[int]], extend: bool) -> list[list[torch.Tensor]]:
+        """``Harness.step`` with every query a function of its own token and position (not of
+        where its chunk starts); per request and layer its output ``[n, HQ, D]``."""
+        h, sim = self.h, self.h.sim
+        locs, pre = h._locs(reqs, new)
+        fb = SimpleNamespace(
+            forward_mode=Mode(extend), rids=[r.rid for r in reqs],
+            seq_lens_cpu=torch.tensor([len(r.tokens) for r in reqs]),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs]),
+            extend_prefix_lens_cpu=pre, extend_seq_lens_cpu=[len(t) for t in new],
+            out_cache_loc=torch.cat(locs),
+        )  # fmt: skip
+        h.backend.init_forward_metadata(fb)
+        per = [[] for _ in reqs]
+        for li, layer in enumerate(h.layers):
+            kv = [sim.kv(li, t, p) for t, p in zip(new, pre, strict=True)]
+            qs = [
+                h.wq[li, torch.tensor(t)] + 0.1 * torch.arange(p, p + len(t))[:, None, None]
+                for t, p in zip(new, pre, strict=True)
+            ]
+            q = torch.cat(qs).reshape(-1, h.hq * sim.d).bfloat16().float()
+            k, v = (torch.cat([x[i] for x in kv]) for i in (0, 1))
+            o = h.backend.forward_extend(q, k, v, layer, fb).reshape(-1, h.hq, sim.d).float()
+            start = 0
+            for b, t in enumerate(new):
+                per[b].append(o[start : start + len(t)])
+                start += len(t)
+        return per
+
+    def store(self, rid: str):
+        return self.h.backend.sessions[rid].store
+
+
+def rig(name: str, head_dim: int = HEAD_DIM, options: KVOptions | None = None):
+    text = policy_text(name)
+    if not compile_text(text).coupled:
+        return ArenaRig(text)
+    return CoupledRig(text, head_dim, options)
+
+
+def prompt(rid: str) -> list[int]:
+    g = torch.Generator().manual_seed(ord(rid))
+    return torch.randint(1, 100, (PROMPTS[rid],), generator=g).tolist()
+
+
+class Scheduler:
+    """SGLang's loop over one rig: prefill rounds through the admission hooks, else a decode
+    step of every running request. Records each request's chunks, its outputs per position
+    (prompt rows, then one per decode step) and its tiers after prefill."""
+
+    def __init__(self, r, rids: list[str]) -> None:
+        self.r = r
+        self.reqs = {}
+        for rid in rids:
+            req = r.start(rid, prompt(rid))  # what PrefillAdder reads of SGLang's Req:
+            req.full_untruncated_fill_ids, req.output_ids = prompt(rid), []
+            req.prefix_indices = torch.empty(0, dtype=torch.int64)
+            req.last_node = getattr(req, "last_node", None)
+            req.sampling_params = SimpleNamespace(max_new_tokens=DECODES[rid], ignore_eos=False)
+            req.host_hit_length, req.retracted_stain, req.mamba_pool_idx = 0, False, None
+            req.needs_host_load_back = lambda: False
+            req.set_extend_range = lambda a, b, req=req: setattr(
+                req, "extend_range", SimpleNamespace(start=a, end=b, length=b - a)
+            )
+            self.reqs[rid] = req
+        self.waiting, self.chunked, self.running = list(self.reqs.values()), None, []
+        self.chunks = {rid: [] for rid in rids}
+        self.outs = {rid: [] for rid in rids}  # per forward: per layer [n, HQ, D]
+        self.prefill_tiers: dict[str, list[torch.Tensor]] = {}
+        self.left = {rid: DECODES[rid] for rid in rids}
+
+    def run(self) -> Scheduler:
+        while self.waiting or self.chunked is not None or self.running:
+            batch = self._prefill_batch()
+            if batch:
+                self._extend(batch)
+            else:
+                self._decode()
+        return self
+
+    def _prefill_batch(self) -> list:
+        adder = prefill_adder(self.r, self.running)
+        if self.chunked is not None:
+            plugin.add_chunked_req(PrefillAdder.add_chunked_req, adder, self.chunked)
+        for req in list(self.waiting):
+            res = plugin.add_one_req(PrefillAdder.add_one_req, adder, req, False, None)
+            if adder.can_run_list and adder.can_run_list[-1] is req:
+                self.waiting.remove(req)
+            if res != AddReqResult.CONTINUE:
+                break
+        return adder.can_run_list
+
+    def _extend(self, batch) -> None:
+        spans = []
+        for req in batch:
+            s = len(req.prefix_indices)
+            spans.append((s, s + req.extend_range.length))
+        new = [req.full_untruncated_fill_ids[s:e] for req, (s, e) in zip(batch, spans, strict=True)]
+        outs = self.r.forward(batch, new, extend=True)
+        self.chunked = None
+        for req, (s, e), out in zip(batch, spans, outs, strict=True):
+            self.chunks[req.rid].append((s, e))
+            self.outs[req.rid].append(out)
+            req.prefix_indices = torch.arange(e)
+            if e < len(req.full_untruncated_fill_ids):
+                assert self.chunked is None, "SGLang keeps one chunked request per batch"
+                self.chunked = req
+            else:
+                self.running.append(req)
+                store = self.r.store(req.rid)
+                self.prefill_tiers[req.rid] = [store.tiers(li).clone() for li in range(2)]
+
+    def _decode(self) -> None:
+        batch = self.running
+        toks = [[50 + self.left[r.rid]] for r in batch]
+        for req, out in zip(batch, self.r.forward(batch, toks, extend=False), strict=True):
+            self.outs[req.rid].append(out)
+            self.left[req.rid] -= 1
+        self.running = [r for r in batch if self.left[r.rid] > 0]
+
+    def rows(self, rid: str) -> list[torch.Tensor]:
+        """Per layer: the request's outputs at every position it computed, ``[n, HQ, D]``."""
+        return [torch.cat([o[li] for o in self.outs[rid]]) for li in range(2)]
+
+
+@pytest.fixture
+def stride(monkeypatch):
+    """The scheduler's ``--chunked-prefill-size`` as the plugin reads it, and no context
+    parallelism (what ``PrefillAdder`` asks SGLang's runtime context, unpublished here)."""
+    monkeypatch.setattr(plugin, "route_stride", lambda: STRIDE, raising=False)
+    for name in ("is_dsa_prefill_cp_in_seq_split", "is_prefill_context_parallel_enabled"):
+        monkeypatch.setattr(schedule_policy, name, lambda: False)
+    return STRIDE
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_request_reads_and_routes_alike_alone_and_in_a_batch(name, stride):
+    """Three prompts of 200, 150 and 90 tokens at a 64-token chunk budget, each served alone
+    and all three together (their chunks share the budget; their decode steps run together):
+    every request's attention outputs at every position (bit for bit: on the CPU each
+    request's attention runs alone), its tiers after prefill and at the end, and its bytes
+    are the same both ways. Decode through PyTorch (the TriZone kernel: next test)."""
+    assert_alike(name, HEAD_DIM)
+
+
+@pytest.mark.parametrize("splits", [None, "2"], ids=["splits-per-batch", "splits-fixed"])
+def test_decode_through_the_trizone_kernel_is_alike_alone_and_in_a_batch(
+    stride, monkeypatch, splits
+):
+    """The same for qevict with the TriZone kernel decoding (interpreted; head dim 64, which
+    it reads): one launch over the batch's requests of different lengths. By default the
+    kernel splits every list by the batch's longest one (here 2 ways in the batch, 1 for ``c``
+    alone), which changes the float32 merge order but not these bf16 outputs;
+    ``--kv-graph-splits`` fixes the splits of every step, whatever the batch."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    options = KVOptions(decode="kernel", graph_splits=None if splits is None else int(splits))
+    monkeypatch.setitem(PROMPTS, "a", 300)  # the batch's longest list: 2 splits of 128 rows
+    together = assert_alike("qevict", 64, options)
+    assert together.r.h.backend.stats()["kernel_steps"] == max(DECODES.values())
+    if splits is not None:
+        assert together.r.h.backend.dbatch.plan.num_splits == int(splits)
+
+
+def assert_alike(name: str, head_dim: int, options: KVOptions | None = None) -> Scheduler:
+    """The comparison of both tests; returns the batch's run."""
+    together = Scheduler(rig(name, head_dim, options), list(PROMPTS)).run()
+    for rid in PROMPTS:
+        alone = Scheduler(rig(name, head_dim, options), [rid]).run()
+        for li, (x, y) in enumerate(zip(alone.rows(rid), together.rows(rid), strict=True)):
+            torch.testing.assert_close(y, x, rtol=0, atol=0, msg=f"{rid} layer {li}")
+        for x, y in zip(alone.prefill_tiers[rid], together.prefill_tiers[rid], strict=True):
+            assert torch.equal(x, y), rid
+        a, t = alone.r.store(rid), together.r.store(rid)
+        for li in range(2):
+            assert torch.equal(a.tiers(li), t.tiers(li)), rid
+        assert a.bytes_used() == t.bytes_used()
+        assert together.chunks[rid] == alone.chunks[rid], rid  # what makes it so (docstring)
+    return together
+
+
+def test_chunks_end_at_routing_points_whatever_the_budget_left(stride):
+    """``aligned_chunk`` around a recording admission: the budget SGLang's cut sees, or the
+    request waits. Routing points at multiples of 64 from the request's token 0."""
+    seen = []
+
+    def original(adder, req, *_args):
+        seen.append(adder.rem_chunk_tokens)
+        return AddReqResult.CONTINUE
+
+    def admit(start: int, rest: int, limit: int, page: int = 1, admitted: int = 0):
+        seen.clear()
+        adder = SimpleNamespace(rem_chunk_tokens=limit, page_size=page,
+                                can_run_list=[None] * admitted)  # fmt: skip
+        req = SimpleNamespace(prefix_indices=[0] * start,
+                              full_untruncated_fill_ids=[1] * (start + rest))  # fmt: skip
+        res = plugin.aligned_chunk(original, adder, req, False, None)
+        return res, (seen[0] if seen else None)
+
+    assert admit(0, 150, 64) == (AddReqResult.CONTINUE, 64)  # cut at 64, as SGLang would
+    assert admit(40, 110, 64) == (AddReqResult.CONTINUE, 24)  # a matched prefix: cut at 64
+    assert admit(40, 20, 64) == (AddReqResult.CONTINUE, 64)  # ends at 60: whole
+    assert admit(40, 30, 64) == (AddReqResult.CONTINUE, 24)  # would cross 64: cut there
+    assert admit(0, 150, 30, admitted=1) == (AddReqResult.OTHER, None)  # waits for a batch
+    assert admit(0, 20, 30, admitted=1) == (AddReqResult.CONTINUE, 30)  # its whole prompt fits
+    assert admit(0, 150, 30) == (AddReqResult.CONTINUE, 30)  # first of its batch: SGLang's cut
+    # pages of 32: SGLang takes a rest whole only if its pages fit the budget
+    assert admit(64, 8, 20, page=32, admitted=1) == (AddReqResult.OTHER, None)
+    assert admit(64, 8, 32, page=32, admitted=1) == (AddReqResult.CONTINUE, 32)
+
+
+def test_the_stride_is_the_schedulers_chunked_prefill_size(monkeypatch):
+    from sglang.srt import runtime_context
+
+    assert plugin.route_stride() is None  # no scheduler here: nothing published
+    for size, want in ((8192, 8192), (-1, None), (None, None)):
+        bag = SimpleNamespace(chunked_prefill_size=size)
+        monkeypatch.setattr(runtime_context, "get_schedule", lambda bag=bag: bag)
+        assert plugin.route_stride() == want

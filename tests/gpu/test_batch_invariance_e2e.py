@@ -1,0 +1,137 @@
+"""Batch invariance end to end on a GPU: under each shipped policy (and plain SGLang, the
+reference), ``N`` prompts sent as one batch and then one at a time get the same greedy texts, and
+the policy moves the same units both ways (issue 21, failure 3).
+
+The prompts (~1.3K to ~2.6K tokens each, a distinct passphrase at a distinct depth, and distinct
+first words so that no two share a radix prefix) are longer than ``--chunked-prefill-size``
+(default 1024 here), so sent together they share each prefill batch's token budget: SGLang alone
+would cut their chunks at other positions than one at a time. The plugin cuts every chunk at a
+routing point (a multiple of the chunk size from the request's token 0, or the prompt's end;
+docs/sglang.md, *Batch invariance*), so routing, and with it the tiers, happen at the same
+positions both ways. The radix cache is flushed between the two phases.
+
+Needs what ``test_sglang_e2e.py`` needs (a CUDA GPU, SGLang 0.5.17, ``$TR_MODEL_PATH``) and
+shares its ``$TR_E2E_PORT`` and ``$TR_E2E_MEM``. Policies: ``$TR_BI_POLICIES`` (comma separated;
+default ``none`` (plain SGLang) and every shipped policy), at their own budgets unless
+``$TR_BI_BUDGET`` is set; ``$TR_BI_N`` prompts (default 8); ``$TR_BI_CHUNK`` the chunked prefill
+size; ``$TR_E2E_ARGS`` more server flags. Texts and counters go to ``$TR_E2E_OUT`` (default
+``e2e-results``) as ``batch-<policy>.json``.
+
+Where a kernel's reduction order depends on the batch (GEMMs of another M, decode graphs of
+another batch size), outputs may differ in the last bits; plain SGLang's row shows whether the
+model's own path is batch invariant on this GPU. The tiered policies must match it: identical
+texts, and identical transition counters (routes, demotions, promotions, evictions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (runs on the GPU machine)", allow_module_level=True)
+pytest.importorskip("sglang", reason="needs SGLang 0.5.17")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_sglang_e2e as e2e  # noqa: E402  (skips without $TR_MODEL_PATH)
+from needle_text import FILLER  # noqa: E402
+
+SHIPPED = sorted(p.stem for p in (e2e.ROOT / "policies").glob("*.yaml"))
+DEFAULT = ",".join(["none", *SHIPPED])
+POLICIES = [p for p in os.environ.get("TR_BI_POLICIES", DEFAULT).split(",") if p]
+BUDGET = os.environ.get("TR_BI_BUDGET")
+N = int(os.environ.get("TR_BI_N", "8"))
+CHUNK = os.environ.get("TR_BI_CHUNK", "1024")
+FIRST = ["Amber", "Basalt", "Cedar", "Dune", "Ember", "Fjord", "Garnet", "Harbor", "Iris",
+         "Juniper", "Kestrel", "Lagoon"]  # fmt: skip
+COUNTERS = ("routes", "demote", "promote", "evict")
+
+
+def prompts(n: int) -> list[str]:
+    """``n`` needle prompts of 45 to 115 filler sentences (~26 tokens each), each with its own
+    passphrase at its own depth, each beginning with its own word."""
+    out = []
+    for i in range(n):
+        hay = FILLER * (45 + (i * 37) % 71)
+        cut = len(hay) * (1 + i % 4) // 5
+        needle = f"The secret passphrase is {FIRST[i % len(FIRST)].lower()}-{17 * i + 3}. "
+        out.append(f"{FIRST[i % len(FIRST)]} archive, volume {i}. " + hay[:cut] + needle
+                   + hay[cut:] + "\nWhat is the secret passphrase?")  # fmt: skip
+    return out
+
+
+def generate(texts: list[str], max_tokens: int = 32) -> list[str]:
+    """Greedy completions through SGLang's native ``/generate`` (a list is one batch)."""
+    body = {"text": texts, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{e2e.PORT}/generate", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return [x["text"] for x in json.loads(r.read())]
+
+
+def flush() -> None:
+    urllib.request.urlopen(f"http://127.0.0.1:{e2e.PORT}/flush_cache", timeout=60).read()
+
+
+def counters(stats: Path) -> dict[str, int]:
+    s = json.loads(stats.read_text()) if stats.exists() else {}
+    return {k: int(s.get(k, 0)) for k in COUNTERS}
+
+
+def launch(policy: str, log: Path):
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", e2e.MODEL,
+        "--port", str(e2e.PORT), "--mem-fraction-static", e2e.MEM, "--context-length", "8192",
+        "--chunked-prefill-size", CHUNK, "--cuda-graph-max-bs-decode", "16",
+    ]  # fmt: skip
+    if policy != "none":
+        cmd += ["--kv-policy", policy] + (["--kv-budget", BUDGET] if BUDGET else [])
+    cmd += e2e.EXTRA
+    env = dict(os.environ, TIERED_RADIX_STATS=str(log.resolve().with_suffix(".stats.json")))
+    f = open(log.resolve(), "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                            cwd=log.resolve().parent)  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_texts_are_the_same_in_a_batch_and_alone(policy):
+    e2e.OUT.mkdir(parents=True, exist_ok=True)
+    log = e2e.OUT / f"batch-{policy}.log"
+    stats = log.resolve().with_suffix(".stats.json")
+    stats.unlink(missing_ok=True)
+    texts = prompts(N)
+    proc = launch(policy, log)
+    try:
+        e2e.wait_healthy(proc, log)
+        t0 = time.time()
+        together = generate(texts)
+        time.sleep(1)  # the stats file is rewritten after each routing
+        after_batch = counters(stats)
+        flush()
+        alone = [generate([t])[0] for t in texts]
+        time.sleep(1)
+        after_alone = counters(stats)
+        elapsed = time.time() - t0
+    finally:
+        e2e.stop(proc)
+    alone_counts = {k: after_alone[k] - after_batch[k] for k in COUNTERS}
+    differ = [i for i, (a, b) in enumerate(zip(together, alone, strict=True)) if a != b]
+    result = {
+        "policy": policy, "budget": BUDGET, "chunk": int(CHUNK), "n": N, "differ": differ,
+        "together": together, "alone": alone, "counters_together": after_batch,
+        "counters_alone": alone_counts, "seconds": elapsed,
+    }  # fmt: skip
+    (e2e.OUT / f"batch-{policy}.json").write_text(json.dumps(result, indent=1))
+    assert not differ, [(i, together[i], alone[i]) for i in differ]
+    if policy != "none":
+        assert after_batch["routes"] > 0, "the policy never routed"
+        assert after_batch == alone_counts, (after_batch, alone_counts)
