@@ -45,15 +45,16 @@ class Mode:
 class Harness:
     """A scheduler stand-in: allocates slots, builds forward batches, runs every layer."""
 
-    def __init__(self, q_heads: slice = slice(0, HQ), tp_group=None, **sim) -> None:
+    def __init__(self, q_heads: slice = slice(0, HQ), tp_group=None, backend=None, **sim) -> None:
         """``q_heads`` of the model's ``HQ`` query heads (a tensor-parallel rank's slice, with
-        ``kv_heads=`` for the Sim and SGLang's ``tp_group`` stand-in)."""
+        ``kv_heads=`` for the Sim and SGLang's ``tp_group`` stand-in); ``backend``: keyword
+        arguments of the backend."""
         self.sim = Sim(**({"pages": 60} | sim))
         context = SimpleNamespace(context_len=self.sim.r2t.req_to_token.shape[1])
         runner = SimpleNamespace(
             token_to_kv_pool=self.sim.pool, tp_group=tp_group, model_config=context
         )
-        self.backend = TieredAttnBackend(runner)
+        self.backend = TieredAttnBackend(runner, **(backend or {}))
         g = torch.Generator().manual_seed(11)
         self.wq = torch.randn(self.sim.L, 100, HQ, self.sim.d, generator=g)[:, :, q_heads]
         self.hq = self.wq.shape[2]
@@ -329,6 +330,50 @@ def test_decode_kernel_matches_the_gather_path(monkeypatch, policy):
     assert gs["routes"] == ks["routes"] and ks["demote"] > 0 and ks["routes"] >= 2
     assert pages > 0  # the kernel read quantized pages (and rows: outputs match)
     assert (ks["decode"], ks["kernel_steps"], gs["kernel_steps"]) == ("kernel", 7, 0)
+
+
+# window scores from the prefill signals (colmass, obs_attn), which the extend kernel's second
+# pass computes
+SIGNALS_POLICY = KERNEL_POLICY.replace(
+    "cumulative(attn, decay=0.99)", "cumulative(colmass, decay=1) + pool_max(obs_attn, size=3)"
+)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [KERNEL_POLICY, POSITION_POLICY, SIGNALS_POLICY, KIVI_POLICY],
+    ids=["attn", "position", "signals", "kivi"],
+)
+def test_extend_kernel_matches_the_gather_path(monkeypatch, policy):
+    """The extend kernel (interpreted on CPU) over a varlen batch of chunks whose prefixes hold
+    rows, INT2 pages and evicted windows (routed after the first chunk): outputs, the signals
+    it feeds the engines, and so every later tier decision equal the float32 gather path's."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TIERED_RADIX_EXTEND", "exact")
+    monkeypatch.setenv("TIERED_RADIX_DECODE", "gather")
+    runs = {}
+    for kernel in (False, True):
+        h = Harness(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                    backend={"extend_kernel": kernel})  # fmt: skip
+        assert h.backend.extend_kernel == kernel
+        a, b = h.start("a", list(range(1, 91))), h.start("b", list(range(20, 56)))
+        outs = [h.step([a, b], [a.origin_input_ids[:64], b.origin_input_ids], extend=True)]
+        outs.append(h.step([a, b], [a.origin_input_ids[64:], [60 + i for i in range(21)]], True))
+        eb = h.backend.ebatch
+        for t in range(3):
+            outs.append(h.step([a, b], [[80 + t], [90 + t]], extend=False))
+        tiers = [h.backend.sessions[r].store.tiers(li) for r in "ab" for li in range(h.sim.L)]
+        runs[kernel] = outs, tiers, eb, h.backend.stats()
+    (go, gt, geb, gs), (ko, kt, keb, ks) = runs[False], runs[True]
+    for x, y in zip(go, ko, strict=True):
+        for u, v in zip(x, y, strict=True):
+            torch.testing.assert_close(v.float(), u.float(), rtol=2**-7, atol=1e-2)
+    assert all(torch.equal(x, y) for x, y in zip(gt, kt, strict=True))
+    assert geb is None and keb is not None and ks["extend"] == "kernel" and gs["extend"] == "gather"
+    kinds = keb.lists.pages.sum(), keb.lists.rows.sum()
+    assert kinds[0] > 0 and kinds[1] > 0  # the second chunks read pages and rows
+    assert h.backend.extend_kernel_batches == 2 and gs["routes"] == ks["routes"] >= 2
 
 
 def test_stats_file_is_rewritten_after_each_routing(tmp_path, monkeypatch):

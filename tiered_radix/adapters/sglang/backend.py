@@ -67,7 +67,7 @@ from tiered_radix.adapters.transformers.attention import attend, attend_sdpa
 from tiered_radix.adapters.transformers.cache import PREFILL_SIGNALS, policy_reads
 from tiered_radix.engine.scores import ScoreEvaluator
 from tiered_radix.engine.shard import HeadShard
-from tiered_radix.engine.signals import at_positions
+from tiered_radix.engine.signals import Signals, at_positions
 from tiered_radix.engine.store import TierStore
 from tiered_radix.kernels import decode
 
@@ -190,10 +190,16 @@ def due_routings(batch: list[_Req], extend: bool, policy) -> list[tuple[_Req, st
 
 
 class TieredAttnBackend(AttentionBackend):
-    """Raises:
-    PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`."""
+    """``extend_kernel``: extend attention through the TriZone extend kernel
+    (:func:`~.trizone.extend_layer`: the pool read in place, one launch a layer for the whole
+    batch) where it can read the pool; default on CUDA (on CPU the PyTorch path is the
+    reference).
 
-    def __init__(self, runner) -> None:
+    Raises:
+        PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`.
+    """
+
+    def __init__(self, runner, extend_kernel: bool | None = None) -> None:
         super().__init__()
         pool = runner.token_to_kv_pool
         if not isinstance(pool, TieredKVPool):
@@ -203,6 +209,8 @@ class TieredAttnBackend(AttentionBackend):
         self.last_layer = pool.start_layer + pool.layer_num - 1
         reads = policy_reads(self.policy)
         self.prefill_needs = frozenset(reads & set(PREFILL_SIGNALS))
+        # the extend kernel computes only what the policy reads (attn of the last query too)
+        self.extend_needs = self.prefill_needs | frozenset(reads & {"attn"})
         # decode attention mass (the kernel's side output): only for policies that read it
         self.decode_attn = "attn" in reads
         # replayed steps sum the side output on the device and fold it in before routing, where
@@ -215,6 +223,9 @@ class TieredAttnBackend(AttentionBackend):
         self.counters = BackendStats()
         self.kernel = self._use_kernel()
         self.extend_attend = extend_attention(pool.device)
+        self.extend_kernel = self._use_extend_kernel(extend_kernel)
+        self.extend_kernel_batches = 0  # extend forwards the kernel served
+        self.ebatch: trizone.ExtendBatch | None = None
         self.kernel_error: str | None = None
         self.dbatch: trizone.DecodeBatch | None = None
         model = getattr(runner, "model_config", None)
@@ -252,6 +263,13 @@ class TieredAttnBackend(AttentionBackend):
         runs = self.pool.device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
         return want == "kernel" and runs and trizone.supported(self.pool)
 
+    def _use_extend_kernel(self, want: bool | None) -> bool:
+        """Extend through the TriZone extend kernel: ``want`` (default: on CUDA) where it can
+        read the pool and Triton can run."""
+        cuda = torch.device(self.pool.device).type == "cuda"
+        runs = cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        return (cuda if want is None else want) and runs and trizone.supported(self.pool)
+
     # -- per batch -------------------------------------------------------------------------
     @property
     def tree(self):
@@ -274,7 +292,7 @@ class TieredAttnBackend(AttentionBackend):
             self.host_s["extend_batches" if self.extend else "decode_steps"] += 1
 
     def _metadata(self, fb) -> None:
-        self.batch, self.dbatch, self.graph_bs = [], None, None
+        self.batch, self.dbatch, self.graph_bs, self.ebatch = [], None, None, None
         rows = batch_rows(fb)
         if rows is None:
             return
@@ -490,10 +508,23 @@ class TieredAttnBackend(AttentionBackend):
                 out = self._gather(q3, layer, li, dv)
             else:
                 self.counters.kernel_steps += li == 0
+        elif self.extend and self.extend_kernel and all(r.tq for r in self.batch):
+            try:
+                with self._timed("extend_attend"):
+                    out = self._extend_kernel(q3, layer, li)
+            except Exception as err:  # e.g. a Triton compile error on this GPU: keep serving
+                if li != 0 or self.extend_kernel_batches:
+                    raise
+                log.exception("tiered-radix: extend kernel failed; using the PyTorch path")
+                self.extend_kernel, self.kernel_error, self.ebatch = False, repr(err)[:500], None
+                out = self._gather(q3, layer, li, dv)
         else:
             with self._timed("extend_attend" if self.extend else "decode_gather"):
                 out = self._gather(q3, layer, li, dv)
         if layer.layer_id == self.last_layer:
+            if self.ebatch is not None:
+                with self._timed("observe_extend"):
+                    self._observe_extend()
             if self.dbatch is not None and self.kernel and self.dbatch.mass is not None:
                 with self._timed("observe"):
                     self._observe_decode()
@@ -518,6 +549,36 @@ class TieredAttnBackend(AttentionBackend):
             out[r.start : r.start + r.tq] = o.transpose(0, 1).to(out.dtype)
             r.session.store.observe(li, at_positions(signals, pos, t))
         return out
+
+    def _extend_kernel(self, q3, layer, li: int):
+        """The batch's new tokens: the TriZone extend kernel over the pool in place (lists of
+        every layer built at the first layer), the signals the policy reads kept for
+        :meth:`_observe_extend`."""
+        if self.ebatch is None:
+            views = [self.tree.views[r.rid] for r in self.batch]
+            with self._timed("extend_lists"):
+                self.ebatch = trizone.build_extend(
+                    self.pool, views, [r.tq for r in self.batch], [r.seq for r in self.batch],
+                    q3.shape[1] // self.pool.head_num, self.extend_needs,
+                )  # fmt: skip
+            self.extend_kernel_batches += 1
+        q = q3.to(self.pool.dtype).contiguous()
+        return trizone.extend_layer(self.pool, self.ebatch, li, q, float(layer.scaling))
+
+    def _observe_extend(self) -> None:
+        """After the last layer: every layer's extend signals to each request's engine (attn
+        alone: all layers in one :meth:`~tiered_radix.engine.store.TierStore.observe_attn`)."""
+        eb = self.ebatch
+        for b, r in enumerate(self.batch):
+            store = r.session.store
+            t = store.n_tokens(0)
+            if eb.need == {"attn"}:
+                store.observe_attn(eb.sig["attn"][:, b, :, :t])
+                continue
+            for li in range(self.layers):
+                sig = {n: x[li, b, :, :t] for n, x in eb.sig.items()}
+                qn = None if eb.qnorm is None else eb.qnorm[li, b]
+                store.observe(li, Signals(qnorm=qn, **sig))
 
     def _decode_kernel(self, q3, layer, li: int):
         """One decode token per request: the TriZone kernel over the pool's pages and rows,
@@ -576,6 +637,7 @@ class TieredAttnBackend(AttentionBackend):
         SGLang's replay of the forward) and their count (``replays``)."""
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
+        out["extend"] = "kernel" if self.extend_kernel else "gather"
         out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
         if self.replay_events is not None:
             for start, end in self.replays_timed:
