@@ -111,7 +111,10 @@ def plan(q_lens: list[int], seqs: list[int], group: int, device, block_m: int | 
             tm.append(m0)
     host = torch.tensor([starts, list(q_lens), list(seqs)], dtype=torch.int32)
     tiles = torch.tensor([tb, tm], dtype=torch.int32)
-    both = torch.cat([host.flatten(), tiles.flatten()]).to(device)
+    both = torch.cat([host.flatten(), tiles.flatten()])
+    if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the device
+        both = both.pin_memory()
+    both = both.to(device, non_blocking=True)
     B, T = len(q_lens), len(tb)
     return ExtendPlan(
         B, group, g_pad, bm, T, max(seqs), both[:B], both[B : 2 * B], both[2 * B : 3 * B],

@@ -563,7 +563,8 @@ class TieredAttnBackend(AttentionBackend):
                 )  # fmt: skip
             self.extend_kernel_batches += 1
         q = q3.to(self.pool.dtype).contiguous()
-        return trizone.extend_layer(self.pool, self.ebatch, li, q, float(layer.scaling))
+        out = trizone.extend_layer(self.pool, self.ebatch, li, q, float(layer.scaling))
+        return out.to(q3.dtype)
 
     def _observe_extend(self) -> None:
         """After the last layer: every layer's extend signals to each request's engine (attn
