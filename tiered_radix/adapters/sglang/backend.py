@@ -17,9 +17,12 @@ reads them), fed to the request's store. After the last layer, requests whose sc
 route: the store plans, and :meth:`~.radix.TieredRadixCache.route` moves the pool's blocks.
 
 Extend routes after every chunk when the policy says ``after_prefill`` (as the transformers
-adapter does); decode steps count per request. Extend gathers rows per request and layer and
-attends with ``scaled_dot_product_attention`` under a kept/causal mask on CUDA (float32 score
-blocks on CPU, or with ``$TIERED_RADIX_EXTEND=exact``); decode runs the TriZone kernel over the
+adapter does); decode steps count per request. Extend runs the TriZone extend kernel on CUDA
+(:func:`~.trizone.extend_layer`: one launch a layer for the batch, the pool read in place, the
+policy's signals from a second pass, observed after the last layer); without it (the CPU, or
+``extend_kernel=False``) it gathers rows per request and layer and attends with
+``scaled_dot_product_attention`` under a kept/causal mask (float32 score blocks on CPU, or with
+``$TIERED_RADIX_EXTEND=exact``); decode runs the TriZone kernel over the
 pool's pages and rows in place (:mod:`.trizone`) where it can read the pool, else PyTorch.
 
 CUDA graphs (decode): SGLang calls :meth:`init_forward_metadata_out_graph` before capturing a
