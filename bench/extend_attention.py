@@ -9,7 +9,8 @@ a chunk of 2,048 new tokens per request over a prefix of P tokens, per (batch, P
 
 - ``kernel``: ``extend.run`` (the chunk over its lists: full rows, INT2 pages, evicted windows
   absent), qevict-like mix at 10%: ``--full`` of the prefix windows as rows, ``--quant`` as INT2
-  pages, the rest evicted (the chunk's windows are rows);
+  pages, the rest evicted (the chunk's windows are rows); ``kernel w8`` / ``kernel m32 w8`` /
+  ``kernel ppi2``: 8 warps, 32-token tiles at 8 warps, 2 pages an iteration;
 - ``kernel+attn``: plus ``extend.signals`` for ``attn`` (what qevict reads);
 - ``kernel+snap``: plus ``obs_attn`` and ``colmass`` (SnapKV/RDKV-style reads);
 - ``gather_sdpa``: what ``TieredAttnBackend._gather`` did per request and layer on CUDA: every
@@ -164,6 +165,11 @@ def run_case(batch: int, prefix: int, chunk: int, a, dev, scale: float) -> list[
 
     q, st, ls, p, kind = build(batch, prefix, chunk, a.full, a.quant, dev)
     runs = {"kernel": lambda: extend.run(q, st, ls, p, HKV, sm_scale=scale)}
+    # tile variants (the default: 16 tokens x 8 heads, 4 warps at d 64)
+    p32 = extend.plan(list(p.q_lens), list(p.seqs), HQ // HKV, dev, block_m=32)
+    runs["kernel w8"] = lambda: extend.run(q, st, ls, p, HKV, sm_scale=scale, num_warps=8)
+    runs["kernel m32 w8"] = lambda: extend.run(q, st, ls, p32, HKV, sm_scale=scale, num_warps=8)
+    runs["kernel ppi2"] = lambda: extend.run(q, st, ls, p, HKV, sm_scale=scale, ppi=2)
     for name, need in (("kernel+attn", {"attn"}), ("kernel+snap", {"obs_attn", "colmass"})):
 
         def both(need=frozenset(need)):

@@ -150,9 +150,9 @@ def _column_sums(
     kd = kt.to(DT)
     first = tl.min(tl.where(valid, pos, 2147483647), 0)
     lo = tl.maximum(r_lo, first - (seq - tq))
-    cm = tl.sum(tl.zeros_like(kt), 0)
-    ob = tl.sum(tl.zeros_like(kt), 0)
-    la = tl.sum(tl.zeros_like(kt), 0)
+    cm = tl.sum(tl.zeros_like(kt).to(tl.float32), 0)  # [N] (kt: rows bf16, pages float32)
+    ob = cm
+    la = cm
     for m0 in range(lo, tq, BLOCK_M):
         q, tok, g, rok = _q_rows(q_ptr, q_st, q_sh, q0, m0, tq, h, G, D, G_PAD, BLOCK_M)
         lse = tl.load(lse_ptr + (q0 + tok).to(tl.int64) * (H_KV * G) + h * G + g, mask=rok,

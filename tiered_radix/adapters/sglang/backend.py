@@ -407,7 +407,7 @@ class TieredAttnBackend(AttentionBackend):
         lists change: the summed side output goes to the engines first."""
         if not steady:
             self.fold_pending()
-        self.batch, self.extend, self.graph_bs = [], False, bs
+        self.batch, self.extend, self.graph_bs, self.ebatch = [], False, bs, None
         self.dbatch = self.graph.batches.get(bs)  # made by the capture's first layer (q heads)
         self.pool.end_step()
 
