@@ -11,6 +11,9 @@ from triton_guard import CUDA, require_triton
 
 require_triton()
 DEV = "cuda" if CUDA else "cpu"
+# float32 dots under the interpreter; on the GPU the dots take bf16 operands (dequantized keys
+# and probabilities rounded to bf16)
+TOL = 2e-2 if CUDA else 1e-3
 
 from tiered_radix.kernels import extend  # noqa: E402
 from tiered_radix.kernels.layout import pack_uniform_pages  # noqa: E402
@@ -94,11 +97,11 @@ def test_kernel_matches_its_twin(case, G):
     ro, rl, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=scale, need=need)
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel(out, ro) < 1e-2, rel(out, ro)
-    torch.testing.assert_close(lse, rl, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lse, rl, rtol=TOL, atol=TOL)
     for n in need:
         assert sig[n] is bufs[n] and not sig[n].isnan().any()
         got = sig[n][..., : p.t_max]
-        assert rel(got, rs[n]) < 1e-3, (n, rel(got, rs[n]))
+        assert rel(got, rs[n]) < TOL, (n, rel(got, rs[n]))
         assert not sig[n][..., p.t_max :].any()
 
 
@@ -111,7 +114,7 @@ def test_only_the_signals_asked_for_are_computed(need):
     _, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=scale, need=frozenset(need))
     assert set(sig) == need
     for n in need:
-        assert rel(sig[n], rs[n]) < 1e-3
+        assert rel(sig[n], rs[n]) < TOL
     assert extend.signals(q, lse, st, ls, p, 2, frozenset({"qnorm"}), sm_scale=scale) == {}
 
 
@@ -132,7 +135,7 @@ def test_twin_and_kernel_match_attend_on_the_gathered_rows():
         o, s = attend(qb, k, v, kept, scale, need=need | {"qnorm"})
         assert rel(out[q0 : q0 + tq].transpose(0, 1), o) < 1e-2
         for name in need:
-            assert rel(sig[name][b, :, :seq], getattr(s, name)) < 1e-3, name
+            assert rel(sig[name][b, :, :seq], getattr(s, name)) < TOL, name
         torch.testing.assert_close(qn[b], s.qnorm, rtol=1e-3, atol=1e-3)
         q0 += tq
 
