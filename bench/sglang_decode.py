@@ -33,7 +33,8 @@ SGLang's pool would). Writes
 ``sglang_decode.json`` under ``--out``.
 
 ``--prefill``: time to first token instead (issue 19). Per kind (default ``plain tiered``, one
-engine each, same run) and case of ``--prefill-cases`` (``PROMPTSxTOKENS``, default 1x4096,
+engine each, same run; ``tiered_gather``: the extend path before the kernel,
+``$TIERED_RADIX_EXTEND=sdpa``) and case of ``--prefill-cases`` (``PROMPTSxTOKENS``, default 1x4096,
 1x30000, 8x30000, 32x8192): fresh random prompts (no radix hit), one new token each, the
 faster of two calls (after an untimed call of the same shape that compiles the kernels);
 writes ``prefill-summary.json`` under ``--out``: ``{"gpu", "commit", "model", "rows":
@@ -202,6 +203,10 @@ def prefill(kind: str, a, vocab: int = 30000) -> tuple[list[dict], dict]:
     stats = Path(tempfile.mkdtemp()) / "stats.json"
     os.environ["TIERED_RADIX_STATS"] = str(stats)
     os.environ["TIERED_RADIX_OVERLAP"] = "0"
+    if kind == "tiered_gather":  # the gather path (SDPA per request and layer)
+        os.environ["TIERED_RADIX_EXTEND"] = "sdpa"
+    else:
+        os.environ.pop("TIERED_RADIX_EXTEND", None)
     engine = sglang.Engine(**_engine_kwargs(kind, a, max(t for _, t in cases)))
     rng = random.Random(1)
     rows, detail = [], {}
@@ -213,11 +218,16 @@ def prefill(kind: str, a, vocab: int = 30000) -> tuple[list[dict], dict]:
             before = _host_s(stats)
             best = min(timed(engine, f, 1) for f in fresh[1:])
             tiered = kind.startswith("tiered")
-            rows.append({"system": "tiered" if tiered else "plain",
+            rows.append({"system": kind if tiered else "plain",
                          "budget": _budget(a) if tiered else "100%", "prompts": n,
                          "tokens_each": tokens, "ttft_s": round(best, 4)})  # fmt: skip
             if kind.startswith("tiered"):
                 detail[f"{n}x{tokens}"] = _per_step(before, _host_s(stats))
+            if n <= 8:  # greedy tokens after the prompt: kinds that prefill alike agree
+                digest: list[str] = []
+                engine.flush_cache()  # a whole prefill again, not a radix hit
+                timed(engine, fresh[1], a.prefill_tokens, digest)
+                detail[f"{n}x{tokens}_sha256"] = digest[0]
             print("prefill", kind, rows[-1], flush=True)
             engine.flush_cache()  # the timed prompts leave the radix tree
     finally:
@@ -254,6 +264,9 @@ def main_prefill(a) -> None:
         Path(a.out, "prefill-detail.json").write_text(json.dumps(detail, indent=1))
     plain = {(r["prompts"], r["tokens_each"]): r["ttft_s"] for r in out["rows"]
              if r["system"] == "plain"}  # fmt: skip
+    shas = {k: {c: v for c, v in d.items() if c.endswith("_sha256")} for k, d in detail.items()
+            if isinstance(d, dict)}  # fmt: skip
+    print("greedy tokens (sha256 per case):", json.dumps(shas), flush=True)
     for r in out["rows"]:
         base = plain.get((r["prompts"], r["tokens_each"]))
         if r["system"] != "plain" and base:
@@ -280,6 +293,8 @@ def main() -> None:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--prefill", action="store_true", help="time to first token (see above)")
     p.add_argument("--prefill-cases", nargs="+", default=list(PREFILL_CASES))
+    p.add_argument("--prefill-tokens", type=int, default=16, help="greedy tokens whose "
+                   "sha256 --prefill records per case of <= 8 prompts")  # fmt: skip
     a = p.parse_args()
     if a.prefill:
         if a.kinds == p.get_default("kinds"):

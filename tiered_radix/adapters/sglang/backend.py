@@ -195,8 +195,9 @@ def due_routings(batch: list[_Req], extend: bool, policy) -> list[tuple[_Req, st
 class TieredAttnBackend(AttentionBackend):
     """``extend_kernel``: extend attention through the TriZone extend kernel
     (:func:`~.trizone.extend_layer`: the pool read in place, one launch a layer for the whole
-    batch) where it can read the pool; default on CUDA (on CPU the PyTorch path is the
-    reference).
+    batch) where it can read the pool; default on CUDA unless ``$TIERED_RADIX_EXTEND`` names a
+    gather path's attention (``sdpa``/``exact``: the path before the kernel); on CPU the PyTorch
+    path is the reference.
 
     Raises:
         PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`.
@@ -267,11 +268,14 @@ class TieredAttnBackend(AttentionBackend):
         return want == "kernel" and runs and trizone.supported(self.pool)
 
     def _use_extend_kernel(self, want: bool | None) -> bool:
-        """Extend through the TriZone extend kernel: ``want`` (default: on CUDA) where it can
-        read the pool and Triton can run."""
+        """Extend through the TriZone extend kernel: ``want`` (default: on CUDA, unless
+        ``$TIERED_RADIX_EXTEND`` chose a gather path) where it can read the pool and Triton can
+        run."""
         cuda = torch.device(self.pool.device).type == "cuda"
         runs = cuda or os.environ.get("TRITON_INTERPRET") == "1"
-        return (cuda if want is None else want) and runs and trizone.supported(self.pool)
+        if want is None:
+            want = cuda and EXTEND_ENV not in os.environ
+        return want and runs and trizone.supported(self.pool)
 
     # -- per batch -------------------------------------------------------------------------
     @property
