@@ -160,11 +160,15 @@ def test_bad_inputs_are_refused():
         extend.run(q, st, ls, extend.plan([20], [20], 4, q.device), 1, sm_scale=1.0)
 
 
-@pytest.mark.parametrize("block_m, ppi", [(32, 1), (16, 2)])
-def test_tile_variants_match_the_twin(block_m, ppi):
-    """The benchmark's variants: 32-token tiles, two pages an iteration."""
+@pytest.mark.parametrize("block_m, ppi, unpack", [(32, 1, None), (16, 2, None), (16, 1, "shift")])
+def test_tile_variants_match_the_twin(block_m, ppi, unpack):
+    """The benchmark's variants (32-token tiles, two pages an iteration) and the shift
+    unpacking that 16-token pages take on CUDA."""
     q, st, ls, _, _ = make_batch([70, 0], [50, 33], G=3, seed=4)
     p = extend.plan([50, 33], [120, 33], 3, q.device, block_m=block_m)
-    out, _ = extend.run(q, st, ls, p, 2, sm_scale=0.125, ppi=ppi)
-    ro, _, _ = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125)
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125, ppi=ppi, unpack=unpack)
+    need = frozenset({"attn", "colmass"})
+    sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, unpack=unpack)
+    ro, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125, need=need)
     assert rel(out, ro) < 1e-2
+    assert all(rel(sig[n], rs[n]) < TOL for n in need)
