@@ -376,6 +376,26 @@ def test_extend_kernel_matches_the_gather_path(monkeypatch, policy):
     assert h.backend.extend_kernel_batches == 2 and gs["routes"] == ks["routes"] >= 2
 
 
+def test_a_failing_extend_kernel_falls_back_to_the_gather_path(monkeypatch):
+    """A kernel that cannot run here (e.g. a Triton compile error) at the first extend: the
+    backend serves through the gather path and says why in its stats."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from tiered_radix.adapters.sglang import trizone
+
+    def fails(*_a, **_k):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(trizone, "extend_layer", fails)
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                backend={"extend_kernel": True})  # fmt: skip
+    a = h.start("a", list(range(1, 40)))
+    outs = h.step([a], [a.origin_input_ids], extend=True)
+    st = h.backend.stats()
+    assert st["extend"] == "gather" and "no kernel here" in st["kernel_error"]
+    assert all(not o.isnan().any() for o in outs) and h.backend.extend_kernel_batches == 0
+
+
 def test_stats_file_is_rewritten_after_each_routing(tmp_path, monkeypatch):
     path = tmp_path / "stats.json"
     monkeypatch.setenv("TIERED_RADIX_STATS", str(path))

@@ -568,7 +568,6 @@ class TieredAttnBackend(AttentionBackend):
                     self.pool, views, [r.tq for r in self.batch], [r.seq for r in self.batch],
                     q3.shape[1] // self.pool.head_num, self.extend_needs,
                 )  # fmt: skip
-            self.extend_kernel_batches += 1
         q = q3.to(self.pool.dtype).contiguous()
         out = trizone.extend_layer(self.pool, self.ebatch, li, q, float(layer.scaling))
         return out.to(q3.dtype)
@@ -577,6 +576,7 @@ class TieredAttnBackend(AttentionBackend):
         """After the last layer: every layer's extend signals to each request's engine (attn
         alone: all layers in one :meth:`~tiered_radix.engine.store.TierStore.observe_attn`)."""
         eb = self.ebatch
+        self.extend_kernel_batches += 1
         for b, r in enumerate(self.batch):
             store = r.session.store
             t = store.n_tokens(0)
