@@ -52,3 +52,21 @@ def test_sixteen_token_pages_take_the_shift_unpacking():
     out, _ = extend.run(q, st, ls, p, 2, sm_scale=0.125)
     ro, _, _ = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125)
     assert rel(out, ro) < 2e-2
+
+
+def test_lists_plan_kernels_and_qnorm_never_sync_with_the_host():
+    q, st, _, _, kind = make_batch([6144, 100], [2048, 37], seed=5, **QWEN)
+    rb = torch.randint(1, st.rows_k.shape[0], kind.shape, device="cuda")
+    pb = torch.randint(1, st.pages.shape[0], kind.shape, device="cuda")
+    kind = kind.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ls = extend.window_lists(kind, rb, pb)
+        p = extend.plan([2048, 37], [8192, 137], 7, "cuda")
+        _, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125)
+        extend.signals(q, lse, st, ls, p, 2, NEED, sm_scale=0.125)
+        extend.chunk_qnorm(q, p, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
