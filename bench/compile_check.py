@@ -44,7 +44,14 @@ MIXES = {  # name -> (V bit widths, K bit widths) present in the plan
 UNIFORM_MIXES = ("qevict2", "u4", "u8")
 
 
-MODULES = ("_decode_common", "_decode_pages", "_decode_split", "_decode_merge", "_decode_mass")
+MODULES = (
+    "_decode_common",
+    "_decode_pages",
+    "_decode_split",
+    "_decode_merge",
+    "_decode_mass",
+    "_extend_kernels",
+)
 
 
 def load_kernels() -> list[types.ModuleType]:
@@ -137,6 +144,35 @@ def _mass(d: int) -> Config:
     return Config(f"mass d{d}", "_decode_mass_kernel", args, cx, 4)
 
 
+def _extend(
+    d: int, pages: bool, page: int = 32, signals: str | None = None, warps: int | None = None
+) -> Config:
+    """The extend kernels (``kernels/extend.py``): attention, or the signals pass
+    (``signals``: "attn" = the last query only, "snap" = obs_attn and colmass)."""
+    grp, hkv = FAMILIES[d]
+    g_pad = 1 << (grp - 1).bit_length()
+    il = page >= 32
+    ptr = {n: "*i32" for n in ("ent_blk", "ent_win", "n_rows", "n_pages", "q_start", "q_len",
+                               "seq_len")}  # fmt: skip
+    args = dict(ptr, q_ptr="*bf16", lse_ptr="*fp32", rows_k="*bf16", rows_v="*bf16",
+                arena8="*u8", arena16="*fp16", q_st=grp * hkv * d, q_sh=d,
+                page_bytes=1088 if d == 64 else 2176, list_stride=960, qk_scale=0.18,
+                H_KV=hkv, G=grp)  # fmt: skip
+    cx = dict(DT=tl.bfloat16, D=d, G_PAD=g_pad, BLOCK_M=max(16, 128 // g_pad), W=page,
+              WPI=max(1, 64 // page), VB=2, VG=min(page, 32), PAGES=pages, IL=il)  # fmt: skip
+    w = warps or (4 if d == 64 else 8)
+    tag = f"d{d} p{page} {'pages' if pages else 'rows '} w{w}"
+    if signals is None:
+        args.update(out_ptr="*bf16", o_st=grp * hkv * d, o_sh=d, tile_b="*i32", tile_m="*i32")
+        cx["PPI"] = 1
+        return Config(f"extend {tag}", "_extend_attn_kernel", args, cx, w)
+    args.update(colmass_ptr="*fp32", obs_ptr="*fp32", attn_ptr="*fp32", sig_sb=2 * 30720,
+                sig_sh=30720, TILES=480)  # fmt: skip
+    snap = signals == "snap"
+    cx.update(COLMASS=snap, OBS=snap, LAST=not snap, OBS_WINDOW=32)
+    return Config(f"extend-signals {signals} {tag}", "_extend_signals_kernel", args, cx, w)
+
+
 def configs() -> list[Config]:
     out = []
     for d in (64, 128):
@@ -151,6 +187,10 @@ def configs() -> list[Config]:
             out += [_split(True, m, d, True, 2, None, 16, il) for m in ("qevict2", "u4")]
         out += [_merge(d, s) for s in (4, 64)]
         out.append(_mass(d))
+        for page in (16, 32):
+            out += [_extend(d, pages, page) for pages in (False, True)]
+            out += [_extend(d, True, page, sig) for sig in ("attn", "snap")]
+        out += [_extend(d, True, 32, None, 4 if d == 128 else 8)]  # the other warp count
     return out
 
 

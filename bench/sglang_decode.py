@@ -31,6 +31,16 @@ forward, over the whole run); the bf16 baseline holds ``2 * 2 * L * H_kv * d`` b
 token the allocator held then (running requests and prompts cached in the radix tree, as plain
 SGLang's pool would). Writes
 ``sglang_decode.json`` under ``--out``.
+
+``--prefill``: time to first token instead (issue 19). Per kind (default ``plain tiered``, one
+engine each, same run; ``tiered_gather``: the extend path before the kernel,
+``--kv-extend sdpa``) and case of ``--prefill-cases`` (``PROMPTSxTOKENS``, default 1x4096,
+1x30000, 8x30000, 32x8192): fresh random prompts (no radix hit), one new token each, the
+faster of two calls (after an untimed call of the same shape that compiles the kernels);
+writes ``prefill-summary.json`` under ``--out``: ``{"gpu", "commit", "model", "rows":
+[{"system", "budget", "prompts", "tokens_each", "ttft_s"}]}`` and the tiered rows' host
+milliseconds per extend batch (``extend_attend``, ``route_extend``, ...) in
+``prefill-detail.json``.
 """
 
 from __future__ import annotations
@@ -100,17 +110,9 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
     import sglang
 
     stats = Path(tempfile.mkdtemp()) / "stats.json"
-    kw = dict(model_path=a.model, mem_fraction_static=0.6, context_length=a.context + 512,
-              attention_backend="triton", log_level="error",
-              cuda_graph_max_bs_decode=a.graph_max_bs)  # fmt: skip
-    if a.load_format != "auto":  # "dummy": random weights of the model's shapes (timing only)
-        kw.update(load_format=a.load_format, skip_tokenizer_init=True)
+    kw = _engine_kwargs(kind, a, a.context)
     if kind.startswith("tiered"):
-        kw.update(kv_policy=a.policy, chunked_prefill_size=a.chunk, kv_stats=str(stats),
-                  kv_device_times=True)  # two CUDA events a replay  # fmt: skip
-        kw.pop("attention_backend")
-        if a.budget:
-            kw["kv_budget"] = a.budget
+        kw.update(kv_stats=str(stats), kv_device_times=True)  # two CUDA events a replay
         kw["kv_overlap"] = kind == "tiered_overlap"
         # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
         kw["kv_observe"] = "step" if kind == "tiered_step" else "fold"
@@ -164,6 +166,113 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
     return out
 
 
+PREFILL_CASES = ("1x4096", "1x30000", "8x30000", "32x8192")
+
+
+def _engine_kwargs(kind: str, a, context: int) -> dict:
+    kw = dict(model_path=a.model, mem_fraction_static=0.6, context_length=context + 512,
+              attention_backend="triton", log_level="error",
+              cuda_graph_max_bs_decode=a.graph_max_bs)  # fmt: skip
+    if a.load_format != "auto":  # "dummy": random weights of the model's shapes (timing only)
+        kw.update(load_format=a.load_format, skip_tokenizer_init=True)
+    if kind.startswith("tiered"):
+        kw.update(kv_policy=a.policy, chunked_prefill_size=a.chunk)
+        kw.pop("attention_backend")
+        if a.budget:
+            kw["kv_budget"] = a.budget
+    return kw
+
+
+def _budget(a) -> str:
+    """The tiered run's budget: ``--budget``, else the shipped policy file's."""
+    if a.budget:
+        return a.budget
+    path = Path(__file__).resolve().parents[1] / "policies" / f"{a.policy}.yaml"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if line.startswith("budget:"):
+            return line.split(":", 1)[1].split("#")[0].strip()
+    return "policy default"
+
+
+def prefill(kind: str, a, vocab: int = 30000) -> tuple[list[dict], dict]:
+    """TTFT rows of one kind over ``a.prefill_cases`` (see the module docstring), and the
+    tiered kind's host ms per extend batch per case."""
+    import sglang
+
+    cases = [tuple(int(x) for x in c.split("x")) for c in a.prefill_cases]
+    stats = Path(tempfile.mkdtemp()) / "stats.json"
+    kw = _engine_kwargs(kind, a, max(t for _, t in cases))
+    if kind.startswith("tiered"):
+        kw["kv_stats"] = str(stats)
+        # tiered_gather: the gather path (SDPA per request and layer), before the extend kernel
+        kw["kv_extend"] = "sdpa" if kind == "tiered_gather" else "kernel"
+    engine = sglang.Engine(**kw)
+    rng = random.Random(1)
+    rows, detail = [], {}
+    try:
+        for n, tokens in cases:
+            fresh = [[[rng.randrange(100, vocab) for _ in range(tokens)] for _ in range(n)]
+                     for _ in range(3)]  # fmt: skip
+            timed(engine, fresh[0], 1)  # compiles this shape's kernels
+            before = _host_s(stats)
+            best = min(timed(engine, f, 1) for f in fresh[1:])
+            tiered = kind.startswith("tiered")
+            rows.append({"system": kind if tiered else "plain",
+                         "budget": _budget(a) if tiered else "100%", "prompts": n,
+                         "tokens_each": tokens, "ttft_s": round(best, 4)})  # fmt: skip
+            if kind.startswith("tiered"):
+                detail[f"{n}x{tokens}"] = _per_step(before, _host_s(stats))
+            if n <= 8:  # greedy tokens after the prompt: kinds that prefill alike agree
+                digest: list[str] = []
+                engine.flush_cache()  # a whole prefill again, not a radix hit
+                timed(engine, fresh[1], a.prefill_tokens, digest)
+                detail[f"{n}x{tokens}_sha256"] = digest[0]
+            print("prefill", kind, rows[-1], flush=True)
+            engine.flush_cache()  # the timed prompts leave the radix tree
+    finally:
+        engine.shutdown()
+    return rows, detail
+
+
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    except Exception:  # noqa: BLE001 - a copy of the tree without .git
+        return os.environ.get("TR_COMMIT", "unknown")
+
+
+def main_prefill(a) -> None:
+    import torch
+
+    out = {"gpu": torch.cuda.get_device_name(0), "commit": _commit(), "model": a.model,
+           "rows": []}  # fmt: skip
+    detail = {"command": "python bench/sglang_decode.py " + " ".join(os.sys.argv[1:])}
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    for kind in a.kinds:
+        try:
+            rows, det = prefill(kind, a)
+            out["rows"] += rows
+            detail[kind] = det
+        except Exception as e:  # record the failure, keep the other kind's numbers
+            detail[kind] = {"error": repr(e)[:2000]}
+            print(kind, "FAILED", repr(e)[:2000], flush=True)
+        Path(a.out, "prefill-summary.json").write_text(json.dumps(out, indent=1))
+        Path(a.out, "prefill-detail.json").write_text(json.dumps(detail, indent=1))
+    plain = {(r["prompts"], r["tokens_each"]): r["ttft_s"] for r in out["rows"]
+             if r["system"] == "plain"}  # fmt: skip
+    shas = {k: {c: v for c, v in d.items() if c.endswith("_sha256")} for k, d in detail.items()
+            if isinstance(d, dict)}  # fmt: skip
+    print("greedy tokens (sha256 per case):", json.dumps(shas), flush=True)
+    for r in out["rows"]:
+        base = plain.get((r["prompts"], r["tokens_each"]))
+        if r["system"] != "plain" and base:
+            print(f"{r['prompts']} x {r['tokens_each']}: tiered {r['ttft_s']:.3f} s, plain "
+                  f"{base:.3f} s, ratio {r['ttft_s'] / base:.2f}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="/tmp/models/qwen2.5-0.5b")
@@ -181,7 +290,15 @@ def main() -> None:
     p.add_argument("--load-format", default="auto", help="'dummy': random weights from the "
                    "model folder's config.json (times only: no weights to stage)")  # fmt: skip
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--prefill", action="store_true", help="time to first token (see above)")
+    p.add_argument("--prefill-cases", nargs="+", default=list(PREFILL_CASES))
+    p.add_argument("--prefill-tokens", type=int, default=16, help="greedy tokens whose "
+                   "sha256 --prefill records per case of <= 8 prompts")  # fmt: skip
     a = p.parse_args()
+    if a.prefill:
+        if a.kinds == p.get_default("kinds"):
+            a.kinds = ["plain", "tiered"]
+        return main_prefill(a)
     import torch
 
     res = {

@@ -95,10 +95,10 @@ def launch(policy: str, log: Path):
     ]  # fmt: skip
     if policy != "none":
         cmd += ["--kv-policy", policy] + (["--kv-budget", BUDGET] if BUDGET else [])
+        cmd += ["--kv-stats", str(log.resolve().with_suffix(".stats.json"))]
     cmd += e2e.EXTRA
-    env = dict(os.environ, TIERED_RADIX_STATS=str(log.resolve().with_suffix(".stats.json")))
     f = open(log.resolve(), "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+    return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                             cwd=log.resolve().parent)  # fmt: skip
 
 

@@ -335,6 +335,69 @@ def test_decode_kernel_matches_the_gather_path(monkeypatch, policy):
     assert (ks["decode"], ks["kernel_steps"], gs["kernel_steps"]) == ("kernel", 7, 0)
 
 
+# window scores from the prefill signals (colmass, obs_attn), which the extend kernel's second
+# pass computes
+SIGNALS_POLICY = KERNEL_POLICY.replace(
+    "cumulative(attn, decay=0.99)", "cumulative(colmass, decay=1) + pool_max(obs_attn, size=3)"
+)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [KERNEL_POLICY, POSITION_POLICY, SIGNALS_POLICY, KIVI_POLICY],
+    ids=["attn", "position", "signals", "kivi"],
+)
+def test_extend_kernel_matches_the_gather_path(monkeypatch, policy):
+    """The extend kernel (interpreted on CPU) over a varlen batch of chunks whose prefixes hold
+    rows, INT2 pages and evicted windows (routed after the first chunk): outputs, the signals
+    it feeds the engines, and so every later tier decision equal the float32 gather path's."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runs = {}
+    for kernel in (False, True):
+        options = KVOptions(extend="kernel" if kernel else "exact", decode="gather")
+        h = Harness(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                    options=options)  # fmt: skip
+        assert h.backend.extend_kernel == kernel
+        a, b = h.start("a", list(range(1, 91))), h.start("b", list(range(20, 56)))
+        outs = [h.step([a, b], [a.origin_input_ids[:64], b.origin_input_ids], extend=True)]
+        outs.append(h.step([a, b], [a.origin_input_ids[64:], [60 + i for i in range(21)]], True))
+        eb = h.backend.ebatch
+        for t in range(3):
+            outs.append(h.step([a, b], [[80 + t], [90 + t]], extend=False))
+        tiers = [h.backend.sessions[r].store.tiers(li) for r in "ab" for li in range(h.sim.L)]
+        runs[kernel] = outs, tiers, eb, h.backend.stats()
+    (go, gt, geb, gs), (ko, kt, keb, ks) = runs[False], runs[True]
+    for x, y in zip(go, ko, strict=True):
+        for u, v in zip(x, y, strict=True):
+            torch.testing.assert_close(v.float(), u.float(), rtol=2**-7, atol=1e-2)
+    assert all(torch.equal(x, y) for x, y in zip(gt, kt, strict=True))
+    assert geb is None and keb is not None and ks["extend"] == "kernel" and gs["extend"] == "gather"
+    kinds = keb.lists.pages.sum(), keb.lists.rows.sum()
+    assert kinds[0] > 0 and kinds[1] > 0  # the second chunks read pages and rows
+    assert h.backend.extend_kernel_batches == 2 and gs["routes"] == ks["routes"] >= 2
+
+
+def test_a_failing_extend_kernel_falls_back_to_the_gather_path(monkeypatch):
+    """A kernel that cannot run here (e.g. a Triton compile error) at the first extend: the
+    backend serves through the gather path and says why in its stats."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from tiered_radix.adapters.sglang import trizone
+
+    def fails(*_a, **_k):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(trizone, "extend_layer", fails)
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                options=KVOptions(extend="kernel"))  # fmt: skip
+    a = h.start("a", list(range(1, 40)))
+    outs = h.step([a], [a.origin_input_ids], extend=True)
+    st = h.backend.stats()
+    assert st["extend"] == "gather" and "no kernel here" in st["kernel_error"]
+    assert all(not o.isnan().any() for o in outs) and h.backend.extend_kernel_batches == 0
+
+
 def test_stats_file_is_rewritten_after_each_routing(tmp_path):
     path = tmp_path / "stats.json"
     h = Harness(options=KVOptions(stats=str(path)))

@@ -13,7 +13,7 @@ from tiered_radix.adapters.sglang.options import KVOptions, OptionsError, add_fl
 def test_device_defaults_and_explicit_choices():
     o = KVOptions()
     assert (o.extend_on("cpu"), o.gather_on("cpu")) == ("exact", "live")
-    assert (o.extend_on("cuda:0"), o.gather_on("cuda")) == ("sdpa", "all")
+    assert (o.extend_on("cuda:0"), o.gather_on("cuda")) == ("kernel", "all")
     o = KVOptions(extend="sdpa", gather="all")
     assert (o.extend_on("cpu"), o.gather_on("cpu")) == ("sdpa", "all")
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -17,9 +17,12 @@ reads them), fed to the request's store. After the last layer, requests whose sc
 route: the store plans, and :meth:`~.radix.TieredRadixCache.route` moves the pool's blocks.
 
 Extend routes after every chunk when the policy says ``after_prefill`` (as the transformers
-adapter does); decode steps count per request. Extend gathers rows per request and layer and
-attends with ``scaled_dot_product_attention`` under a kept/causal mask on CUDA (float32 score
-blocks on CPU, or with ``--kv-extend exact``); decode runs the TriZone kernel over the
+adapter does); decode steps count per request. Extend runs the TriZone extend kernel on CUDA
+(:func:`~.trizone.extend_layer`: one launch a layer for the batch, the pool read in place, the
+policy's signals from a second pass, observed after the last layer); without it (the CPU, or
+``--kv-extend sdpa``/``exact``) it gathers rows per request and layer and attends with
+``scaled_dot_product_attention`` under a kept/causal mask (float32 score blocks on CPU, or with
+``--kv-extend exact``); decode runs the TriZone kernel over the
 pool's pages and rows in place (:mod:`.trizone`) where it can read the pool, else PyTorch.
 
 CUDA graphs (decode): SGLang calls :meth:`init_forward_metadata_out_graph` before capturing a
@@ -63,7 +66,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from tiered_radix.engine.attention import attend, attend_sdpa
 from tiered_radix.engine.scores import ScoreEvaluator
 from tiered_radix.engine.shard import HeadShard
-from tiered_radix.engine.signals import PREFILL_SIGNALS, at_positions, policy_reads
+from tiered_radix.engine.signals import PREFILL_SIGNALS, Signals, at_positions, policy_reads
 from tiered_radix.engine.store import TierStore
 from tiered_radix.kernels import decode
 
@@ -135,11 +138,15 @@ class _Req:
 
 
 def extend_attention(device, options: KVOptions):
-    """Extend's attention, ``--kv-extend``: ``attend_sdpa`` (``sdpa``, the default on CUDA: a
-    fused kernel in the model's dtype; GPU run 6 spent 25 s of a 37 s prefill in the float32
-    path) or ``attend`` (``exact``, the default on CPU: float32, the engine's reference
-    numbers)."""
-    return attend_sdpa if options.extend_on(device) == "sdpa" else attend
+    """The gather path's extend attention, ``--kv-extend``: ``attend_sdpa`` (``sdpa``: a fused
+    kernel in the model's dtype; GPU run 6 spent 25 s of a 37 s prefill in the float32 path) or
+    ``attend`` (``exact``, the default on CPU: float32, the engine's reference numbers). Under
+    ``kernel`` (the default on CUDA) it serves batches the extend kernel cannot: ``sdpa`` on
+    CUDA, ``exact`` on CPU."""
+    mode = options.extend_on(device)
+    if mode == "kernel":
+        mode = "sdpa" if torch.device(device).type == "cuda" else "exact"
+    return attend_sdpa if mode == "sdpa" else attend
 
 
 def batch_rows(fb) -> tuple[list[int], list[int], list[int]] | None:
@@ -181,10 +188,15 @@ def due_routings(batch: list[_Req], extend: bool, policy) -> list[tuple[_Req, st
 
 
 class TieredAttnBackend(AttentionBackend):
-    """``options``: the launch's ``--kv-*`` flags (defaults when omitted).
+    """``options``: the launch's ``--kv-*`` flags (defaults when omitted). Extend attention
+    runs through the TriZone extend kernel (:func:`~.trizone.extend_layer`: the pool read in
+    place, one launch a layer for the whole batch) where ``--kv-extend`` is ``kernel`` (the
+    default on CUDA) and it can read the pool; ``sdpa``/``exact`` name the gather path's
+    attention (the path before the kernel; on CPU ``exact`` is the reference).
 
     Raises:
-        PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`."""
+        PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`.
+    """
 
     def __init__(self, runner, options: KVOptions | None = None) -> None:
         super().__init__()
@@ -197,6 +209,8 @@ class TieredAttnBackend(AttentionBackend):
         self.last_layer = pool.start_layer + pool.layer_num - 1
         reads = policy_reads(self.policy)
         self.prefill_needs = frozenset(reads & set(PREFILL_SIGNALS))
+        # the extend kernel computes only what the policy reads (attn of the last query too)
+        self.extend_needs = self.prefill_needs | frozenset(reads & {"attn"})
         # decode attention mass (the kernel's side output): only for policies that read it
         self.decode_attn = "attn" in reads
         # replayed steps sum the side output on the device and fold it in before routing, where
@@ -209,6 +223,9 @@ class TieredAttnBackend(AttentionBackend):
         self.counters = BackendStats(path=options.stats)
         self.kernel = self._use_kernel()
         self.extend_attend = extend_attention(pool.device, options)
+        self.extend_kernel = self._use_extend_kernel()
+        self.extend_kernel_batches = 0  # extend forwards the kernel served
+        self.ebatch: trizone.ExtendBatch | None = None
         self.kernel_error: str | None = None
         self.dbatch: trizone.DecodeBatch | None = None
         model = getattr(runner, "model_config", None)
@@ -232,6 +249,13 @@ class TieredAttnBackend(AttentionBackend):
         runs = self.pool.device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
         return self.options.decode == "kernel" and runs and trizone.supported(self.pool)
 
+    def _use_extend_kernel(self) -> bool:
+        """Extend through the TriZone extend kernel (``--kv-extend kernel``, the default on CUDA)
+        where it can read the pool and Triton can run."""
+        dev = self.pool.device
+        runs = torch.device(dev).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+        return self.options.extend_on(dev) == "kernel" and runs and trizone.supported(self.pool)
+
     # -- per batch -------------------------------------------------------------------------
     @property
     def tree(self):
@@ -254,7 +278,7 @@ class TieredAttnBackend(AttentionBackend):
             self.timer.count("extend_batches" if self.extend else "decode_steps")
 
     def _metadata(self, fb) -> None:
-        self.batch, self.dbatch, self.graph_bs = [], None, None
+        self.batch, self.dbatch, self.graph_bs, self.ebatch = [], None, None, None
         rows = batch_rows(fb)
         if rows is None:
             return
@@ -365,7 +389,7 @@ class TieredAttnBackend(AttentionBackend):
         lists change: the summed side output goes to the engines first."""
         if not steady:
             self.fold_pending()
-        self.batch, self.extend, self.graph_bs = [], False, bs
+        self.batch, self.extend, self.graph_bs, self.ebatch = [], False, bs, None
         self.dbatch = self.graph.batches.get(bs)  # made by the capture's first layer (q heads)
         self.pool.end_step()
 
@@ -465,10 +489,23 @@ class TieredAttnBackend(AttentionBackend):
                 out = self._gather(q3, layer, li, dv)
             else:
                 self.counters.kernel_steps += li == 0
+        elif self.extend and self.extend_kernel and all(r.tq for r in self.batch):
+            try:
+                with self._timed("extend_attend"):
+                    out = self._extend_kernel(q3, layer, li)
+            except Exception as err:  # e.g. a Triton compile error on this GPU: keep serving
+                if li != 0 or self.extend_kernel_batches:
+                    raise
+                log.exception("tiered-radix: extend kernel failed; using the PyTorch path")
+                self.extend_kernel, self.kernel_error, self.ebatch = False, repr(err)[:500], None
+                out = self._gather(q3, layer, li, dv)
         else:
             with self._timed("extend_attend" if self.extend else "decode_gather"):
                 out = self._gather(q3, layer, li, dv)
         if layer.layer_id == self.last_layer:
+            if self.ebatch is not None:
+                with self._timed("observe_extend"):
+                    self._observe_extend()
             if self.dbatch is not None and self.kernel and self.dbatch.mass is not None:
                 with self._timed("observe"):
                     self._observe_decode()
@@ -493,6 +530,37 @@ class TieredAttnBackend(AttentionBackend):
             out[r.start : r.start + r.tq] = o.transpose(0, 1).to(out.dtype)
             r.session.store.observe(li, at_positions(signals, pos, t))
         return out
+
+    def _extend_kernel(self, q3, layer, li: int):
+        """The batch's new tokens: the TriZone extend kernel over the pool in place (lists of
+        every layer built at the first layer), the signals the policy reads kept for
+        :meth:`_observe_extend`."""
+        if self.ebatch is None:
+            views = [self.tree.views[r.rid] for r in self.batch]
+            with self._timed("extend_lists"):
+                self.ebatch = trizone.build_extend(
+                    self.pool, views, [r.tq for r in self.batch], [r.seq for r in self.batch],
+                    q3.shape[1] // self.pool.head_num, self.extend_needs,
+                )  # fmt: skip
+        q = q3.to(self.pool.dtype).contiguous()
+        out = trizone.extend_layer(self.pool, self.ebatch, li, q, float(layer.scaling))
+        return out.to(q3.dtype)
+
+    def _observe_extend(self) -> None:
+        """After the last layer: every layer's extend signals to each request's engine (attn
+        alone: all layers in one :meth:`~tiered_radix.engine.store.TierStore.observe_attn`)."""
+        eb = self.ebatch
+        self.extend_kernel_batches += 1
+        for b, r in enumerate(self.batch):
+            store = r.session.store
+            t = store.n_tokens(0)
+            if eb.need == {"attn"}:
+                store.observe_attn(eb.sig["attn"][:, b, :, :t])
+                continue
+            for li in range(self.layers):
+                sig = {n: x[li, b, :, :t] for n, x in eb.sig.items()}
+                qn = None if eb.qnorm is None else eb.qnorm[li, b]
+                store.observe(li, Signals(qnorm=qn, **sig))
 
     def _decode_kernel(self, q3, layer, li: int):
         """One decode token per request: the TriZone kernel over the pool's pages and rows,
@@ -551,6 +619,7 @@ class TieredAttnBackend(AttentionBackend):
         SGLang's replay of the forward) and their count (``replays``)."""
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
+        out["extend"] = "kernel" if self.extend_kernel else "gather"
         out |= self.timer.report()
         if self.tp is not None:
             out["tp"] = self.tp.record()

@@ -14,8 +14,9 @@ flag                   default                     what it selects
                                                    same tokens, slower decode; docs/sglang.md)
 ``--kv-decode``        ``kernel``                  decode attention: the TriZone kernel, or
                                                    ``gather`` (PyTorch over gathered rows)
-``--kv-extend``        ``sdpa`` CUDA, ``exact`` CPU  extend attention: a fused SDPA kernel in the
-                                                   model's dtype, or float32 score blocks
+``--kv-extend``        ``kernel`` CUDA, ``exact`` CPU  extend attention: the TriZone extend kernel
+                                                   over the pool in place, or the gather path with
+                                                   a fused SDPA kernel or float32 score blocks
 ``--kv-gather``        ``all`` CUDA, ``live`` CPU  extend reads every window (no host sync) or
                                                    only those some head reads (two syncs a read)
 ``--kv-observe``       ``fold``                    replayed decode steps sum their attention on the
@@ -37,7 +38,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 DECODE = ("kernel", "gather")
-EXTEND = ("sdpa", "exact")
+EXTEND = ("kernel", "sdpa", "exact")
 GATHER = ("live", "all")
 OBSERVE = ("fold", "step")
 GRAPH_TOKENS = 1 << 18
@@ -83,8 +84,8 @@ class KVOptions:
             raise OptionsError("--kv-graph-tokens and --kv-graph-splits must be positive")
 
     def extend_on(self, device) -> str:
-        """Extend's attention on ``device``: ``sdpa`` on CUDA, ``exact`` on CPU by default."""
-        return self.extend or ("sdpa" if _on_cuda(device) else "exact")
+        """Extend's attention on ``device``: ``kernel`` on CUDA, ``exact`` on CPU by default."""
+        return self.extend or ("kernel" if _on_cuda(device) else "exact")
 
     def gather_on(self, device) -> str:
         """What extend reads on ``device``: ``all`` on CUDA, ``live`` on CPU by default."""
@@ -120,7 +121,7 @@ class KVOptions:
 FLAGS = (
     ("overlap", None, "keep SGLang's overlap scheduler on (off by default: slower decode)"),
     ("decode", "{kernel,gather}", "decode attention: TriZone kernel (default) or PyTorch"),
-    ("extend", "{sdpa,exact}", "extend attention (default: sdpa on CUDA, exact on CPU)"),
+    ("extend", "{kernel,sdpa,exact}", "extend attention (default: kernel on CUDA, exact on CPU)"),
     ("gather", "{live,all}", "extend reads live windows or all (default: all on CUDA)"),
     ("observe", "{fold,step}", "graph steps' attention: summed on the device (fold) or per step"),
     ("graph_tokens", "N", f"tokens a captured decode batch holds (default {GRAPH_TOKENS})"),

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from tiered_radix.formats.layout import K_BITS, V_BITS, TriZoneLayout, k_sections
-from tiered_radix.kernels import decode
+from tiered_radix.kernels import decode, extend
 
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Q, R
 
@@ -81,17 +81,7 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
     B = len(views)
     n = [int(v.windows.numel()) for v in views]
     N = n_max or max(n)
-    # every request's windows side by side, then scattered to [B, N] (padding: window 0)
-    flat = torch.cat([v.windows for v in views])
-    mine = torch.cat([v.state for v in views], 2)  # [L, H, sum n]
-    borrowed = torch.cat([v.borrowed for v in views])
-    counts, total = torch.tensor(n, device=dev), sum(n)
-    shift = torch.arange(B, device=dev) * N - (counts.cumsum(0) - counts)
-    pos = torch.arange(total, device=dev) + shift.repeat_interleave(counts, output_size=total)
-    win = torch.zeros(B * N, dtype=torch.long, device=dev).index_copy_(0, pos, flat).view(B, N)
-    read = torch.where(borrowed, mine, pool.owner_all[:, :, flat])  # [L, H, sum n]
-    st = torch.full((L, H, B * N), S_EVICT, dtype=torch.int8, device=dev)
-    st = st.index_copy_(2, pos, read).view(L, H, B, N).transpose(1, 2)  # [L, B, H, N]
+    win, st = _window_states(pool, views, n, N)
     blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4)  # [L, 3, B, H, N]
     j = torch.arange(N, device=dev)
     ntok = (torch.tensor(seqs, device=dev)[:, None] - j * W).clamp(0, W)  # [B, N]
@@ -119,6 +109,42 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
         full_ptr, slots, units, _indptr(per_list.flatten()), blk[:, Q][qm],
         unit[qm].to(torch.int32), n, N, future,
     )  # fmt: skip
+
+
+def _window_states(pool, views, n: list[int], N: int) -> tuple[Tensor, Tensor]:
+    """The batch's windows ``win`` int64 ``[B, N]`` (padding: window 0) and the state each
+    request reads them in, int8 ``[L, B, H, N]`` (padding: evicted). No host sync."""
+    L, H, dev = pool.layer_num, pool.head_num, pool.device
+    B = len(views)
+    # every request's windows side by side, then scattered to [B, N]
+    flat = torch.cat([v.windows for v in views])
+    mine = torch.cat([v.state for v in views], 2)  # [L, H, sum n]
+    borrowed = torch.cat([v.borrowed for v in views])
+    counts, total = torch.tensor(n), sum(n)
+    if torch.device(dev).type == "cuda":  # pinned: the copy does not wait for the device
+        counts = counts.pin_memory()
+    counts = counts.to(dev, non_blocking=True)
+    shift = torch.arange(B, device=dev) * N - (counts.cumsum(0) - counts)
+    pos = torch.arange(total, device=dev) + shift.repeat_interleave(counts, output_size=total)
+    win = torch.zeros(B * N, dtype=torch.long, device=dev).index_copy_(0, pos, flat).view(B, N)
+    read = torch.where(borrowed, mine, pool.owner_all[:, :, flat])  # [L, H, sum n]
+    st = torch.full((L, H, B * N), S_EVICT, dtype=torch.int8, device=dev)
+    return win, st.index_copy_(2, pos, read).view(L, H, B, N).transpose(1, 2)
+
+
+def extend_lists(pool, views) -> extend.WindowLists:
+    """The extend kernel's window lists of every layer (``[L, ...]``, :meth:`~tiered_radix.
+    kernels.extend.WindowLists.layer` slices one) for requests with ``views``: per (request,
+    head) the windows read full or restored (row blocks ``FULL``/``R``) in window order, then
+    those read quantized (ledger pages); evicted windows in neither. Device ops only, no host
+    sync (the window counts are host values)."""
+    n = [int(v.windows.numel()) for v in views]
+    win, st = _window_states(pool, views, n, max(n))
+    blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4)  # [L, 3, B, H, N]
+    rows = (st == S_FULL) | (st == S_R)
+    kind = torch.where(rows, extend.ROW, torch.where(st == S_Q, extend.PAGE, extend.ABSENT))
+    row_blk = torch.where(st == S_FULL, blk[:, FULL], blk[:, R])
+    return extend.window_lists(kind, row_blk, blk[:, Q])
 
 
 def k_table(pool, lists: int) -> Tensor:
@@ -213,4 +239,52 @@ def window_attn(batch: DecodeBatch, window: int) -> Tensor:
     H = HN // batch.n_max
     out = batch.mass.new_zeros(L, B, H, batch.n_max * window)
     out[..., ::window] = batch.mass.view(L, B, H, batch.n_max)
+    return out
+
+
+@dataclass
+class ExtendBatch:
+    """One extend forward through the extend kernel: the plan, every layer's window lists, and
+    per layer the signals the policy reads (``sig[name]`` float32 ``[L, B, H, T_max]`` at token
+    positions, ``qnorm`` ``[L, B, H, d]``), filled by :func:`extend_layer`."""
+
+    plan: extend.ExtendPlan
+    lists: extend.WindowLists
+    need: frozenset[str]
+    sig: dict[str, Tensor]
+    qnorm: Tensor | None
+
+
+def build_extend(pool, views, q_lens: list[int], seqs: list[int], group: int,
+                 need: frozenset[str]) -> ExtendBatch:  # fmt: skip
+    """:class:`ExtendBatch` of requests with ``views``, ``q_lens`` new tokens of ``seqs``;
+    ``group`` query heads per KV head; ``need``: the signals to compute (``attn``,
+    ``obs_attn``, ``colmass``, ``qnorm``)."""
+    L, H, dev = pool.layer_num, pool.head_num, pool.device
+    p = extend.plan(q_lens, seqs, group, dev)
+    sig = {
+        n: torch.empty(L, p.batch, H, p.t_max, dtype=torch.float32, device=dev)
+        for n in need & {"attn", "obs_attn", "colmass"}
+    }
+    qn = None
+    if "qnorm" in need:
+        qn = torch.empty(L, p.batch, H, pool.head_dim, dtype=torch.float32, device=dev)
+    return ExtendBatch(p, extend_lists(pool, views), frozenset(need), sig, qn)
+
+
+def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> Tensor:
+    """Layer ``li``'s extend attention of q ``[n, H_q, d]`` over the pool in place (the batch's
+    new K/V already written), its signals into ``eb``; returns out ``[n, H_q, d]`` (pool dtype)."""
+    quant = pool.layout.quant
+    st = extend.LayerStore(
+        pool.rows_k[li], pool.rows_v[li], pool.pages[li] if pool.pages else None,
+        quant.bits if quant else 2, pool.v_group or 8,
+    )  # fmt: skip
+    H, ls = pool.head_num, eb.lists.layer(li)
+    out, lse = extend.run(q, st, ls, eb.plan, H, sm_scale=sm_scale)
+    if eb.sig:
+        into = {n: x[li] for n, x in eb.sig.items()}
+        extend.signals(q, lse, st, ls, eb.plan, H, eb.need, sm_scale=sm_scale, into=into)
+    if eb.qnorm is not None:
+        eb.qnorm[li] = extend.chunk_qnorm(q, eb.plan, H)
     return out

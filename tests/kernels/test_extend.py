@@ -1,0 +1,174 @@
+"""TriZone extend kernels (interpreted on CPU, compiled on CUDA) vs their PyTorch twin, and the
+twin vs the transformers adapter's ``attend`` (the signal definitions) over the same rows: a
+batch of requests of different prefix and chunk lengths whose prefix windows are full rows,
+INT-k pages or evicted per head, in one launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_guard import CUDA, require_triton
+
+require_triton()
+DEV = "cuda" if CUDA else "cpu"
+# float32 dots under the interpreter; on the GPU the dots take bf16 operands (dequantized keys
+# and probabilities rounded to bf16)
+TOL = 2e-2 if CUDA else 1e-3
+
+from tiered_radix.kernels import extend  # noqa: E402
+
+from tiered_radix.adapters.transformers.attention import attend  # noqa: E402
+from tiered_radix.formats.layout import pack_uniform_pages  # noqa: E402
+
+
+def make_batch(prefix, chunk, *, H=2, G=2, d=64, W=16, bits=2, v_group=16, seed=0,
+               dtype=torch.bfloat16, p_page=0.35, p_evict=0.25, dev=DEV):  # fmt: skip
+    """Random storage and window lists: request b has prefix[b] old tokens and chunk[b] new
+    ones; prefix windows wholly before the chunk are rows / pages / absent at random per head;
+    the chunk's windows (and the partial one it continues) are rows in every head. Unused rows
+    and rows past each request's length are NaN, as in the pool."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(prefix)
+    seqs = [p + c for p, c in zip(prefix, chunk, strict=True)]
+    N = max(-(-s // W) for s in seqs)
+    n_rows = 1 + B * H * N  # block 0: the NaN trap
+    rows_k = torch.randn(n_rows, W, d, generator=g)
+    rows_v = torch.randn(n_rows, W, d, generator=g)
+    rows_k[0] = rows_v[0] = float("nan")
+    pk, pv = torch.randn(B * H * N, W, d, generator=g), torch.randn(B * H * N, W, d, generator=g)
+    pk = pk * torch.rand(B * H * N, 1, d, generator=g) * 3  # per-channel spread, as real K
+    pages = pack_uniform_pages(pk, pv, bits, v_group)
+    pages = torch.cat([torch.zeros_like(pages[:1]), pages])  # page 0: never listed
+    kind = torch.full((B, H, N), extend.ABSENT, dtype=torch.int8)
+    row_blk = torch.zeros(B, H, N, dtype=torch.long)
+    page_blk = torch.zeros(B, H, N, dtype=torch.long)
+    perm = torch.randperm(n_rows - 1, generator=g) + 1
+    pperm = torch.randperm(B * H * N, generator=g) + 1
+    i = 0
+    for b in range(B):
+        n, first_new = -(-seqs[b] // W), prefix[b] // W
+        for h in range(H):
+            for j in range(n):
+                row_blk[b, h, j], page_blk[b, h, j] = perm[i], pperm[i]
+                i += 1
+                u = float(torch.rand((), generator=g))
+                if j >= first_new or u >= p_page + p_evict:
+                    kind[b, h, j] = extend.ROW
+                elif u < p_page:
+                    kind[b, h, j] = extend.PAGE
+            last = int(row_blk[b, h, n - 1])
+            rows_k[last, seqs[b] - (n - 1) * W :] = float("nan")
+            rows_v[last, seqs[b] - (n - 1) * W :] = float("nan")
+    used = row_blk[kind == extend.ROW].unique()
+    free = torch.ones(n_rows, dtype=torch.bool)
+    free[used] = False
+    rows_k[free] = rows_v[free] = float("nan")
+    q = torch.randn(sum(chunk), H * G, d, generator=g) * 2
+    st = extend.LayerStore(rows_k.to(dtype).to(dev), rows_v.to(dtype).to(dev), pages.to(dev),
+                           bits, v_group)  # fmt: skip
+    ls = extend.window_lists(kind.to(dev), row_blk.to(dev), page_blk.to(dev))
+    p = extend.plan(list(chunk), seqs, G, dev)
+    return q.to(dtype).to(dev), st, ls, p, kind
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
+
+
+CASES = {
+    "mixed": ([0, 70, 33, 5, 96], [40, 20, 1, 33, 48]),
+    "long": ([150, 0], [70, 130]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("G", [1, 3])
+def test_kernel_matches_its_twin(case, G):
+    prefix, chunk = CASES[case]
+    q, st, ls, p, kind = make_batch(prefix, chunk, G=G, seed=len(case) + G)
+    assert bool((kind == extend.PAGE).any()) and bool((kind == extend.ABSENT).any())
+    scale = 64**-0.5
+    out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
+    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out, lse=lse)
+    need = frozenset({"attn", "obs_attn", "colmass"})
+    bufs = {n: torch.full((p.batch, 2, p.t_max + 3), float("nan"), device=q.device) for n in need}
+    sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale, into=bufs)
+    ro, rl, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=scale, need=need)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel(out, ro) < 1e-2, rel(out, ro)
+    torch.testing.assert_close(lse, rl, rtol=TOL, atol=TOL)
+    for n in need:
+        assert sig[n] is bufs[n] and not sig[n].isnan().any()
+        got = sig[n][..., : p.t_max]
+        assert rel(got, rs[n]) < TOL, (n, rel(got, rs[n]))
+        assert not sig[n][..., p.t_max :].any()
+
+
+@pytest.mark.parametrize("need", [{"attn"}, {"obs_attn"}, {"colmass", "attn"}])
+def test_only_the_signals_asked_for_are_computed(need):
+    q, st, ls, p, _ = make_batch([20, 0], [40, 17], seed=5)
+    scale = 64**-0.5
+    _, lse = extend.run(q, st, ls, p, 2, sm_scale=scale)
+    sig = extend.signals(q, lse, st, ls, p, 2, frozenset(need), sm_scale=scale)
+    _, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=scale, need=frozenset(need))
+    assert set(sig) == need
+    for n in need:
+        assert rel(sig[n], rs[n]) < TOL
+    assert extend.signals(q, lse, st, ls, p, 2, frozenset({"qnorm"}), sm_scale=scale) == {}
+
+
+def test_twin_and_kernel_match_attend_on_the_gathered_rows():
+    """The signal definitions: ``attend`` over each request's rows (evicted ones not kept)
+    gives the same outputs, ``attn``, ``obs_attn``, ``colmass`` and ``qnorm``."""
+    q, st, ls, p, _ = make_batch([40, 3], [50, 29], G=2, seed=9)
+    scale = 64**-0.5
+    need = frozenset({"attn", "obs_attn", "colmass"})
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale)
+    sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale)
+    qn = extend.chunk_qnorm(q, p, 2)
+    q0 = 0
+    for b, (tq, seq) in enumerate(zip(p.q_lens, p.seqs, strict=True)):
+        kv = [extend.gather_kv(st, ls, b, h, 2, seq) for h in range(2)]
+        k, v, kept = (torch.stack(x) for x in zip(*kv, strict=True))
+        qb = q[q0 : q0 + tq].transpose(0, 1)
+        o, s = attend(qb, k, v, kept, scale, need=need | {"qnorm"})
+        assert rel(out[q0 : q0 + tq].transpose(0, 1), o) < 1e-2
+        for name in need:
+            assert rel(sig[name][b, :, :seq], getattr(s, name)) < TOL, name
+        torch.testing.assert_close(qn[b], s.qnorm, rtol=1e-3, atol=1e-3)
+        q0 += tq
+
+
+def test_window_lists_sort_rows_before_pages_in_window_order():
+    kind = torch.tensor([[[0, 2, 1, 0, 1, 0]]], dtype=torch.int8)
+    rb = torch.arange(6)[None, None] + 10
+    pb = torch.arange(6)[None, None] + 20
+    ls = extend.window_lists(kind, rb, pb)
+    assert ls.rows.tolist() == [3] and ls.pages.tolist() == [2]
+    assert ls.win.tolist()[:5] == [0, 3, 5, 2, 4]
+    assert ls.blk.tolist()[:5] == [10, 13, 15, 22, 24]
+
+
+def test_bad_inputs_are_refused():
+    q, st, ls, p, _ = make_batch([0], [20])
+    with pytest.raises(extend.ExtendInputError, match="q must be"):
+        extend.run(q[:5], st, ls, p, 2, sm_scale=1.0)
+    with pytest.raises(extend.ExtendInputError, match="q_lens"):
+        extend.plan([5], [4], 2, "cpu")
+    with pytest.raises(extend.ExtendInputError, match="lists for"):
+        extend.run(q, st, ls, extend.plan([20], [20], 4, q.device), 1, sm_scale=1.0)
+
+
+@pytest.mark.parametrize("block_m, ppi, unpack", [(32, 1, None), (16, 2, None), (16, 1, "shift")])
+def test_tile_variants_match_the_twin(block_m, ppi, unpack):
+    """The benchmark's variants (32-token tiles, two pages an iteration) and the shift
+    unpacking that 16-token pages take on CUDA."""
+    q, st, ls, _, _ = make_batch([70, 0], [50, 33], G=3, seed=4)
+    p = extend.plan([50, 33], [120, 33], 3, q.device, block_m=block_m)
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125, ppi=ppi, unpack=unpack)
+    need = frozenset({"attn", "colmass"})
+    sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, unpack=unpack)
+    ro, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125, need=need)
+    assert rel(out, ro) < 1e-2
+    assert all(rel(sig[n], rs[n]) < TOL for n in need)
