@@ -162,7 +162,7 @@ def timed(fn, dev, reps: int) -> float:
 
 def run_case(batch: int, prefix: int, chunk: int, a, dev, scale: float) -> list[dict]:
     """Every contender at one (batch, prefix); rows printed as they complete."""
-    from tiered_radix.adapters.transformers.attention import attend_sdpa
+    from tiered_radix.engine.attention import attend_sdpa
 
     q, st, ls, p, kind = build(batch, prefix, chunk, a.full, a.quant, dev)
     runs = {"kernel": lambda: extend.run(q, st, ls, p, HKV, sm_scale=scale)}
