@@ -17,7 +17,7 @@ TOL = 2e-2 if CUDA else 1e-3
 
 from tiered_radix.kernels import extend  # noqa: E402
 
-from tiered_radix.adapters.transformers.attention import attend  # noqa: E402
+from tiered_radix.engine.attention import attend  # noqa: E402
 from tiered_radix.formats.layout import pack_uniform_pages  # noqa: E402
 
 
