@@ -19,9 +19,10 @@ require("sglang.srt.server_args")
 
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
 
-from tiered_radix.adapters.sglang import config, plugin  # noqa: E402
+from tiered_radix.adapters.sglang import config, plugin, sizing  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.policy import PolicyError, load_policy  # noqa: E402
+from tiered_radix.policy.model import Budget  # noqa: E402
 
 ARGV = ["--model-path", "dummy", "--attention-backend", "triton"]
 BARE = ["--model-path", "dummy"]
@@ -57,7 +58,14 @@ def test_without_kv_policy_nothing_changes(baseline):
     assert seen["mha_pool_class"] is int
 
 
-def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseline):
+def qwen_kvc(monkeypatch):
+    """SGLang's KV cache configurator, as the cell-size hook reads it, for Qwen2.5-0.5B."""
+    monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
+    model = SimpleNamespace(get_num_kv_heads=lambda tp: 2 // tp)
+    return SimpleNamespace(kv_cache_dtype=torch.bfloat16, model_config=model)
+
+
+def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseline, monkeypatch):
     args = prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-budget", "20%"])
     assert (args.radix_cache_backend, args.page_size) == ("tiered", 32)
     assert args.attention_backend == plugin.ATTENTION_BACKEND
@@ -67,7 +75,12 @@ def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseli
         capture_output=True, text=True, env=dict(os.environ), check=True,
     )  # fmt: skip
     assert child.stdout.split() == ["qevict", "fraction", "0.2"]
-    assert plugin.cell_size(1000) == 200  # the allocator gets 5x the slots of a bf16 pool
+    # 24 layers x 2 KV heads x d 64 in bf16 (Qwen2.5-0.5B): 12,288 bytes a full token; the
+    # budget's 20% of it, plus every slot's metadata (tables, engine state)
+    kvc, full = qwen_kvc(monkeypatch), 2 * 24 * 2 * 64 * 2
+    cell = plugin.cell_size(full, None, kvc, 24)
+    want = sizing.cell_bytes(load_policy("qevict"), Budget("fraction", 0.2), 24, 2, 64, 2)
+    assert cell == want and 0.2 * full < cell < 0.5 * full
 
 
 @pytest.mark.parametrize(("policy", "decode_graphs"), [("qevict", True), ("full", False)])

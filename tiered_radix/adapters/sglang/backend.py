@@ -555,13 +555,24 @@ class TieredAttnBackend(AttentionBackend):
         # planned together (one pass over their stacked layers), then one pool move for all
         moves = TierStore.route_many([r.session.store for r, _ in due], [why for _, why in due])
         routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
-        self.tree.route_many(routed)
+        for settled in self.tree.route_many(routed):  # the pool was short of blocks
+            self._settle(settled)
         if self.tp is not None:
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)
         self.counters.routed(moves, self.pool.device)
         self.counters.publish(self.stats, bool(due))
         return bool(due)
+
+    def _settle(self, s) -> None:
+        """Units whose move the pool degraded (:class:`~.radix.Settled`) take the engine tier
+        of the state they reached in their request's store, so its bytes and its next plan
+        follow the pool."""
+        lay = self.pool.layout
+        state = s.state.long()
+        tier = torch.tensor(lay.state_tiers(), device=state.device)[state]
+        copy = (state == S_Q) | ((state == S_R) & lay.write_once)
+        self.sessions[s.rid].store.settle(s.ly, s.h, s.u, tier, copy)
 
     def stats(self) -> dict:
         """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and
@@ -577,6 +588,7 @@ class TieredAttnBackend(AttentionBackend):
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
         out["host_s"] = {k: round(v, 6) for k, v in self.host_s.items()}
+        out["degraded_moves"] = self.pool.degraded  # moves the pool was short of blocks for
         if self.replay_events is not None:
             for start, end in self.replays_timed:
                 end.synchronize()
