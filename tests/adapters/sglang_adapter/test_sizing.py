@@ -100,8 +100,7 @@ def test_an_arena_pool_leaves_its_bytes_to_the_stores(monkeypatch):
 def test_the_engine_share_bounds_a_store_holding_every_slot(policy):
     """A request's tier engine (rows held elsewhere, as in the SGLang pool) after a prefill of
     200 tokens and 40 decode steps with routing holds no more device bytes per (layer, head,
-    token) than :func:`~.sizing.engine_bytes_per_token` counts (the decode lists aside: they
-    are the backend's)."""
+    token) than :func:`~.sizing.engine_bytes_per_token` counts."""
     from tiered_radix.adapters.transformers.cache import policy_reads
     from tiered_radix.engine.signals import Signals
 
@@ -125,10 +124,7 @@ def test_the_engine_share_bounds_a_store_holding_every_slot(policy):
     held += sum(s.present.nbytes + s.write_count.nbytes for s in store.stack.stores.values())
     held += sum(t.nbytes for t in store.scores._state.values())
     held += sum(t.nbytes for obs in store.scores._observed for t in obs.values())
-    from tiered_radix.adapters.sglang.trizone import PAGE_SIZES
-
-    lists = sizing.LIST_BYTES if Layout.of(p).window in PAGE_SIZES else 0
-    bound = (sizing.engine_bytes_per_token(p) - lists) * L * H * (T + 40)
+    bound = sizing.engine_bytes_per_token(p) * L * H * (T + 40)
     assert 0 < held <= bound
 
 
@@ -157,3 +153,19 @@ schedule: after_prefill
         plugin.cell_size(2 * 24 * 2 * 16, None, kvc(2, torch.float8_e4m3fn), 24)
     w = compile_text(tokens.replace("{UNITS}", "window(size=32)"))
     sizing.check_metadata(w, Budget("fraction", 0.1), 24, 2, 16, 1)
+
+
+@pytest.mark.parametrize("side_output", [False, True])
+def test_graph_buffers_are_what_buffer_bytes_says(side_output):
+    """The decode graphs' fixed buffers (outside the pool: SGLang's CUDA-graph memory) are
+    exactly :func:`~.graph.buffer_bytes`."""
+    from sglang_sim import Sim
+    from test_backend import KERNEL_POLICY
+
+    from tiered_radix.adapters.sglang import graph
+
+    sim = Sim(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=sizing.PoolBlocks(64, 64))
+    g = graph.GraphDecode(sim.pool, 4, 1000, 300, side_output, 0.9 if side_output else None)
+    held = sum(t.nbytes for t in vars(g).values() if isinstance(t, torch.Tensor))
+    want = graph.buffer_bytes(sim.L, sim.H, 64, sim.W, 4, 1000, 300, side_output)
+    assert held == want

@@ -324,7 +324,12 @@ class TieredAttnBackend(AttentionBackend):
         tokens = graph.capacity(self.context_len)
         self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
                                        self.decode_attn, self.fold_decay)  # fmt: skip
-        log.info("tiered-radix: decode CUDA graphs up to batch %d, %d tokens", max_bs, tokens)
+        pool = self.pool
+        nbytes = graph.buffer_bytes(pool.layer_num, pool.head_num, pool.head_dim,
+                                    pool.layout.window, max_bs, tokens, self.context_len,
+                                    self.decode_attn)  # fmt: skip
+        log.info("tiered-radix: decode CUDA graphs up to batch %d, %d tokens, %.1f MiB of "
+                 "buffers", max_bs, tokens, nbytes / (1 << 20))  # fmt: skip
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1

@@ -9,9 +9,14 @@ ledger pages, and its per-slot metadata on top:
   count (int32) per representation kind the layout holds, and the owner's state (int8);
 - *engine*: what running requests' tier engines hold per (layer, head, token) in device memory
   (:func:`engine_bytes_per_token`: tier maps, ledger-copy masks, score states, the latest
-  signals, the decode kernel's index lists), counted for every slot: the worst case, a pool
-  whose slots all belong to running requests. These bytes are not allocated up front: like
-  the arenas' rows (:mod:`.arena`), they stay free in what SGLang set aside for the pool.
+  signals), counted for every slot: the worst case, a pool whose slots all belong to running
+  requests. These bytes are not allocated up front: like the arenas' rows (:mod:`.arena`),
+  they stay free in what SGLang set aside for the pool.
+
+A decode step's index lists and gathered rows, and the decode graphs' fixed buffers
+(:func:`.graph.buffer_bytes`), live only while a step runs or are sized by the graphs' batch
+and token capacity, not by slots: like SGLang's own activations and CUDA graphs they come out of
+the memory outside ``mem_fraction_static``.
 
 So ``N * cell <= available`` holds for rows + codes + metadata (:func:`pool_bytes`, the split the
 startup log prints and the tests check against the built pool). Byte and token budgets are
@@ -52,7 +57,6 @@ TIER_BYTES = 8  # int64 tier per unit (CoupledStack.tier)
 COPY_BYTES = 1 + 4  # per quantized tier and unit: present (bool) and write_count (int32)
 STATE_BYTES = 4  # float32 per token of each cumulative(...) score state
 SIGNAL_BYTES = 4  # float32 per token of each token signal kept (attn, colmass, obs_attn)
-LIST_BYTES = 8  # the decode kernel's lists: slot and unit (int32) per listed row
 
 
 @dataclass(frozen=True)
@@ -115,10 +119,7 @@ def _unit_size(policy: Policy) -> int:
 def engine_bytes_per_token(policy: Policy) -> float:
     """Upper bound of a running request's engine state per (layer, head, token), in bytes (see
     the module docstring): tiers and copy masks per unit, ``cumulative`` score states and the
-    latest token signals per token, with doubling growth; the decode kernel's lists where the
-    pool's window is one the kernel reads."""
-    from .trizone import PAGE_SIZES
-
+    latest token signals per token, with doubling growth."""
     tiers = TierSet.of(policy)
     W = _unit_size(policy)
     exprs = [e for _, e in policy.scores] + [r.when for r in policy.rules]
@@ -129,8 +130,7 @@ def engine_bytes_per_token(policy: Policy) -> float:
     names = {getattr(n, "id", None) for n in nodes}
     signals = 1 + len(names & {"colmass", "obs_attn"})  # attn is always observed
     per_unit = TIER_BYTES + COPY_BYTES * len(tiers.quantized)
-    lists = LIST_BYTES if policy.coupled and W in PAGE_SIZES else 0
-    return GROWTH * (per_unit / W + STATE_BYTES * cumulative) + SIGNAL_BYTES * signals + lists
+    return GROWTH * (per_unit / W + STATE_BYTES * cumulative) + SIGNAL_BYTES * signals
 
 
 def _fraction(budget: Budget) -> float:
