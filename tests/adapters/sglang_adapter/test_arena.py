@@ -256,8 +256,10 @@ def test_the_plugin_serves_rdkv_from_arenas(monkeypatch):
         assert args.disable_decode_cuda_graph and args.attention_backend == "tiered_triton"
         # arenas: the budget's 10% of a full token and the stores' engine state a slot
         monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
-        kvc = SimpleNamespace(kv_cache_dtype=torch.bfloat16,
-                              model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 2))
+        kvc = SimpleNamespace(
+            kv_cache_dtype=torch.bfloat16,
+            model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 2),
+        )
         full = 2 * 24 * 2 * 64 * 2
         want = sizing.cell_bytes(RDKV, RDKV.budget, 24, 2, 64, 2)
         assert plugin.cell_size(full, None, kvc, 24) == want and 0.1 * full < want < full

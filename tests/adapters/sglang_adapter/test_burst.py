@@ -150,6 +150,7 @@ def serve(h: Harness, prompts: dict[str, list[int]], out_len: int, chunk: int) -
             token_to_kv_pool_allocator=sim.alloc,
             new_tokens_required_next_decode=lambda idx: W * len(running),  # noqa: B023
         )
+
         def slots(_self, selected_indices=None):  # SGLang's own check: logical slots
             evict(sim, W * len(running))  # noqa: B023
             return sim.alloc.available_size() >= W * len(running)  # noqa: B023

@@ -38,8 +38,8 @@ def slots(policy_name: str, available: int, L: int, H: int, d: int, itemsize: in
     """SGLang's pool size: ``available // cell`` with the plugin's cell-size hook, page-aligned."""
     mp.setattr(plugin, "attn_tp_size", lambda: 1)
     policy = load_policy(policy_name)
-    mp.setattr(plugin.config, "current", lambda: SimpleNamespace(policy=policy,
-                                                                  budget=policy.budget))  # fmt: skip
+    current = SimpleNamespace(policy=policy, budget=policy.budget)
+    mp.setattr(plugin.config, "current", lambda: current)
     dtype = {2: torch.bfloat16, 1: torch.float8_e4m3fn}[itemsize]
     cell = plugin.cell_size(2 * L * H * d * itemsize, None, kvc(H, dtype), L)
     W = Layout.of(policy).window if policy.coupled else 1
@@ -147,8 +147,8 @@ schedule: after_prefill
 """
     p = compile_text(tokens.replace("{UNITS}", "token"))
     monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
-    monkeypatch.setattr(plugin.config, "current", lambda: SimpleNamespace(policy=p,
-                                                                          budget=p.budget))  # fmt: skip
+    current = SimpleNamespace(policy=p, budget=p.budget)
+    monkeypatch.setattr(plugin.config, "current", lambda: current)
     with pytest.raises(PoolConfigError, match=r"no more tokens.*window\(size=32\)"):
         plugin.cell_size(2 * 24 * 2 * 16, None, kvc(2, torch.float8_e4m3fn), 24)
     w = compile_text(tokens.replace("{UNITS}", "window(size=32)"))

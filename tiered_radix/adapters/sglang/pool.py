@@ -117,8 +117,7 @@ class TieredKVPool(MHATokenToKVPool):
         split = pool_bytes(size, head_num, head_dim, layer_num, itemsize, policy, self.budget,
                            self.blocks)  # fmt: skip
         log.info(
-            "tiered-radix pool: max_total_num_tokens=%d, %d row and %d ledger blocks a layer; "
-            "%s",
+            "tiered-radix pool: max_total_num_tokens=%d, %d row and %d ledger blocks a layer; %s",
             size,
             self.blocks.full,
             self.blocks.quant,

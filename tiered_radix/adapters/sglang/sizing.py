@@ -144,7 +144,9 @@ def slot_bytes(
     and pages, tables and engine state (see the module docstring)."""
     full = 2 * layers * heads * head_dim * itemsize
     lh = layers * heads
-    tables = lh * window_table_bytes(Layout.of(policy)) / _unit_size(policy) if policy.coupled else 0
+    tables = (
+        lh * window_table_bytes(Layout.of(policy)) / _unit_size(policy) if policy.coupled else 0
+    )
     return _fraction(budget) * full + tables + lh * engine_bytes_per_token(policy)
 
 
