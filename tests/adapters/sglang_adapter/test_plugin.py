@@ -322,3 +322,25 @@ def test_tensor_parallel_needs_per_head_scores(baseline, tmp_path):
         ServerArgs(model_path="dummy", kv_policy=str(heads), tp_size=2)
     with pytest.raises(ValueError, match="dp-attention"):
         ServerArgs(model_path="dummy", kv_policy="qevict", tp_size=2, enable_dp_attention=True)
+
+
+def test_the_chunked_request_is_cut_to_the_free_rows_or_parked():
+    """The chunked request's next chunk (SGLang always admits it): cut to the windows the free
+    rows hold; with none free while requests run, parked (returned without a chunk, so the
+    round decodes); with nothing running, it goes (nothing else could free rows)."""
+    from sglang_sim import Sim
+
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    sim = Sim(blocks=PoolBlocks(7, 8))  # 3 windows of 2 heads a layer
+    W = sim.W
+    a = Adder(sim, chunk=100, running=True)
+    req = prompt(5, W)
+    assert plugin.add_chunked_req(a.admit, a, req) == "CONTINUE"
+    assert req.extend_range.length == 3 * W and a.rem_chunk_tokens == 100 - 3 * W
+    sim.start("x", list(range(1, 3 * W + 1)))  # the rows are taken now
+    parked = Adder(sim, chunk=100, running=True)
+    req = prompt(2, W)
+    assert plugin.add_chunked_req(parked.admit, parked, req) is req and not parked.can_run_list
+    alone = Adder(sim, chunk=100, running=False)
+    assert plugin.add_chunked_req(alone.admit, alone, prompt(2, W)) == "CONTINUE"
