@@ -144,3 +144,30 @@ def test_folded_decode_attention_routes_like_one_observe_per_step(path):
     assert stores[0].events.steps and len(stores[0].events.steps) == len(stores[1].events.steps)
     for li in range(L):
         assert torch.equal(stores[0].tiers(li), stores[1].tiers(li))
+
+
+def test_settle_puts_units_where_the_rows_holder_left_them():
+    """Units the holder of the rows could not quantize (out of ledger blocks) and evicted
+    instead: ``settle`` gives them that tier and no copy, the bytes drop by their copies, and
+    one left at full precision marks the step over budget."""
+    policy = load_policy("qevict")
+    L, H, d, T = 1, 2, 64, 32 * 40
+    store = TierStore(policy, n_layers=L, n_heads=H, head_dim=d, reader=lambda li: None)
+    store.append_tokens(None, T)
+    g = torch.Generator().manual_seed(0)
+    store.observe(0, Signals(attn=torch.rand(H, T, generator=g)))
+    store.after_prefill()
+    ts = store.tier_set
+    q = (store.tiers(0) == ts.first_quantized).nonzero()[:3]
+    assert len(q) == 3 and not store.events.steps[-1].over_budget
+    before = store.bytes_used()
+    ly, h, u = torch.zeros(3, dtype=torch.long), q[:, 0], q[:, 1]
+    store.settle(ly[:2], h[:2], u[:2], torch.full((2,), ts.evict), torch.zeros(2, dtype=torch.bool))
+    assert (store.tiers(0)[h[:2], u[:2]] == ts.evict).all()
+    unit = store.stack.stores[ts.first_quantized].unit_nbytes
+    assert store.bytes_used() == before - 2 * unit
+    assert not store.events.steps[-1].over_budget
+    store.settle(
+        ly[2:], h[2:], u[2:], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool)
+    )
+    assert store.tiers(0)[h[2], u[2]] == 0 and store.events.steps[-1].over_budget

@@ -203,6 +203,11 @@ class StepEvents:
             self._over = bool(self._over)
         return self._over
 
+    def mark_over(self, over: bool | Tensor) -> None:
+        """The step's units ended above the budget after all (a 0-d device tensor or bool:
+        no host sync), e.g. where the rows' holder could not demote them as planned."""
+        self._over = self._over | over
+
     def __repr__(self) -> str:
         return (
             f"StepEvents(step={self.step}, reason={self.reason!r}, {self.transitions!r}, "

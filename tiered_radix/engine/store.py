@@ -234,6 +234,21 @@ class TierStore:
         plans = plan_routes(stores)
         return [s.apply(p, why) for s, p, why in zip(stores, plans, reasons, strict=True)]
 
+    def settle(self, layer: Tensor, head: Tensor, unit: Tensor, tier: Tensor, copy: Tensor) -> None:
+        """Units ``(layer, head, unit)`` (int64 ``[m]`` each) that the holder of the rows
+        (``reader=``) could not move as the last routing planned now sit at engine ``tier``
+        (``[m]``), with a ledger copy where ``copy`` (bool ``[m]``): the store's tiers and
+        bytes follow what is stored, and the next plan starts from there. The last step's
+        record is marked over budget where a unit stayed above its planned tier."""
+        st = self.stack
+        raised = tier < st.tier[layer, head, unit]  # a better (costlier) tier than planned
+        st.tier[layer, head, unit] = tier.to(st.tier.dtype)
+        for copies in st.stores.values():
+            copies.present[layer, head, unit] = copy
+            copies.write_count[layer, head, unit] = copy.int()
+        if self.events.steps:
+            self.events.steps[-1].mark_over(raised.any())
+
     # -- reading -------------------------------------------------------------------------
     def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """What attention reads: float32 ``k_hat, v_hat [H, T, d]`` (full rows, dequantized

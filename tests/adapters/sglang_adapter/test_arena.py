@@ -21,7 +21,7 @@ require("sglang.srt.mem_cache.chunk_cache")
 
 from test_backend import Mode  # noqa: E402
 
-from tiered_radix.adapters.sglang import config, plugin  # noqa: E402
+from tiered_radix.adapters.sglang import config, plugin, sizing  # noqa: E402
 from tiered_radix.adapters.sglang.arena import ArenaAttnBackend, ArenaCache, ArenaKVPool  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.engine.attention import attend  # noqa: E402
@@ -241,7 +241,7 @@ def test_stock_backends_cannot_read_the_arena():
         ArenaKVPool(64, 32, torch.bfloat16, H, D, L, "cpu", policy=RDKV)
 
 
-def test_the_plugin_serves_rdkv_from_arenas():
+def test_the_plugin_serves_rdkv_from_arenas(monkeypatch):
     """``--kv-policy rdkv``: page size 1, decode graphs off, the arena's pool, cache and backend
     (the budget's 10x slots, as for window policies)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -254,7 +254,15 @@ def test_the_plugin_serves_rdkv_from_arenas():
         args = prepare_server_args(["--model-path", "dummy", "--kv-policy", "rdkv"])
         assert (args.radix_cache_backend, args.page_size) == ("tiered", 1)
         assert args.disable_decode_cuda_graph and args.attention_backend == "tiered_triton"
-        assert plugin.cell_size(1000) == 100
+        # arenas: the budget's 10% of a full token and the stores' engine state a slot
+        monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
+        kvc = SimpleNamespace(
+            kv_cache_dtype=torch.bfloat16,
+            model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 2),
+        )
+        full = 2 * 24 * 2 * 64 * 2
+        want = sizing.cell_bytes(RDKV, RDKV.budget, 24, 2, 64, 2)
+        assert plugin.cell_size(full, None, kvc, 24) == want and 0.1 * full < want < full
         seen = {}
         plugin.build_mha_kv_pool(lambda self, **kw: seen.update(kw), None,
                                  max_total_num_tokens=64, mha_pool_class=int)  # fmt: skip

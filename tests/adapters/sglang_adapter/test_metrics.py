@@ -109,7 +109,7 @@ def record(h: Harness) -> Counter:
             for t in transitions[:]:
                 moves[t.kind] += 1
                 moves["ledger"] += t.ledger_write
-        route_many(many)
+        return route_many(many)
 
     h.sim.cache.route_many = routed
     return moves

@@ -19,10 +19,11 @@ require("sglang.srt.server_args")
 
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
 
-from tiered_radix.adapters.sglang import config, plugin  # noqa: E402
+from tiered_radix.adapters.sglang import config, plugin, sizing  # noqa: E402
 from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.policy import PolicyError, load_policy  # noqa: E402
+from tiered_radix.policy.model import Budget  # noqa: E402
 
 ARGV = ["--model-path", "dummy", "--attention-backend", "triton"]
 BARE = ["--model-path", "dummy"]
@@ -58,7 +59,14 @@ def test_without_kv_policy_nothing_changes(baseline):
     assert seen["mha_pool_class"] is int
 
 
-def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseline):
+def qwen_kvc(monkeypatch):
+    """SGLang's KV cache configurator, as the cell-size hook reads it, for Qwen2.5-0.5B."""
+    monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
+    model = SimpleNamespace(get_num_kv_heads=lambda tp: 2 // tp)
+    return SimpleNamespace(kv_cache_dtype=torch.bfloat16, model_config=model)
+
+
+def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseline, monkeypatch):
     args = prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-budget", "20%"])
     assert (args.radix_cache_backend, args.page_size) == ("tiered", 32)
     assert args.attention_backend == plugin.ATTENTION_BACKEND
@@ -68,7 +76,12 @@ def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseli
         capture_output=True, text=True, env=dict(os.environ), check=True,
     )  # fmt: skip
     assert child.stdout.split() == ["qevict", "fraction", "0.2"]
-    assert plugin.cell_size(1000) == 200  # the allocator gets 5x the slots of a bf16 pool
+    # 24 layers x 2 KV heads x d 64 in bf16 (Qwen2.5-0.5B): 12,288 bytes a full token; the
+    # budget's 20% of it, plus every slot's metadata (tables, engine state)
+    kvc, full = qwen_kvc(monkeypatch), 2 * 24 * 2 * 64 * 2
+    cell = plugin.cell_size(full, None, kvc, 24)
+    want = sizing.cell_bytes(load_policy("qevict"), Budget("fraction", 0.2), 24, 2, 64, 2)
+    assert cell == want and 0.2 * full < cell < 0.5 * full
 
 
 @pytest.mark.parametrize(("policy", "decode_graphs"), [("qevict", True), ("full", False)])
@@ -354,3 +367,25 @@ def test_tensor_parallel_needs_per_head_scores(baseline, tmp_path):
         ServerArgs(model_path="dummy", kv_policy=str(heads), tp_size=2)
     with pytest.raises(ValueError, match="dp-attention"):
         ServerArgs(model_path="dummy", kv_policy="qevict", tp_size=2, enable_dp_attention=True)
+
+
+def test_the_chunked_request_is_cut_to_the_free_rows_or_parked():
+    """The chunked request's next chunk (SGLang always admits it): cut to the windows the free
+    rows hold; with none free while requests run, parked (returned without a chunk, so the
+    round decodes); with nothing running, it goes (nothing else could free rows)."""
+    from sglang_sim import Sim
+
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    sim = Sim(blocks=PoolBlocks(7, 8))  # 3 windows of 2 heads a layer
+    W = sim.W
+    a = Adder(sim, chunk=100, running=True)
+    req = prompt(5, W)
+    assert plugin.add_chunked_req(a.admit, a, req) == "CONTINUE"
+    assert req.extend_range.length == 3 * W and a.rem_chunk_tokens == 100 - 3 * W
+    sim.start("x", list(range(1, 3 * W + 1)))  # the rows are taken now
+    parked = Adder(sim, chunk=100, running=True)
+    req = prompt(2, W)
+    assert plugin.add_chunked_req(parked.admit, parked, req) is req and not parked.can_run_list
+    alone = Adder(sim, chunk=100, running=False)
+    assert plugin.add_chunked_req(alone.admit, alone, prompt(2, W)) == "CONTINUE"

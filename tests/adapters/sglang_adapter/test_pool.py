@@ -161,10 +161,42 @@ def test_sizing_gives_more_slots_in_the_same_bytes():
     assert logical_tokens(1000, Budget("bytes", 1e6)) == 1000
     H, d, size = 8, 128, 32 * 1000
     b = plan_blocks(size, H, d, 2, qevict, Budget("fraction", 0.1))
-    phys = 0.1 * size * H * d * 2 * 2  # bytes per layer: 10% of the full-precision pool
     row, q = 2 * 32 * d * 2, 2 * (32 * d * 2 // 8 + 4 * (32 * d // 32))
+    # bytes per layer: 10% of the full-precision pool, less the NaN traps (a row block and a
+    # page), the scratch row block and the padding window's tables (3 kinds x 8 B + 1 a head)
+    phys = 0.1 * size * H * d * 2 * 2 - (2 * row + q + H * 25)
     assert b == PoolBlocks(int(0.5 * phys // row), int(0.5 * phys // q))
-    assert b.full * row + b.quant * q <= phys
+    assert (b.full + 2) * row + (b.quant + 1) * q + H * 25 <= 0.1 * size * H * d * 2 * 2
+
+
+def test_a_full_only_share_still_gets_ledger_room():
+    """``shares: {full: 100%, int2: 0%}``: rank allocation lets the budget a full window does
+    not fill flow down to int2, so the ledger keeps ``MIN_LEDGER_SHARE`` of the bytes (the
+    issue-21 crash had one ledger block a layer)."""
+    from tiered_radix.adapters.sglang.sizing import MIN_LEDGER_SHARE
+    from tiered_radix.policy import compile_text
+
+    p = compile_text(FULL_ONLY)
+    b = plan_blocks(32 * 1000, 8, 128, 2, p, Budget("fraction", 0.1))
+    row, q = 2 * 32 * 128 * 2, 2 * (32 * 128 * 2 // 8 + 4 * (32 * 128 // 32))
+    assert b.quant * q >= 0.99 * MIN_LEDGER_SHARE * (b.full * row + b.quant * q)
+    assert b.full * row >= 0.89 * (b.full * row + b.quant * q)
+
+
+FULL_ONLY = """
+policy: full-only
+budget: 10%
+units: window(size=32)
+scores:
+  s: cumulative(attn, decay=0.99)
+tiers:
+  full: keep(bf16)
+  int2: quantize(bits=2, group=32)
+  evicted: evict
+allocate: {method: rank, by: s, shares: {full: 100%, int2: 0%}}
+schedule: after_prefill
+ledger: write_once
+"""
 
 
 def test_unsupported_layouts_are_typed_errors():
@@ -183,3 +215,24 @@ def test_out_of_row_blocks_is_a_pool_full_error():
     sim = Sim(blocks=PoolBlocks(full=4, quant=4))  # 2 heads: two windows' worth
     with pytest.raises(PoolFullError, match="row blocks needed"):
         sim.start("a", list(range(1, 13)))
+
+
+def test_a_move_short_of_blocks_degrades_instead_of_failing():
+    """One free ledger block a layer and three windows to quantize: the first is quantized,
+    the others go to the next tier down (evicted), and ``move`` says so; a promotion with no
+    free row block stays quantized. Nothing raises and every block is accounted for."""
+    sim = Sim(blocks=PoolBlocks(full=8, quant=1))
+    _, w, _ = written(sim, list(range(1, 13)))  # 3 windows x 2 heads: 6 of 8 row blocks
+    pool, li = sim.pool, 0
+    h, win = torch.zeros(3, dtype=torch.long), w[:3]
+    got = pool.move(li, h, win, torch.full((3,), S_FULL), torch.full((3,), S_Q))
+    assert got.tolist() == [S_Q, S_EVICT, S_EVICT] and pool.degraded == 2
+    pool.owner[li][h, win] = got.to(torch.int8)
+    assert len(pool.free_q[li]) == 0 and len(pool.free_rows[li]) == 2 + 3
+    while pool.free_rows[li]:  # no row left to restore into
+        pool.free_rows[li].pop()
+    back = pool.move(li, h[:1], win[:1], torch.tensor([S_Q]), torch.tensor([S_R]))
+    assert back.tolist() == [S_Q] and pool.degraded == 3
+    k, _, kept = pool.read(li, win)
+    assert bool(kept[0, : sim.W].all()) and not bool(kept[0, sim.W :].any())
+    assert not torch.isnan(k[0, : sim.W]).any()  # the quantized window still reads its codes

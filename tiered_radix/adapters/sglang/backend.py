@@ -329,7 +329,12 @@ class TieredAttnBackend(AttentionBackend):
         self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
                                        self.decode_attn, self.fold_decay,
                                        splits=self.options.graph_splits)  # fmt: skip
-        log.info("tiered-radix: decode CUDA graphs up to batch %d, %d tokens", max_bs, tokens)
+        pool = self.pool
+        nbytes = graph.buffer_bytes(pool.layer_num, pool.head_num, pool.head_dim,
+                                    pool.layout.window, max_bs, tokens, self.context_len,
+                                    self.decode_attn)  # fmt: skip
+        log.info("tiered-radix: decode CUDA graphs up to batch %d, %d tokens, %.1f MiB of "
+                 "buffers", max_bs, tokens, nbytes / (1 << 20))  # fmt: skip
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -598,13 +603,24 @@ class TieredAttnBackend(AttentionBackend):
         # planned together (one pass over their stacked layers), then one pool move for all
         moves = TierStore.route_many([r.session.store for r, _ in due], [why for _, why in due])
         routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
-        self.tree.route_many(routed)
+        for settled in self.tree.route_many(routed):  # the pool was short of blocks
+            self._settle(settled)
         if self.tp is not None:
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)
         self.counters.routed(moves, self.pool.device)
         self.counters.publish(self.stats, bool(due))
         return bool(due)
+
+    def _settle(self, s) -> None:
+        """Units whose move the pool degraded (:class:`~.radix.Settled`) take the engine tier
+        of the state they reached in their request's store, so its bytes and its next plan
+        follow the pool."""
+        lay = self.pool.layout
+        state = s.state.long()
+        tier = torch.tensor(lay.state_tiers(), device=state.device)[state]
+        copy = (state == S_Q) | ((state == S_R) & lay.write_once)
+        self.sessions[s.rid].store.settle(s.ly, s.h, s.u, tier, copy)
 
     def stats(self) -> dict:
         """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and
@@ -620,6 +636,7 @@ class TieredAttnBackend(AttentionBackend):
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
         out["extend"] = "kernel" if self.extend_kernel else "gather"
+        out["degraded_moves"] = self.pool.degraded  # moves the pool was short of blocks for
         out |= self.timer.report()
         if self.tp is not None:
             out["tp"] = self.tp.record()

@@ -42,6 +42,24 @@ def capacity(context_len: int, tokens: int) -> int:
     return max(tokens, context_len)
 
 
+def buffer_bytes(
+    layers: int, heads: int, head_dim: int, window: int, max_bs: int, tokens: int,
+    context_len: int, side_output: bool,
+) -> int:  # fmt: skip
+    """Device bytes of :class:`GraphDecode`'s buffers (sized by batch and token capacity, not by
+    the pool's slots: they come out of the memory SGLang keeps for CUDA graphs)."""
+    L, H, W, d = layers, heads, window, head_dim
+    lists, n_max = max_bs * H, -(-context_len // W)
+    rows, pages = H * tokens, H * (-(-tokens // W) + max_bs)
+    i32 = 4 * (
+        L * (lists + 1) + L * lists + 2 * L * rows + L * (4 * lists + 1)
+        + L * pages + L * pages * W + 2 * pages + 4 * lists * 12 + lists * d
+    )  # fmt: skip
+    i64 = 8 * (L * pages + L * lists)  # page offsets, dest
+    mass = 4 * L * max_bs * H * n_max if side_output else 0
+    return i32 + i64 + mass
+
+
 class GraphDecode:
     """Fixed-address decode state for batch sizes up to ``max_bs`` (one set of buffers: a
     batch size uses their first rows), ``tokens`` tokens a batch, requests of up to

@@ -174,11 +174,53 @@ def server_args_init(original, self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
-def cell_size(result, *_args, **_kwargs):
+def cell_size(result, _self=None, kvc=None, num_layers=None, *_args, **_kwargs):
+    """SGLang's bytes per token slot (``result``: one token's K and V over the rank's layers)
+    for a tiered pool: :func:`~.sizing.cell_bytes`, the budget's rows and pages plus every
+    slot's metadata, so ``N = available // cell`` slots fit in what SGLang set aside.
+
+    Raises:
+        PoolConfigError: the policy's metadata eats what its budget saves
+            (:func:`~.sizing.check_metadata`).
+    """
     cfg = config.current()
-    if cfg is None or cfg.budget.kind != "fraction":
+    if cfg is None:
         return None  # AFTER hook: None keeps SGLang's value
-    return max(1, int(result * cfg.budget.value))
+    from . import sizing
+
+    L, H, d, itemsize = _shape(result, kvc, num_layers)
+    sizing.check_metadata(cfg.policy, cfg.budget, L, H, d, itemsize)
+    return max(1, sizing.cell_bytes(cfg.policy, cfg.budget, L, H, d, itemsize))
+
+
+def attn_tp_size() -> int:
+    """SGLang's attention tensor-parallel size (as its configurator reads it)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().attn_tp_size
+
+
+def _shape(cell: int, kvc, num_layers) -> tuple[int, int, int, int]:
+    """(layers, KV heads of this rank, head dim, bytes per element) behind SGLang's full
+    ``cell`` (``2 * L * H * d * itemsize``), from its configurator's ``kvc``.
+
+    Raises:
+        PoolConfigError: the cell is not an MHA pool's of those shapes.
+    """
+    import torch
+
+    from .reps import PoolConfigError
+
+    itemsize = torch._utils._element_size(kvc.kv_cache_dtype)
+    L = int(num_layers)
+    H = kvc.model_config.get_num_kv_heads(attn_tp_size())
+    d = cell // (2 * L * H * itemsize)
+    if 2 * L * H * d * itemsize != cell:
+        raise PoolConfigError(
+            f"the tiered pool sizes MHA pools: SGLang's {cell} bytes a token are not K and V of "
+            f"{L} layers x {H} KV heads at {itemsize} bytes an element"
+        )
+    return L, H, d, itemsize
 
 
 def build_mha_kv_pool(original, self, *, max_total_num_tokens: int, mha_pool_class, **kw):
@@ -367,12 +409,34 @@ def aligned_chunk(original, self, req, *args, **kwargs):
 
 
 def add_chunked_req(original, self, req):
-    """SGLang's next chunk of the chunked request (always admitted), its windows counted for
-    the requests :func:`add_one_req` admits after it."""
+    """SGLang's next chunk of the chunked request, cut to the windows the free rows hold
+    (after evicting cached windows) where its chunk would not fit, as :func:`add_one_req` cuts
+    a new request's; its windows counted for the requests :func:`add_one_req` admits after it.
+    With no room at all while requests run, the request is *parked*: returned as SGLang's
+    chunked request without a chunk (SGLang's own early return for hybrid SWA pools, which its
+    scheduler leaves uncached), so this round decodes and finishing or retracted requests free
+    rows for its next chunk."""
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     if not hasattr(pool, "rows_for_windows"):
         return original(self, req)
-    return _admitted(self, req, pool, lambda: original(self, req))
+    call = lambda: original(self, req)  # noqa: E731
+    W, taken, chunk = pool.layout.window, getattr(self, _ADMITTED, 0), self.rem_chunk_tokens
+    want = min(len(req.full_untruncated_fill_ids) - len(req.prefix_indices), chunk)
+    with self._lock_node(req.last_node):
+        fits = pool.rows_for_windows(taken + -(-want // W))
+        room = pool.windows_free() - taken
+    if not fits and room <= 0:
+        rb = self.running_batch
+        if rb is not None and not rb.is_empty():
+            return req  # parked
+    if fits or room <= 0:  # nothing runs that could free rows: it goes (see add_one_req)
+        return _admitted(self, req, pool, call)
+    self.rem_chunk_tokens = min(chunk, room * W)
+    cut = self.rem_chunk_tokens
+    try:
+        return _admitted(self, req, pool, call)
+    finally:  # what the cut chunk used comes off the real one
+        self.rem_chunk_tokens = chunk - (cut - self.rem_chunk_tokens)
 
 
 def attention_backend_factory(runner):

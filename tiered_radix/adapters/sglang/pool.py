@@ -13,14 +13,18 @@ Storage per layer (``F`` row blocks and ``Qn`` ledger blocks, index 0 of each is
   token in groups),
   the same codes as the engine's :class:`~tiered_radix.engine.ledger.PartCodec`, so the decode
   kernel reads them in place;
-- ``block[l]``: int64 ``[3, H, NW]`` block id of each representation (``reps.FULL/Q/R``), 0 none;
-- ``ref[l]``: int32 ``[3, H, NW]`` holders per representation; a block is freed at 0;
+- ``block[l]``: int32 ``[K, H, NW]`` block id of each representation (``reps.FULL/Q/R``), 0 none;
+- ``ref[l]``: int32 ``[K, H, NW]`` holders per representation; a block is freed at 0;
 - ``owner[l]``: int8 ``[H, NW]`` the owner's state (``reps.S_*``), -1 for a window nobody owns.
 
-``block`` and ``owner`` are views of all-layer tensors ``block_all [L, 3, H, NW]`` and
+``K`` is the representation kinds the layout holds (:func:`.sizing.table_kinds`): 3 with a
+quantized tier, 1 (``FULL``) for eviction-only policies, whose windows are never ``Q`` or ``R``.
+``block`` and ``owner`` are views of all-layer tensors ``block_all [L, K, H, NW]`` and
 ``owner_all [L, H, NW]``, so the attention backend gathers every layer at once.
 
-Sizing: :mod:`.sizing`.
+Sizing: :mod:`.sizing` (:func:`.sizing.pool_bytes` is what :meth:`TieredKVPool._create_buffers`
+allocates, byte for byte). A transition that finds no free block of the kind it needs does not
+fail: :meth:`TieredKVPool.move` degrades it (see there) and returns the states it reached.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from . import reps
 from .metrics import BLOCK_KINDS
 from .options import KVOptions
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R
-from .sizing import PoolBlocks, plan_blocks
+from .sizing import PoolBlocks, block_id_dtype, plan_blocks, pool_bytes, table_kinds
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.gather_live = (options or KVOptions()).gather_on(device) == "live"  # --kv-gather
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
+        self.degraded = 0  # pairs a move could not bring to their planned state (see move)
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
         kwargs.pop("post_capture_active", None)
         super().__init__(
@@ -109,6 +114,15 @@ class TieredKVPool(MHATokenToKVPool):
             device,
             enable_memory_saver,
             **kwargs,
+        )
+        split = pool_bytes(size, head_num, head_dim, layer_num, itemsize, policy, self.budget,
+                           self.blocks)  # fmt: skip
+        log.info(
+            "tiered-radix pool: max_total_num_tokens=%d, %d row and %d ledger blocks a layer; %s",
+            size,
+            self.blocks.full,
+            self.blocks.quant,
+            split.describe(),
         )
 
     # -- storage ---------------------------------------------------------------------------
@@ -126,9 +140,10 @@ class TieredKVPool(MHATokenToKVPool):
             self.page_bytes = uniform_page_nbytes(q.bits, W, d, self.v_group)
             self.pages_all = torch.zeros(L, Qn + 1, self.page_bytes, dtype=torch.uint8, device=dev)
             self.pages = list(self.pages_all.unbind(0))
-        self.block_all = torch.zeros(L, 3, H, self.n_windows, dtype=torch.long, device=dev)
+        K, ids = table_kinds(self.layout), block_id_dtype(self.blocks)
+        self.block_all = torch.zeros(L, K, H, self.n_windows, dtype=ids, device=dev)
         self.block = list(self.block_all.unbind(0))
-        self.ref_all = torch.zeros(L, 3, H, self.n_windows, dtype=torch.int32, device=dev)
+        self.ref_all = torch.zeros(L, K, H, self.n_windows, dtype=torch.int32, device=dev)
         self.ref = list(self.ref_all.unbind(0))
         self.owner_all = torch.full((L, H, self.n_windows), -1, dtype=torch.int8, device=dev)
         self.owner = list(self.owner_all.unbind(0))
@@ -136,14 +151,12 @@ class TieredKVPool(MHATokenToKVPool):
         self.free_q = [list(range(Qn, 0, -1)) for _ in range(L)]
         self.restored_blocks = 0  # row blocks holding an R (the others taken hold a FULL)
         self.k_buffer = self.v_buffer = None  # no per-slot rows: stock backends cannot read us
+        kinds = (FULL, Q, R)[:K]
         s = torch.tensor(
-            [
-                [k in self.layout.reps(st) for k in (FULL, Q, R)]
-                for st in (S_FULL, S_Q, S_R, S_EVICT)
-            ]
+            [[k in self.layout.reps(st) for k in kinds] for st in (S_FULL, S_Q, S_R, S_EVICT)]
         )
         self._holds = s.to(dev)  # bool [state, kind]
-        self._kinds = torch.tensor([FULL, Q, R], device=dev)
+        self._kinds = torch.tensor(kinds, device=dev)
 
     def _clear_buffers(self) -> None:
         del self.rows_k, self.rows_v, self.pages, self.rows_k_all, self.rows_v_all, self.pages_all
@@ -255,7 +268,9 @@ class TieredKVPool(MHATokenToKVPool):
         blocks = self._take(self.free_rows, {li: n for li in layers}, "row")
         lt = torch.tensor(layers, device=self.device)[:, None, None]
         h = torch.arange(self.head_num, device=self.device)[None, :, None]
-        self.block_all[lt, FULL, h, new] = blocks.view(len(layers), self.head_num, -1)
+        self.block_all[lt, FULL, h, new] = blocks.view(len(layers), self.head_num, -1).to(
+            self.block_all.dtype
+        )
         self.ref_all[lt, FULL, h, new] = 1
         self.owner_all[lt, h, new] = S_FULL
 
@@ -351,9 +366,11 @@ class TieredKVPool(MHATokenToKVPool):
         without rows), ``dequantize(Q)`` where quantized: only those, after one host sync
         (``gather_live``), or every pair's ledger block, selected without a sync."""
         ly = self._layer_ids(li, h)
-        blk = self.block_all[ly, :, h, w]  # [m, 3]
+        blk = self.block_all[ly, :, h, w].long()  # [m, K]
         state = state.long()
-        b = torch.where(state == S_FULL, blk[:, FULL], torch.where(state == S_R, blk[:, R], 0))
+        b = torch.where(state == S_FULL, blk[:, FULL], 0)
+        if self.layout.quant is not None:  # restored rows exist only with a quantized tier
+            b = torch.where(state == S_R, blk[:, R], b)
         k, v = self.rows_k_all[ly, b].float(), self.rows_v_all[ly, b].float()
         if self.layout.quant is not None and not self.gather_live:
             kq, vq = self._unpage(ly, blk[:, Q])
@@ -380,14 +397,15 @@ class TieredKVPool(MHATokenToKVPool):
         return self._holds[state.long(), kind]
 
     def _per_kind(self, li, h: Tensor, w: Tensor, state: Tensor):
-        """``[m, 3]`` index tensors over (pair, representation kind) and which the state holds."""
+        """``[m, K]`` index tensors over (pair, representation kind) and which the state
+        holds."""
         ly = self._layer_ids(li, h)
-        m = h.numel()
+        m, K = h.numel(), self._kinds.numel()
         return (
-            ly[:, None].expand(m, 3),
-            self._kinds[None].expand(m, 3),
-            h[:, None].expand(m, 3),
-            w[:, None].expand(m, 3),
+            ly[:, None].expand(m, K),
+            self._kinds[None].expand(m, K),
+            h[:, None].expand(m, K),
+            w[:, None].expand(m, K),
         ), self._holds[state.long()]
 
     def acquire(self, li: int | Tensor, h: Tensor, w: Tensor, state: Tensor) -> None:
@@ -407,7 +425,7 @@ class TieredKVPool(MHATokenToKVPool):
         if not gone.numel():
             return
         ly, kind, hh, ww = (x.flatten()[gone] for x in idx)
-        b = self.block_all[ly, kind, hh, ww]
+        b = self.block_all[ly, kind, hh, ww].long()
         self.block_all[ly, kind, hh, ww] = 0
         row = torch.where(kind == Q, 0, b)  # ledger pages are not poisoned: block 0 is the trap
         self.rows_k_all[ly, row] = torch.nan
@@ -416,23 +434,62 @@ class TieredKVPool(MHATokenToKVPool):
             (self.free_q if k_ == Q else self.free_rows)[li_].append(b_)
             self.restored_blocks -= k_ == R
 
-    def move(self, li: int | Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor) -> None:
+    def move(self, li: int | Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor) -> Tensor:
         """One holder of pairs ``(h, w) [m]`` (unique) goes from state ``old`` to ``new``:
         missing representations are made (``Q`` from what the holder reads now, write-once;
         ``R`` from ``Q``), then the holder's references move. Pairs whose state stays are
-        no-ops. A few host syncs whatever the number of layers."""
+        no-ops. A few host syncs whatever the number of layers.
+
+        A layer short of free blocks for the representations its pairs need makes the first
+        pairs (in order) and degrades the rest instead of failing (:meth:`_degrade`: a ``Q``
+        that finds no ledger block goes to the next tier down, evicted, or stays where the
+        layout has no evicted tier; an ``R`` that finds no row block stays quantized), counted
+        in :attr:`degraded`. Returns the states reached (int64 ``[m]``: ``new`` unless
+        degraded), which the caller records as the holder's."""
         ly = self._layer_ids(li, h)
         old, new = old.long(), new.long()
         _check(((old != S_EVICT) | (new == S_EVICT)).all(), "an evicted window cannot come back")
-        for kind in (Q, R):  # Q first: R is made from Q
+        for kind in (Q, R) if self.layout.quant is not None else ():  # Q first: R is from Q
             need = self._holds[new, kind] & (self.block_all[ly, kind, h, w] == 0)
             per_layer = torch.bincount(ly[need], minlength=self.layer_num).tolist()  # host sync
+            free = self.free_q if kind == Q else self.free_rows
+            if any(n > len(f) for n, f in zip(per_layer, free, strict=True)):
+                need, new = self._degrade(kind, need, ly, old, new, [len(f) for f in free])
+                per_layer = [min(n, len(f)) for n, f in zip(per_layer, free, strict=True)]
             if any(per_layer):
                 i = need.nonzero().squeeze(1)
                 i = i[torch.sort(ly[i], stable=True).indices]  # blocks are taken layer by layer
                 self._make(kind, ly[i], h[i], w[i], old[i], per_layer)
         self.acquire(ly, h, w, new)
         self.release(ly, h, w, old)
+        return new
+
+    def _degrade(self, kind: int, need: Tensor, ly: Tensor, old: Tensor, new: Tensor,
+                 free: list[int]) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Of the pairs that ``need`` a block of ``kind`` (bool ``[m]``), each layer's first
+        ``free[l]`` keep it; the others get another state: for ``Q`` evicted (the tier below
+        the quantized one) where the layout evicts, else their old state; for ``R`` their old
+        state (quantized). Returns the new ``need`` and ``new``. One host sync."""
+        i = need.nonzero().squeeze(1)
+        i = i[torch.sort(ly[i], stable=True).indices]
+        layer = ly[i]
+        first = torch.searchsorted(layer, layer, right=False)  # first pair of its layer
+        cap = torch.tensor(free, device=ly.device)[layer]
+        over = i[(torch.arange(i.numel(), device=ly.device) - first) >= cap]
+        evicts = kind == Q and self.layout.evict_index is not None
+        new = new.clone()
+        new[over] = S_EVICT if evicts else old[over]
+        need = need.clone()
+        need[over] = False
+        n = int(over.numel())  # host sync
+        if n and not self.degraded:
+            log.warning(
+                "tiered-radix: %d %s blocks short in a routing; those windows went %s "
+                "(counted in the pool's degraded moves)", n, "ledger" if kind == Q else "row",
+                "to the next tier down" if kind == Q else "unrestored",
+            )  # fmt: skip
+        self.degraded += n
+        return need, new
 
     def _make(self, kind: int, ly: Tensor, h: Tensor, w: Tensor, src: Tensor, per_layer) -> None:
         """Write representation ``kind`` of pairs sorted by layer (``per_layer[l]`` of each)."""
@@ -450,7 +507,7 @@ class TieredKVPool(MHATokenToKVPool):
             k, v = self._unpage(ly, qb)
             self.rows_k_all[ly, b] = k.to(self.dtype)
             self.rows_v_all[ly, b] = v.to(self.dtype)
-        self.block_all[ly, kind, h, w] = b
+        self.block_all[ly, kind, h, w] = b.to(self.block_all.dtype)
 
     def release_pages(self, pages: Tensor) -> None:
         """The allocator freed ``pages`` (= windows): their owner lets go in every layer."""
@@ -485,7 +542,7 @@ class TieredKVPool(MHATokenToKVPool):
         blocks in use per representation (``full``, ``restored`` rows, ``ledger`` pages), summed
         over layers and heads. One histogram of the owner table (its states as bytes: nobody's,
         -1, is bin 255), one host sync for its counts; the blocks come from the free lists (the
-        block table, int64 ``[L, 3, H, NW]``, is GBs at the allocator's 10x slots: three passes
+        block table, int32 ``[L, K, H, NW]``, is GBs at the allocator's 10x slots: three passes
         over it cost ~1 ms of device time a routing)."""
         own = self.owner_all.view(torch.uint8).flatten()  # int8 [L, H, NW] as bytes
         c = torch.bincount(own, minlength=256)[: len(reps.STATE_NAMES)].tolist()

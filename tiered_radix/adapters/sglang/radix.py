@@ -48,9 +48,10 @@ class RequestView:
 
 
 class _Moves(NamedTuple):
-    """One request's transitions as holder moves: pairs ``(ly, h, w)`` (unit ``u``; ``b``:
-    borrowed) from state ``old`` to ``new``."""
+    """Request ``rid``'s transitions as holder moves: pairs ``(ly, h, w)`` (unit ``u``;
+    ``b``: borrowed) from state ``old`` to ``new``."""
 
+    rid: str
     view: RequestView
     ly: Tensor
     h: Tensor
@@ -59,6 +60,18 @@ class _Moves(NamedTuple):
     b: Tensor
     old: Tensor
     new: Tensor
+
+
+class Settled(NamedTuple):
+    """Units of request ``rid`` that a routing left in another holder state than planned
+    (the pool was short of blocks, :meth:`~.pool.TieredKVPool.move`): ``(ly, h, u)`` int64
+    ``[m]`` each, and the state each reached."""
+
+    rid: str
+    ly: Tensor
+    h: Tensor
+    u: Tensor
+    state: Tensor
 
 
 class TieredRadixCache(RadixCache):
@@ -163,16 +176,18 @@ class TieredRadixCache(RadixCache):
         view = self.views[rid]
         return self.pool.read_live(layer_id, view.windows, self.states(rid, layer_id), n_tokens)
 
-    def route(self, rid: str, transitions: Transitions) -> None:
+    def route(self, rid: str, transitions: Transitions) -> list[Settled]:
         """Apply the tier engine's transitions (unit ``u`` = the request's ``u``-th window)."""
-        self.route_many([(rid, transitions)])
+        return self.route_many([(rid, transitions)])
 
-    def route_many(self, routed: list[tuple[str, Transitions]]) -> None:
+    def route_many(self, routed: list[tuple[str, Transitions]]) -> list[Settled]:
         """:meth:`route` of several requests at once: their moves go to the pool in one
         :meth:`~.pool.TieredKVPool.move`. A window two of them hold (a shared prefix) moves
         once per holder in request order, as one route after the other would (the pool's
         pairs of one move are unique: repeats go to later rounds; one host sync to count
-        them)."""
+        them). Holders take the states the pool reached: where it was short of blocks and
+        degraded a move, the returned :class:`Settled` list says which units of which request
+        ended elsewhere than planned (empty otherwise: no host sync), so their engines learn."""
         dev, parts = self.pool.device, []
         for rid, t in routed:
             if not len(t):
@@ -182,21 +197,30 @@ class TieredRadixCache(RadixCache):
             w, b = view.windows[u], view.borrowed[u]
             old = torch.where(b, view.state[ly, h, u], self.pool.owner_all[ly, h, w])
             new = self._next[old.long(), dst].to(old.dtype)
-            parts.append(_Moves(view, ly, h, u, w, b, old, new))
+            parts.append(_Moves(rid, view, ly, h, u, w, b, old, new))
         if not parts:
-            return
+            return []
         ly, h, w, old, new = (
             torch.cat([getattr(p, f) for p in parts]) for f in "ly h w old new".split()
         )
+        degraded = self.pool.degraded
+        got = new.long()
         for sel in self._rounds(parts, ly, h, w):
             if sel is None:
-                self.pool.move(ly, h, w, old, new)
+                got = self.pool.move(ly, h, w, old, new)
             else:
-                self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel])
-        owner = self.pool.owner_all
+                got[sel] = self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel])
+        short = self.pool.degraded != degraded
+        owner, settled, at = self.pool.owner_all, [], 0
         for p in parts:  # in request order, like route after route
-            p.view.state[p.ly, p.h, p.u] = torch.where(p.b, p.new, p.view.state[p.ly, p.h, p.u])
-            owner[p.ly, p.h, p.w] = torch.where(p.b, owner[p.ly, p.h, p.w], p.new)
+            reached = got[at : at + p.new.numel()].to(p.new.dtype)
+            at += p.new.numel()
+            if short and bool((reached != p.new).any()):  # host sync only after a shortage
+                off = (reached != p.new).nonzero().squeeze(1)
+                settled.append(Settled(p.rid, p.ly[off], p.h[off], p.u[off], reached[off]))
+            p.view.state[p.ly, p.h, p.u] = torch.where(p.b, reached, p.view.state[p.ly, p.h, p.u])
+            owner[p.ly, p.h, p.w] = torch.where(p.b, owner[p.ly, p.h, p.w], reached)
+        return settled
 
     def _rounds(self, parts: list, ly: Tensor, h: Tensor, w: Tensor) -> list[Tensor | None]:
         """Index sets of the concatenated pairs with no pair twice, each pair's holders in

@@ -1,24 +1,62 @@
-"""How many token slots and blocks a tiered pool gets: more slots in the same bytes.
+"""How many token slots and blocks a tiered pool gets, and every byte they cost.
 
-Sizing (:func:`logical_tokens`, :func:`plan_blocks`): SGLang sizes a full-precision pool at
-``N0`` tokens from free memory. With a ``fraction`` budget ``f`` the allocator gets
-``N = floor(N0 / f)`` logical slots and the pool spends the same bytes, ``f * N`` tokens' worth
-of full rows per layer: ``max(share_full, MIN_FULL_SHARE)`` of it as row blocks, the rest as
-ledger blocks. Byte and token budgets are per-request caps with no per-token ratio, so they keep
-``N = N0`` (no expansion). A full region too small for the tokens in flight (prefill happens at
-full precision before routing) raises :class:`~.pool.PoolFullError` at write time.
+Slots (:func:`slot_bytes`, SGLang's per-token cell size): SGLang sizes its pool at
+``N = available // cell`` tokens. A full-precision pool's cell is one token's K and V rows
+(``full``). A tiered pool with a ``fraction`` budget ``f`` spends ``f * full`` a slot on rows and
+ledger pages, and its per-slot metadata on top:
+
+- *tables* (:func:`table_kinds`): per (layer, head, window) a block id (int32) and a reference
+  count (int32) per representation kind the layout holds, and the owner's state (int8);
+- *engine*: what running requests' tier engines hold per (layer, head, token) in device memory
+  (:func:`engine_bytes_per_token`: tier maps, ledger-copy masks, score states, the latest
+  signals), counted for every slot: the worst case, a pool whose slots all belong to running
+  requests. These bytes are not allocated up front: like the arenas' rows (:mod:`.arena`),
+  they stay free in what SGLang set aside for the pool.
+
+A decode step's index lists and gathered rows, and the decode graphs' fixed buffers
+(:func:`.graph.buffer_bytes`), live only while a step runs or are sized by the graphs' batch
+and token capacity, not by slots: like SGLang's own activations and CUDA graphs they come out of
+the memory outside ``mem_fraction_static``.
+
+So ``N * cell <= available`` holds for rows + codes + metadata (:func:`pool_bytes`, the split the
+startup log prints and the tests check against the built pool). Byte and token budgets are
+per-request caps with no per-token ratio (``f = 1``). A policy whose metadata per slot is at
+least what its budget saves (``(1 - f) * full``) would hold no more tokens than SGLang's own pool:
+:func:`check_metadata` refuses it at launch (token units pay their tables per token; window units
+share them over the window).
+
+Blocks (:func:`plan_blocks`): ``N`` slots' ``f * N`` tokens of rows per layer, less the NaN trap
+and scratch blocks and the padding window's tables, split as ``max(share_full, MIN_FULL_SHARE)``
+row blocks and the rest ledger blocks, at least ``MIN_LEDGER_SHARE`` where the layout has a
+quantized tier: rank allocation lets budget a better tier leaves unused flow down, so routing
+writes ledger copies even when the shares give the quantized tier nothing. A routing short of
+ledger (or row) blocks degrades its moves (:meth:`.pool.TieredKVPool.move`) instead of failing.
+A full region too small for the tokens in flight (prefill happens at full precision before
+routing) is held off by admission and decode retraction (:mod:`.plugin`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import torch
+
+from tiered_radix.engine.routing import TierSet
 from tiered_radix.formats.layout import uniform_page_nbytes
+from tiered_radix.policy.expr import Call
 from tiered_radix.policy.model import Budget, Policy, RankAllocation
 
-from .reps import Layout
+from .reps import Layout, PoolConfigError
 
 MIN_FULL_SHARE = 0.25  # rows for protected / recent / in-flight tokens, whatever the shares say
+MIN_LEDGER_SHARE = 0.1  # ledger pages for budget flowing down past a full tier's share
+REF_BYTES, OWNER_BYTES = 4, 1  # int32 reference count per kind, int8 owner state per window
+GROWTH = 2  # engine tensors grow by doubling: up to twice the units they hold
+TIER_BYTES = 8  # int64 tier per unit (CoupledStack.tier)
+COPY_BYTES = 1 + 4  # per quantized tier and unit: present (bool) and write_count (int32)
+STATE_BYTES = 4  # float32 per token of each cumulative(...) score state
+SIGNAL_BYTES = 4  # float32 per token of each token signal kept (attn, colmass, obs_attn)
 
 
 @dataclass(frozen=True)
@@ -27,8 +65,119 @@ class PoolBlocks:
     quant: int  # ledger blocks per layer
 
 
+@dataclass(frozen=True)
+class PoolBytes:
+    """Bytes of a tiered pool of ``slots`` slots (:func:`pool_bytes`)."""
+
+    slots: int
+    rows: int  # row blocks, K and V, with the NaN trap and scratch blocks
+    codes: int  # ledger pages, with the NaN trap page
+    tables: int  # block ids, reference counts, owner states
+    engine: int  # running requests' engine state, if every slot were theirs (not allocated)
+
+    @property
+    def metadata(self) -> int:
+        return self.tables + self.engine
+
+    @property
+    def total(self) -> int:
+        return self.rows + self.codes + self.metadata
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (
+            f"{self.total / gib:.2f} GiB = rows {self.rows / gib:.2f} + codes "
+            f"{self.codes / gib:.2f} + metadata {self.metadata / gib:.2f} (tables "
+            f"{self.tables / gib:.2f}, engine state {self.engine / gib:.2f}, left unallocated)"
+        )
+
+
+def table_kinds(layout: Layout) -> int:
+    """Representation kinds the pool's tables hold: ``FULL, Q, R`` with a quantized tier, else
+    ``FULL`` only (an eviction-only policy never makes ``Q`` or ``R``)."""
+    return 3 if layout.quant is not None else 1
+
+
+def block_id_dtype(blocks: PoolBlocks) -> torch.dtype:
+    """int32 block ids, int64 for a layer with 2**31 blocks or more."""
+    return torch.int32 if max(blocks.full + 2, blocks.quant + 1) < 2**31 else torch.int64
+
+
+def _id_bytes(blocks: PoolBlocks | None) -> int:
+    return 4 if blocks is None else torch.empty(0, dtype=block_id_dtype(blocks)).element_size()
+
+
+def window_table_bytes(layout: Layout, id_bytes: int = 4) -> int:
+    """Table bytes of one (layer, head, window)."""
+    return table_kinds(layout) * (id_bytes + REF_BYTES) + OWNER_BYTES
+
+
+def _unit_size(policy: Policy) -> int:
+    return policy.v.size if policy.v.kind == "window" else 1
+
+
+def engine_bytes_per_token(policy: Policy) -> float:
+    """Upper bound of a running request's engine state per (layer, head, token), in bytes (see
+    the module docstring): tiers and copy masks per unit, ``cumulative`` score states and the
+    latest token signals per token, with doubling growth."""
+    tiers = TierSet.of(policy)
+    W = _unit_size(policy)
+    exprs = [e for _, e in policy.scores] + [r.when for r in policy.rules]
+    a = policy.allocate
+    exprs += [a.by] if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
+    nodes = [n for e in exprs for n in e.walk()]
+    cumulative = len({n for n in nodes if isinstance(n, Call) and n.fn == "cumulative"})
+    names = {getattr(n, "id", None) for n in nodes}
+    signals = 1 + len(names & {"colmass", "obs_attn"})  # attn is always observed
+    per_unit = TIER_BYTES + COPY_BYTES * len(tiers.quantized)
+    return GROWTH * (per_unit / W + STATE_BYTES * cumulative) + SIGNAL_BYTES * signals
+
+
+def _fraction(budget: Budget) -> float:
+    return budget.value if budget.kind == "fraction" else 1.0
+
+
+def slot_bytes(
+    policy: Policy, budget: Budget, layers: int, heads: int, head_dim: int, itemsize: int
+) -> float:
+    """Bytes one allocator slot costs (SGLang's cell size for a tiered pool): the budget's rows
+    and pages, tables and engine state (see the module docstring)."""
+    full = 2 * layers * heads * head_dim * itemsize
+    lh = layers * heads
+    tables = (
+        lh * window_table_bytes(Layout.of(policy)) / _unit_size(policy) if policy.coupled else 0
+    )
+    return _fraction(budget) * full + tables + lh * engine_bytes_per_token(policy)
+
+
+def check_metadata(
+    policy: Policy, budget: Budget, layers: int, heads: int, head_dim: int, itemsize: int
+) -> None:
+    """Refuse a fraction budget whose pool would hold no more tokens than SGLang's own.
+
+    Raises:
+        PoolConfigError: metadata per slot >= what the budget saves per slot.
+    """
+    f = _fraction(budget)
+    if f >= 1:
+        return
+    full = 2 * layers * heads * head_dim * itemsize
+    meta = slot_bytes(policy, budget, layers, heads, head_dim, itemsize) - f * full
+    if meta >= (1 - f) * full:
+        W = _unit_size(policy)
+        raise PoolConfigError(
+            f"policy '{policy.name}': its metadata costs {meta:.0f} bytes a token slot (block "
+            f"tables and engine state), at least the {(1 - f) * full:.0f} bytes its "
+            f"{f:.0%} budget saves of a {full} byte full-precision token, so the tiered pool "
+            f"would hold no more tokens than SGLang's own. Units of {W} token(s) pay their "
+            "tables per unit: use window(size=16), window(size=32) or window(size=64) units, "
+            "or a smaller budget fraction"
+        )
+
+
 def logical_tokens(stock_tokens: int, budget: Budget) -> int:
-    """Allocator slots for a pool whose bytes would hold ``stock_tokens`` full tokens."""
+    """Allocator slots for a pool whose bytes would hold ``stock_tokens`` full tokens, ignoring
+    metadata (the plain ``N0 / f``; :func:`slot_bytes` gives the cell size that counts it)."""
     return int(stock_tokens / budget.value) if budget.kind == "fraction" else stock_tokens
 
 
@@ -37,9 +186,15 @@ def plan_blocks(
 ) -> PoolBlocks:
     """Blocks per layer for ``size`` logical slots (see the module docstring)."""
     lay = Layout.of(policy)
-    frac = budget.value if budget.kind == "fraction" else 1.0
-    phys = frac * size * head_num * head_dim * 2 * itemsize  # bytes per layer
-    row_bytes = 2 * lay.window * head_dim * itemsize
+    W = lay.window
+    row_bytes = 2 * W * head_dim * itemsize
+    q_bytes = (
+        uniform_page_nbytes(lay.quant.bits, W, head_dim, min(lay.v_group, head_dim))
+        if lay.quant is not None
+        else 0
+    )  # one ledger page
+    fixed = 2 * row_bytes + q_bytes + head_num * window_table_bytes(lay)  # traps, padding window
+    phys = _fraction(budget) * size * head_num * head_dim * 2 * itemsize - fixed  # per layer
     if lay.quant is None:
         return PoolBlocks(max(1, int(phys // row_bytes)), 0)
     a = policy.allocate
@@ -48,10 +203,43 @@ def plan_blocks(
         if isinstance(a, RankAllocation) and lay.engine_tiers[0] in (t.name for t in policy.tiers)
         else 0.0
     )
-    share = max(share, MIN_FULL_SHARE)
-    q_bytes = uniform_page_nbytes(
-        lay.quant.bits, lay.window, head_dim, min(lay.v_group, head_dim)
-    )  # one ledger page
+    share = min(max(share, MIN_FULL_SHARE), 1 - MIN_LEDGER_SHARE)
     return PoolBlocks(
         max(1, int(share * phys // row_bytes)), max(1, int((1 - share) * phys // q_bytes))
     )
+
+
+def pool_bytes(
+    size: int,
+    head_num: int,
+    head_dim: int,
+    layer_num: int,
+    itemsize: int,
+    policy: Policy,
+    budget: Budget,
+    blocks: PoolBlocks | None = None,
+) -> PoolBytes:
+    """The byte split of a pool of ``size`` slots: a :class:`~.pool.TieredKVPool` (``blocks``:
+    its own, default :func:`plan_blocks`) allocates ``rows + codes + tables`` exactly; for a
+    decoupled policy (:class:`~.arena.ArenaKVPool`) ``rows`` is the budget's bytes its arenas
+    take and there are no codes or tables."""
+    L, H, d = layer_num, head_num, head_dim
+    engine = int(L * H * size * engine_bytes_per_token(policy))
+    if not policy.coupled:
+        full = int(_fraction(budget) * size) * 2 * L * H * d * itemsize
+        return PoolBytes(size, full, 0, 0, engine)
+    lay = Layout.of(policy)
+    blocks = blocks or plan_blocks(size, H, d, itemsize, policy, budget)
+    W = lay.window
+    rows = L * (blocks.full + 2) * 2 * W * d * itemsize
+    codes = 0
+    if lay.quant is not None:
+        codes = L * (blocks.quant + 1) * uniform_page_nbytes(lay.quant.bits, W, d,
+                                                             min(lay.v_group, d))  # fmt: skip
+    tables = L * H * (size // W + 1) * window_table_bytes(lay, _id_bytes(blocks))
+    return PoolBytes(size, rows, codes, tables, engine)
+
+
+def cell_bytes(policy, budget, layers, heads, head_dim, itemsize) -> int:
+    """:func:`slot_bytes` rounded up: SGLang's ``N = available // cell`` then fits."""
+    return math.ceil(slot_bytes(policy, budget, layers, heads, head_dim, itemsize))

@@ -82,13 +82,15 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
     n = [int(v.windows.numel()) for v in views]
     N = n_max or max(n)
     win, st = _window_states(pool, views, n, N)
-    blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4)  # [L, 3, B, H, N]
+    blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4).long()  # [L, K, B, H, N]
     j = torch.arange(N, device=dev)
     ntok = (torch.tensor(seqs, device=dev)[:, None] - j * W).clamp(0, W)  # [B, N]
     unit = (torch.arange(H, device=dev)[:, None] * N + j).expand(L, B, H, N)
 
     rows = (st == S_FULL) | (st == S_R)
-    rowblk = torch.where(st == S_FULL, blk[:, FULL], blk[:, R])
+    quant = pool.layout.quant
+    # eviction-only layouts hold FULL blocks only (K = 1): no restored rows to list
+    rowblk = torch.where(st == S_FULL, blk[:, FULL], blk[:, R]) if quant else blk[:, FULL]
     i = torch.arange(W, device=dev)
     tok = rows[..., None] & (i < ntok[None, :, None, :, None])  # [L, B, H, N, W]
     listed, future = tok, None
@@ -100,13 +102,13 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
     units = unit[..., None].expand_as(listed)[listed].to(torch.int32)
     full_ptr = _indptr(listed.sum((-1, -2)).flatten())
 
-    quant = pool.layout.quant
     qm = st == S_Q
     per_list = torch.zeros(L, B, H, 4, dtype=torch.long, device=dev)
     if quant is not None:
         per_list[..., V_BITS.index(quant.bits)] = qm.sum(-1)
+    pages = blk[:, Q][qm] if quant is not None else blk.new_zeros(0)
     return Lists(
-        full_ptr, slots, units, _indptr(per_list.flatten()), blk[:, Q][qm],
+        full_ptr, slots, units, _indptr(per_list.flatten()), pages,
         unit[qm].to(torch.int32), n, N, future,
     )  # fmt: skip
 
@@ -140,9 +142,11 @@ def extend_lists(pool, views) -> extend.WindowLists:
     sync (the window counts are host values)."""
     n = [int(v.windows.numel()) for v in views]
     win, st = _window_states(pool, views, n, max(n))
-    blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4)  # [L, 3, B, H, N]
+    blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4)  # [L, K, B, H, N]
     rows = (st == S_FULL) | (st == S_R)
     kind = torch.where(rows, extend.ROW, torch.where(st == S_Q, extend.PAGE, extend.ABSENT))
+    if pool.layout.quant is None:  # eviction-only layouts hold FULL blocks only (K = 1)
+        return extend.window_lists(kind, blk[:, FULL], torch.zeros_like(blk[:, FULL]))
     row_blk = torch.where(st == S_FULL, blk[:, FULL], blk[:, R])
     return extend.window_lists(kind, row_blk, blk[:, Q])
 
