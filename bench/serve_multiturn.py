@@ -52,6 +52,7 @@ SYSTEMS = "bf16,fp8,hicache,qevict@10%,qevict@25%,rdkv@10%"
 # per preset: KV room (bf16 tokens: conversations x tokens each) and arrival modes
 KV_TOKENS = {"full": 16 * 20_000, "quick": 4 * 4_000}
 ARRIVALS = {"full": "poisson:1,saturation:32", "quick": "saturation:8"}
+RUN_TIMEOUT_S = {"full": 3600.0, "quick": 180.0}  # per system and arrival
 
 
 def parse_scale(base: Scale, spec: str | None) -> Scale:
@@ -118,10 +119,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arrivals", help="comma separated poisson:RATE / saturation:N "
                    f"(default per preset: {ARRIVALS})")  # fmt: skip
     p.add_argument("--kv-gib", type=float, help="KV pool bytes per system, GiB")
-    p.add_argument("--kv-tokens", type=int,
-                   help=f"KV pool as bf16 tokens of the model (default per preset: {KV_TOKENS})")
-    p.add_argument("--max-inflight", type=int, default=64,
-                   help="poisson: most conversations in flight at once")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        help=f"KV pool as bf16 tokens of the model (default per preset: {KV_TOKENS})",
+    )
+    p.add_argument(
+        "--max-inflight", type=int, default=64, help="poisson: most conversations in flight at once"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=31100)
     p.add_argument("--mem-fraction", type=float, default=0.85)
@@ -130,9 +135,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--server-args", default="", help="extra flags for every server")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--run-timeout", type=float, default=1800.0, help="per system and arrival")
-    p.add_argument("--no-ignore-eos", action="store_true",
-                   help="stop at EOS (default: every answer has its drawn length)")
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        help=f"seconds per system and arrival (default per preset: {RUN_TIMEOUT_S})",
+    )
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="stop at EOS (default: every answer has its drawn length)",
+    )
     p.add_argument("--commit", default=None, help="recorded in the summary (default: git HEAD)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/serve-multiturn")
     p.add_argument("--no-progress", action="store_true")
@@ -187,14 +199,14 @@ def _brief(row: dict) -> str:
     keys = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "hit_rate", "recall",
             "errors")  # fmt: skip
     return ", ".join(
-        f"{k}={row[k]:.3g}" if isinstance(row.get(k), float) else f"{k}={row.get(k)}"
-        for k in keys
+        f"{k}={row[k]:.3g}" if isinstance(row.get(k), float) else f"{k}={row.get(k)}" for k in keys
     )
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.out = args.out.resolve()
+    args.run_timeout = args.run_timeout or RUN_TIMEOUT_S[args.preset]
     scale = parse_scale(PRESETS[args.preset], args.scale)
     systems = [System.parse(s) for s in args.systems.split(",") if s.strip()]
     loads = [parse_load(s, args) for s in (args.arrivals or ARRIVALS[args.preset]).split(",")]

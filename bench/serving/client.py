@@ -51,7 +51,9 @@ class Load:
 
     @property
     def label(self) -> str:
-        return f"poisson:{self.rate:g}" if self.mode == "poisson" else f"saturation:{self.concurrency}"
+        return (
+            f"poisson:{self.rate:g}" if self.mode == "poisson" else f"saturation:{self.concurrency}"
+        )
 
     def start_times(self, n: int) -> list[float]:
         """Seconds after the run's start at which each of ``n`` conversations arrives."""
@@ -222,7 +224,9 @@ async def run_load(
             await run.conversation(conv, sem)
 
         starts = load.start_times(len(conversations))
-        tasks = [asyncio.create_task(arrive(c, s)) for c, s in zip(conversations, starts, strict=True)]
+        tasks = [
+            asyncio.create_task(arrive(c, s)) for c, s in zip(conversations, starts, strict=True)
+        ]
         _, pending = await asyncio.wait(tasks, timeout=load.run_timeout_s)
         for task in pending:
             task.cancel()

@@ -36,6 +36,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 KINDS = ("bf16", "fp8", "hicache", "qevict", "rdkv")
@@ -87,13 +88,13 @@ class System:
     def name(self) -> str:
         return self.kind if self.budget is None else f"{self.kind}@{self.budget}"
 
-    def fraction(self) -> float:
-        """The budget as a fraction of full KV (1.0 for untiered systems)."""
+    def fraction(self) -> Fraction:
+        """The budget as a fraction of full KV (1 for untiered systems)."""
         if self.budget is None:
-            return 1.0
+            return Fraction(1)
         if not self.budget.endswith("%"):
             raise ValueError(f"{self.name}: only percent budgets have a per-token size")
-        f = float(self.budget[:-1]) / 100
+        f = Fraction(self.budget[:-1]) / 100
         if not 0 < f <= 1:
             raise ValueError(f"{self.name}: budget outside (0%, 100%]")
         return f

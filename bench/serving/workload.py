@@ -80,7 +80,7 @@ PRESETS = {
     # issue 20: 128 conversations of 6 turns, 12K-24K tokens of history, 128-256 new tokens
     "full": Scale(128, 6, 12_000, 24_000, 100, 128, 256),
     # ~8 H200-minutes for all six systems with their server starts (bench/README.md)
-    "quick": Scale(24, 3, 3_000, 6_000, 100, 32, 64),
+    "quick": Scale(16, 3, 2_000, 4_000, 100, 32, 64),
 }
 
 
@@ -94,7 +94,7 @@ class TokenSizer:
     def for_model(cls, model: str | None) -> TokenSizer:
         """The tokenizer at folder ``model`` if it has one and transformers imports, else the
         approximate sizer (the benchmark records which one it used)."""
-        if model and Path(model, "config.json").exists():
+        if model and Path(model, "tokenizer_config.json").exists():
             try:
                 from transformers import AutoTokenizer
 

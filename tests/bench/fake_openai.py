@@ -5,7 +5,7 @@ apart; a message asking for "the special magic number for KEY" is answered with 
 conversation's document gives for KEY first. Usage: prompt tokens are the words of all
 messages; cached tokens are the words of the longest earlier prompt that is a message-prefix
 of this one (a radix cache that never evicts). ``/health``, ``/server_info``, ``/flush_cache``
-(empties the cache) as SGLang has them. ``state["max_inflight"]`` counts concurrent streams.
+(empties the cache) as SGLang has them. ``app[STATE]["max_inflight"]`` counts concurrent streams.
 A message containing ``HANG`` never gets an answer (timeouts).
 
 Run alone: ``python fake_openai.py --port N [--fail]`` (``--fail``: exit 3 at once, a server
@@ -27,6 +27,9 @@ def _words(messages) -> int:
     return sum(len(m["content"].split()) for m in messages)
 
 
+STATE = web.AppKey("state", dict)
+
+
 def make_app(delay_s: float = 0.002) -> web.Application:
     state = {"seen": [], "inflight": 0, "max_inflight": 0, "requests": 0}
 
@@ -34,9 +37,7 @@ def make_app(delay_s: float = 0.002) -> web.Application:
         body = await request.json()
         messages, n = body["messages"], int(body["max_tokens"])
         prompt = _words(messages)
-        cached = max(
-            (_words(s) for s in state["seen"] if messages[: len(s)] == s), default=0
-        )
+        cached = max((_words(s) for s in state["seen"] if messages[: len(s)] == s), default=0)
         state["seen"].append(messages)
         asked = re.search(r"special magic number for (\S+) ", messages[-1]["content"])
         if asked:
@@ -58,8 +59,9 @@ def make_app(delay_s: float = 0.002) -> web.Application:
                 chunk = {"object": "chat.completion.chunk",
                          "choices": [{"index": 0, "delta": {"content": tok}}]}  # fmt: skip
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            details = {"cached_tokens": cached} if cached else None  # SGLang: None when 0
             usage = {"prompt_tokens": prompt, "completion_tokens": n,
-                     "prompt_tokens_details": {"cached_tokens": cached} if cached else None}  # fmt: skip
+                     "prompt_tokens_details": details}  # fmt: skip
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         finally:
@@ -77,7 +79,7 @@ def make_app(delay_s: float = 0.002) -> web.Application:
         return web.Response(text="flushed")
 
     app = web.Application()
-    app["state"] = state
+    app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_get("/health", health)
     app.router.add_get("/server_info", info)

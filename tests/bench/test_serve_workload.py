@@ -34,7 +34,9 @@ def test_deterministic_per_seed():
     assert len({x.document() for x in a}) == len(a)  # every conversation its own history
 
 
-@pytest.mark.parametrize("sizer", [TokenSizer(), TokenSizer(WordTokenizer())], ids=["approx", "words"])
+@pytest.mark.parametrize(
+    "sizer", [TokenSizer(), TokenSizer(WordTokenizer())], ids=["approx", "words"]
+)
 def test_token_lengths(sizer):
     for conv in workload(0, SMALL, sizer):
         measured = sum(sizer.count_each([m["content"] for m in conv.history]))
@@ -70,7 +72,9 @@ def test_history_is_a_chat():
     conv = conversation(0, 0, SMALL, TokenSizer())
     roles = [m["role"] for m in conv.history]
     assert roles[:2] == ["system", "user"] and roles[-1] == "assistant"
-    assert all(a != b for a, b in zip(roles[1:], roles[2:]))  # user and assistant alternate
+    assert all(
+        a != b for a, b in zip(roles[1:], roles[2:], strict=False)
+    )  # user and assistant alternate
 
 
 def test_presets_fit_the_model_context():
