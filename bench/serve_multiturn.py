@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -169,8 +170,9 @@ def run_system(system, convs, loads, kv_bytes, geometry, opts, args) -> list[dic
             base["max_total_num_tokens"] = info.get("max_total_num_tokens")
             base["pool"] = pool_from_log(server.log_tail(1 << 20))
             for i, load in enumerate(loads):
-                if i and not server.flush_cache():
-                    print(f"[{system.name}] flush_cache failed", file=sys.stderr)
+                flushed = None if i == 0 else server.flush_cache()  # None: the cache was new
+                if flushed is False:
+                    print(f"[{system.name}] flush_cache failed: a warm cache", file=sys.stderr)
                 recs = asyncio.run(
                     run_load(server.url, convs, load, ignore_eos=not args.no_ignore_eos,
                              progress=not args.no_progress)
@@ -178,7 +180,7 @@ def run_system(system, convs, loads, kv_bytes, geometry, opts, args) -> list[dic
                 path = args.out / "records" / f"{name}.{load.label.replace(':', '-')}.jsonl"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-                rows.append(dict(base, arrival=load.label, **summarize(recs)))
+                rows.append(dict(base, arrival=load.label, flushed=flushed, **summarize(recs)))
                 print(f"[{system.name}] {load.label}: {_brief(rows[-1])}", flush=True)
         except Exception as err:  # noqa: BLE001 - recorded in the system's rows; on to the next
             print(f"[{system.name}] failed: {str(err)[:2000]}", file=sys.stderr)
@@ -205,6 +207,15 @@ def _brief(row: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # `timeout` sends SIGTERM: exit through the `finally` that stops the running server
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(args: argparse.Namespace) -> int:
     args.out = args.out.resolve()
     args.run_timeout = args.run_timeout or RUN_TIMEOUT_S[args.preset]
     scale = parse_scale(PRESETS[args.preset], args.scale)
