@@ -119,6 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", default=SYSTEMS, help=f"comma separated (default {SYSTEMS})")
     p.add_argument("--arrivals", help="comma separated poisson:RATE / saturation:N "
                    f"(default per preset: {ARRIVALS})")  # fmt: skip
+    p.add_argument("--rate", type=float, help="Poisson arrivals, conversations a second "
+                   "(with --concurrency and --arrivals: each mode is run)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, help="saturation: conversations in flight")
     p.add_argument("--kv-gib", type=float, help="KV pool bytes per system, GiB")
     p.add_argument(
         "--kv-tokens",
@@ -220,7 +223,10 @@ def run(args: argparse.Namespace) -> int:
     args.run_timeout = args.run_timeout or RUN_TIMEOUT_S[args.preset]
     scale = parse_scale(PRESETS[args.preset], args.scale)
     systems = [System.parse(s) for s in args.systems.split(",") if s.strip()]
-    loads = [parse_load(s, args) for s in (args.arrivals or ARRIVALS[args.preset]).split(",")]
+    specs = [s for s in (args.arrivals or "").split(",") if s]
+    specs += [f"poisson:{args.rate:g}"] * (args.rate is not None)
+    specs += [f"saturation:{args.concurrency}"] * (args.concurrency is not None)
+    loads = [parse_load(s, args) for s in specs or ARRIVALS[args.preset].split(",")]
     geometry = KVGeometry.of_model(args.model)
     if args.kv_gib is not None:
         kv_bytes = int(args.kv_gib * (1 << 30))

@@ -208,7 +208,8 @@ class Server:
 
     def flush_cache(self) -> bool:
         """Empty the radix cache (between two runs on one server)."""
-        return _http(self.url + "/flush_cache", data=b"", timeout=60)[0] == 200
+        # waits up to 30 s for requests still running (aborted ones after a run timeout)
+        return _http(self.url + "/flush_cache?timeout=30", data=b"", timeout=60)[0] == 200
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

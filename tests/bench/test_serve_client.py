@@ -137,7 +137,7 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
          "hidden_size": 896}))  # fmt: skip
     out = tmp_path / "out"
     common = ["--model", str(model), "--scale", "conversations=3,turns=2,history=200:300,"
-              "output=4:6,question=30", "--arrivals", "saturation:2,poisson:50",
+              "output=4:6,question=30", "--rate", "50", "--concurrency", "2",
               "--port", str(_free_port()), "--out", str(out), "--no-progress",
               "--start-timeout", "60", "--commit", "abc"]  # fmt: skip
     assert serve_multiturn.main(common + ["--systems", "bf16,fp8"]) == 0
@@ -157,9 +157,9 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
             assert row[key] is not None, (name, key)
         assert row["errors"] == 0 and row["recall"] == 1.0 and row["hit_rate"] > 0
         assert row["pool"]["tokens"] == 1234 and row["max_total_num_tokens"] == 1234
-    assert rows["bf16", "saturation:2"]["flushed"] is None  # a new server's cache
-    assert rows["bf16", "poisson:50"]["flushed"] is True  # emptied between arrival modes
-    hits = [rows["bf16", a]["hit_rate"] for a in ("saturation:2", "poisson:50")]
+    assert rows["bf16", "poisson:50"]["flushed"] is None  # a new server's cache
+    assert rows["bf16", "saturation:2"]["flushed"] is True  # emptied between arrival modes
+    hits = [rows["bf16", a]["hit_rate"] for a in ("poisson:50", "saturation:2")]
     assert hits[0] == hits[1]  # the second mode's first turns found no earlier answers
     assert rows["qevict@10%", "saturation:2"]["budget"] == "10%"
     assert rows["qevict@10%", "saturation:2"]["pool_tokens_flag"] == 160_000
