@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         kv_bytes = int(args.kv_gib * (1 << 30))
     else:
         kv_bytes = (args.kv_tokens or KV_TOKENS[args.preset]) * geometry.bytes_per_token()
-    context = scale.max_context() + 512  # + chat template tokens
+    context = scale.max_context() + 1024  # chat template tokens, answers re-tokenized
     opts = ServerOptions(
         model=args.model, port=args.port, context_length=context, mem_fraction=args.mem_fraction,
         graph_max_bs=args.graph_max_bs, hicache_gb=args.hicache_gb,
