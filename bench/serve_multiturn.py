@@ -116,7 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     p.add_argument("--scale", help="override the preset: conversations=N,turns=N,"
                    "history=MIN:MAX,output=MIN:MAX,question=N")  # fmt: skip
-    p.add_argument("--systems", default=SYSTEMS, help=f"comma separated (default {SYSTEMS})")
+    p.add_argument(
+        "--systems", default=SYSTEMS, help=f"comma separated (default {SYSTEMS})".replace("%", "%%")
+    )
     p.add_argument("--arrivals", help="comma separated poisson:RATE / saturation:N "
                    f"(default per preset: {ARRIVALS})")  # fmt: skip
     p.add_argument("--rate", type=float, help="Poisson arrivals, conversations a second "

@@ -167,3 +167,12 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
     lines = (out / "records" / "bf16.saturation-2.jsonl").read_text().splitlines()
     assert len(lines) == 3 * 2
     assert (out / "serve.png").stat().st_size > 0
+
+
+def test_help(capsys):
+    import serve_multiturn
+
+    with pytest.raises(SystemExit) as exit_:
+        serve_multiturn.parse_args(["--help"])
+    assert exit_.value.code == 0
+    assert "qevict@10%" in capsys.readouterr().out
