@@ -154,6 +154,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--commit", default=None, help="recorded in the summary (default: git HEAD)")
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/serve-multiturn")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print each system's server command; start nothing"
+    )
     return p.parse_args(argv)
 
 
@@ -226,8 +229,10 @@ def run(args: argparse.Namespace) -> int:
     scale = parse_scale(PRESETS[args.preset], args.scale)
     systems = [System.parse(s) for s in args.systems.split(",") if s.strip()]
     specs = [s for s in (args.arrivals or "").split(",") if s]
-    specs += [f"poisson:{args.rate:g}"] * (args.rate is not None)
-    specs += [f"saturation:{args.concurrency}"] * (args.concurrency is not None)
+    if args.rate is not None:
+        specs.append(f"poisson:{args.rate:g}")
+    if args.concurrency is not None:
+        specs.append(f"saturation:{args.concurrency}")
     loads = [parse_load(s, args) for s in specs or ARRIVALS[args.preset].split(",")]
     geometry = KVGeometry.of_model(args.model)
     if args.kv_gib is not None:
@@ -247,6 +252,10 @@ def run(args: argparse.Namespace) -> int:
           f"{min(c.history_tokens for c in convs)}-{max(c.history_tokens for c in convs)} "
           f"tokens ({'tokenizer' if sizer.exact else 'approximate'}), "
           f"{time.time() - t0:.1f}s; KV {kv_bytes / (1 << 30):.3f} GiB per system")  # fmt: skip
+    if args.dry_run:
+        for system in systems:
+            print(system.name, " ".join(server_command(system, kv_bytes, geometry, opts)[1:]))
+        return 0
     meta = {
         "gpu": _gpu_name(), "commit": args.commit or _commit(), "model": args.model,
         "kv_bytes": kv_bytes, "kv_bytes_per_bf16_token": geometry.bytes_per_token(),

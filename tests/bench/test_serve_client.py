@@ -176,3 +176,21 @@ def test_help(capsys):
         serve_multiturn.parse_args(["--help"])
     assert exit_.value.code == 0
     assert "qevict@10%" in capsys.readouterr().out
+
+
+def test_dry_run_starts_nothing(tmp_path, capsys):
+    import serve_multiturn
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 24, "num_key_value_heads": 2, "num_attention_heads": 14,
+         "hidden_size": 896}))  # fmt: skip
+    out = tmp_path / "out"
+    argv = ["--model", str(tmp_path), "--dry-run", "--out", str(out), "--kv-gib", "1"]
+    assert serve_multiturn.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cmds = {ln.split()[0]: ln.split() for ln in lines[1:]}
+    assert set(cmds) == {"bf16", "fp8", "hicache", "qevict@10%", "qevict@25%", "rdkv@10%"}
+    flag = {k: int(v[v.index("--max-total-tokens") + 1]) for k, v in cmds.items()}
+    assert flag["fp8"] == 2 * flag["bf16"] == 2 * (1 << 30) // 12288
+    assert flag["qevict@10%"] == (1 << 30) * 10 // 12288  # floored once, not 10x a floor
+    assert not out.exists()
