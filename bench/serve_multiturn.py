@@ -200,8 +200,10 @@ def run_system(system, convs, loads, kv_bytes, geometry, opts, args) -> list[dic
             ]
         finally:
             server.stop()
+    released = mem.wait_released()
     for r in rows:
         r["peak_gpu_mib"] = mem.peak_mib  # over the server's life, all its loads
+        r["gpu_released"] = released
     return rows
 
 

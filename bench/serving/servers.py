@@ -262,6 +262,20 @@ class GpuMemory:
         if self._thread.is_alive():
             self._thread.join()
 
+    def wait_released(self, limit_s: float = 30.0, slack_mib: int = 512) -> bool | None:
+        """After the server stopped: wait until the GPU is back near the baseline (a server's
+        child processes free their memory a little after it exits), so the next server's
+        baseline is clean. None without nvidia-smi."""
+        if self.baseline is None:
+            return None
+        t0 = time.time()
+        while time.time() - t0 < limit_s:
+            used = gpu_used_mib()
+            if used is not None and used <= self.baseline + slack_mib:
+                return True
+            time.sleep(1)
+        return False
+
     @property
     def peak_mib(self) -> int | None:
         if self.baseline is None or self._peak is None:

@@ -77,3 +77,32 @@ def test_pool_from_log():
     one = "KV Cache is allocated. dtype: torch.float8_e4m3fn, #tokens: 10, KV size: 0.25 GB"
     assert pool_from_log(one)["bytes"] == GIB // 4
     assert pool_from_log("no pool here") is None
+
+
+def test_gpu_memory_peak_over_baseline(monkeypatch):
+    import time
+
+    from serving import servers
+
+    readings = iter([1000, 1200, 5000, 3000, 4000] + [1300] * 100)
+    current = {"v": 1000}
+
+    def fake():
+        current["v"] = next(readings, 1300)
+        return current["v"]
+
+    monkeypatch.setattr(servers, "gpu_used_mib", fake)
+    with servers.GpuMemory(every_s=0.001) as mem:
+        while current["v"] != 1300:
+            time.sleep(0.005)
+    assert mem.baseline == 1000 and mem.peak_mib == 4000
+    assert mem.wait_released(limit_s=1) is True
+
+
+def test_gpu_memory_without_nvidia_smi(monkeypatch):
+    from serving import servers
+
+    monkeypatch.setattr(servers, "gpu_used_mib", lambda: None)
+    with servers.GpuMemory() as mem:
+        pass
+    assert mem.peak_mib is None and mem.wait_released() is None
