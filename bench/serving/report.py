@@ -56,6 +56,9 @@ def plot(summary: dict, path: Path) -> Path | None:
             by = {r["name"]: r.get(key) for r in rows if r["arrival"] == arrival}
             xs = [i + (j - (len(arrivals) - 1) / 2) * width for i in range(len(names))]
             ax.bar(xs, [by.get(n) or 0 for n in names], width, label=arrival)
+        for i, name in enumerate(names):
+            if not any(r["name"] == name for r in rows):  # the server failed: see its row
+                ax.text(i, 0, "failed", ha="center", va="bottom", color="red", fontsize=8)
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
