@@ -219,9 +219,14 @@ async def run_load(
         run = _Run(session, base_url.rstrip("/") + "/v1/chat/completions", model, load,
                    ignore_eos, bar)  # fmt: skip
 
+        crashed: dict[int, str] = {}  # a bug in this loop, recorded instead of lost in a task
+
         async def arrive(conv: Conversation, at: float) -> None:
             await asyncio.sleep(max(0.0, at - run.now()))
-            await run.conversation(conv, sem)
+            try:
+                await run.conversation(conv, sem)
+            except Exception as err:  # noqa: BLE001
+                crashed[conv.index] = f"client error: {type(err).__name__}: {err}"
 
         starts = load.start_times(len(conversations))
         tasks = [
@@ -239,6 +244,6 @@ async def run_load(
         end = run.now()
         for t in range(len(recs), len(conv.questions)):
             why = "an earlier turn failed" if recs and not recs[-1].ok else "run timeout"
-            why = f"not sent: {why}"
+            why = crashed.get(conv.index, f"not sent: {why}")
             out.append(asdict(_failed(conv.index, t, why, end, end)))
     return out

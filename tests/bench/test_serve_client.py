@@ -194,3 +194,17 @@ def test_dry_run_starts_nothing(tmp_path, capsys):
     assert flag["fp8"] == 2 * flag["bf16"] == 2 * (1 << 30) // 12288
     assert flag["qevict@10%"] == (1 << 30) * 10 // 12288  # floored once, not 10x a floor
     assert not out.exists()
+
+
+def test_a_client_bug_is_recorded_not_lost(monkeypatch):
+    from serving import client
+
+    def broken(conv, text):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(client, "answered", broken)  # called on each last turn
+    recs, _, convs = _run(Load("saturation", concurrency=3))
+    last = [r for r in recs if r["turn"] == SCALE.turns - 1]
+    assert len(last) == len(convs) and not any(r["ok"] for r in last)
+    assert all("client error: KeyError" in r["error"] for r in last)
+    assert all(r["ok"] for r in recs if r["turn"] < SCALE.turns - 1)
