@@ -177,6 +177,9 @@ def run_system(system, convs, loads, kv_bytes, geometry, opts, args) -> list[dic
             info = server.info()
             base["max_total_num_tokens"] = info.get("max_total_num_tokens")
             base["pool"] = pool_from_log(server.log_tail(1 << 20))
+            # SGLang's own GB figures (weights, kvcache: the pool's get_kv_size_bytes, graphs)
+            states = info.get("internal_states") or [{}]
+            base["memory_usage_gb"] = states[0].get("memory_usage")
             for i, load in enumerate(loads):
                 flushed = None if i == 0 else server.flush_cache()  # None: the cache was new
                 if flushed is False:

@@ -72,7 +72,10 @@ def make_app(delay_s: float = 0.002) -> web.Application:
         return web.Response(text="ok")
 
     async def info(_request):
-        return web.json_response({"max_total_num_tokens": 1234, "internal_states": []})
+        usage = {"weight": 0.9, "kvcache": 0.183, "graph": {"decode": 0.1}}
+        return web.json_response(
+            {"max_total_num_tokens": 1234, "internal_states": [{"memory_usage": usage}]}
+        )
 
     async def flush(_request):
         state["seen"].clear()

@@ -157,6 +157,7 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
             assert row[key] is not None, (name, key)
         assert row["errors"] == 0 and row["recall"] == 1.0 and row["hit_rate"] > 0
         assert row["pool"]["tokens"] == 1234 and row["max_total_num_tokens"] == 1234
+        assert row["memory_usage_gb"]["kvcache"] == 0.183
     assert rows["bf16", "poisson:50"]["flushed"] is None  # a new server's cache
     assert rows["bf16", "saturation:2"]["flushed"] is True  # emptied between arrival modes
     hits = [rows["bf16", a]["hit_rate"] for a in ("poisson:50", "saturation:2")]
