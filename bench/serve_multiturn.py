@@ -1,0 +1,283 @@
+"""Multi-turn serving on one GPU, same KV memory for every system (issue 20).
+
+Per system (``--systems``: plain bf16, fp8 KV, HiCache, tiered policies at a budget) this
+starts an OpenAI-compatible SGLang server whose KV pool spends ``--kv-gib`` (or the bytes of
+``--kv-tokens`` bf16 tokens), runs the same seeded conversations (``bench/serving/workload.py``:
+private long histories, short new questions, a recall question in the last turn) under each
+``--arrivals`` mode (Poisson at a rate, or saturation at a concurrency; the radix cache is
+flushed between modes), and stops it by its PID. Results in ``--out``:
+
+- ``records/<system>.<arrival>.jsonl``: one line per request (TTFT, TPOT, prompt, cached and
+  output tokens, the answer, errors);
+- ``serve-summary.json``: one row per system and arrival: output tokens/s, TTFT and TPOT
+  p50/p99, radix hit rate, re-prefilled tokens, recall, peak GPU memory, pool bytes (rows of
+  earlier runs into the same folder with the same workload are kept: systems can be measured
+  in separate calls);
+- ``serve.png``: output tokens/s and TTFT p50 per system; ``<system>.log``: server logs.
+
+A system whose server fails to start gets rows with its ``error`` and the run goes on.
+How each system's flags come from one byte target: ``bench/serving/servers.py``.
+
+    python3 bench/serve_multiturn.py --model /tmp/models/qwen2.5-0.5b --preset quick --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from serving import report
+from serving.client import Load, run_load
+from serving.servers import (
+    GpuMemory,
+    KVGeometry,
+    Server,
+    ServerOptions,
+    System,
+    pool_from_log,
+    server_command,
+)
+from serving.stats import summarize
+from serving.workload import PRESETS, Scale, TokenSizer, workload
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = "bf16,fp8,hicache,qevict@10%,qevict@25%,rdkv@10%"
+# per preset: KV room (bf16 tokens: conversations x tokens each) and arrival modes
+KV_TOKENS = {"full": 16 * 20_000, "quick": 4 * 4_000}
+ARRIVALS = {"full": "poisson:1,saturation:32", "quick": "saturation:8"}
+RUN_TIMEOUT_S = {"full": 3600.0, "quick": 180.0}  # per system and arrival
+
+
+def parse_scale(base: Scale, spec: str | None) -> Scale:
+    """``base`` with ``conversations=N,turns=N,history=MIN:MAX,output=MIN:MAX,question=N``."""
+    if not spec:
+        return base
+    fields = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key in ("history", "output"):
+            lo, _, hi = value.partition(":")
+            fields[f"{key}_min"], fields[f"{key}_max"] = int(lo), int(hi or lo)
+        elif key in ("conversations", "turns"):
+            fields[key] = int(value)
+        elif key == "question":
+            fields["question_tokens"] = int(value)
+        else:
+            raise ValueError(f"unknown --scale key {key!r}")
+    return dataclasses.replace(base, **fields)
+
+
+def parse_load(spec: str, args) -> Load:
+    """``poisson:RATE`` (conversations a second, at most ``--max-inflight`` at once) or
+    ``saturation:CONCURRENCY``."""
+    mode, _, value = spec.partition(":")
+    timeouts = dict(seed=args.seed, request_timeout_s=args.request_timeout,
+                    run_timeout_s=args.run_timeout)  # fmt: skip
+    if mode == "poisson":
+        return Load("poisson", args.max_inflight, rate=float(value), **timeouts)
+    if mode == "saturation":
+        return Load("saturation", int(value), **timeouts)
+    raise ValueError(f"unknown arrival {spec!r}: poisson:RATE or saturation:N")
+
+
+def _gpu_name() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+        return out.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "none"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("TR_COMMIT", "unknown")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=os.environ.get("TR_MODEL_PATH", "/tmp/models/qwen2.5-0.5b"))
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    p.add_argument("--scale", help="override the preset: conversations=N,turns=N,"
+                   "history=MIN:MAX,output=MIN:MAX,question=N")  # fmt: skip
+    p.add_argument(
+        "--systems", default=SYSTEMS, help=f"comma separated (default {SYSTEMS})".replace("%", "%%")
+    )
+    p.add_argument("--arrivals", help="comma separated poisson:RATE / saturation:N "
+                   f"(default per preset: {ARRIVALS})")  # fmt: skip
+    p.add_argument("--rate", type=float, help="Poisson arrivals, conversations a second "
+                   "(with --concurrency and --arrivals: each mode is run)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, help="saturation: conversations in flight")
+    p.add_argument("--kv-gib", type=float, help="KV pool bytes per system, GiB")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        help=f"KV pool as bf16 tokens of the model (default per preset: {KV_TOKENS})",
+    )
+    p.add_argument(
+        "--max-inflight", type=int, default=64, help="poisson: most conversations in flight at once"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=31100)
+    p.add_argument("--mem-fraction", type=float, default=0.85)
+    p.add_argument("--hicache-gb", type=float, default=40.0)
+    p.add_argument("--graph-max-bs", type=int, default=32)
+    p.add_argument("--server-args", default="", help="extra flags for every server")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        help=f"seconds per system and arrival (default per preset: {RUN_TIMEOUT_S})",
+    )
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="stop at EOS (default: every answer has its drawn length)",
+    )
+    p.add_argument("--commit", default=None, help="recorded in the summary (default: git HEAD)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench/results/serve-multiturn")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print each system's server command; start nothing"
+    )
+    return p.parse_args(argv)
+
+
+def run_system(system, convs, loads, kv_bytes, geometry, opts, args) -> list[dict]:
+    """Start ``system``'s server, run every load, stop it; one row per load."""
+    name = system.name.replace("%", "")
+    server = Server(server_command(system, kv_bytes, geometry, opts), opts.port,
+                    args.out / f"{name}.log")  # fmt: skip
+    base = {
+        "system": system.kind, "budget": system.budget, "name": system.name,
+        "pool_tokens_flag": system.pool_tokens(kv_bytes, geometry), "command": server.cmd[1:],
+    }  # fmt: skip
+    rows = []
+    with GpuMemory() as mem:
+        try:
+            server.start()
+            base["startup_s"] = round(server.wait_healthy(args.start_timeout), 1)
+            info = server.info()
+            base["max_total_num_tokens"] = info.get("max_total_num_tokens")
+            base["pool"] = pool_from_log(server.log_tail(1 << 20))
+            # SGLang's own GB figures (weights, kvcache: the pool's get_kv_size_bytes, graphs)
+            states = info.get("internal_states") or [{}]
+            base["memory_usage_gb"] = states[0].get("memory_usage")
+            for i, load in enumerate(loads):
+                flushed = None if i == 0 else server.flush_cache()  # None: the cache was new
+                if flushed is False:
+                    print(f"[{system.name}] flush_cache failed: a warm cache", file=sys.stderr)
+                recs = asyncio.run(
+                    run_load(server.url, convs, load, ignore_eos=not args.no_ignore_eos,
+                             progress=not args.no_progress)
+                )  # fmt: skip
+                path = args.out / "records" / f"{name}.{load.label.replace(':', '-')}.jsonl"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+                rows.append(dict(base, arrival=load.label, flushed=flushed, **summarize(recs)))
+                print(f"[{system.name}] {load.label}: {_brief(rows[-1])}", flush=True)
+        except Exception as err:  # noqa: BLE001 - recorded in the system's rows; on to the next
+            print(f"[{system.name}] failed: {str(err)[:2000]}", file=sys.stderr)
+            done = {r["arrival"] for r in rows}
+            rows += [
+                dict(base, arrival=ld.label, error=str(err)[-4000:])
+                for ld in loads
+                if ld.label not in done
+            ]
+        finally:
+            server.stop()
+    released = mem.wait_released()
+    for r in rows:
+        r["peak_gpu_mib"] = mem.peak_mib  # over the server's life, all its loads
+        r["gpu_released"] = released
+    return rows
+
+
+def _brief(row: dict) -> str:
+    keys = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "hit_rate", "recall",
+            "errors")  # fmt: skip
+    return ", ".join(
+        f"{k}={row[k]:.3g}" if isinstance(row.get(k), float) else f"{k}={row.get(k)}" for k in keys
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # `timeout` sends SIGTERM: exit through the `finally` that stops the running server
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(args: argparse.Namespace) -> int:
+    args.out = args.out.resolve()
+    args.run_timeout = args.run_timeout or RUN_TIMEOUT_S[args.preset]
+    scale = parse_scale(PRESETS[args.preset], args.scale)
+    systems = [System.parse(s) for s in args.systems.split(",") if s.strip()]
+    specs = [s for s in (args.arrivals or "").split(",") if s]
+    if args.rate is not None:
+        specs.append(f"poisson:{args.rate:g}")
+    if args.concurrency is not None:
+        specs.append(f"saturation:{args.concurrency}")
+    loads = [parse_load(s, args) for s in specs or ARRIVALS[args.preset].split(",")]
+    geometry = KVGeometry.of_model(args.model)
+    if args.kv_gib is not None:
+        kv_bytes = int(args.kv_gib * (1 << 30))
+    else:
+        kv_bytes = (args.kv_tokens or KV_TOKENS[args.preset]) * geometry.bytes_per_token()
+    context = scale.max_context() + 1024  # chat template tokens, answers re-tokenized
+    opts = ServerOptions(
+        model=args.model, port=args.port, context_length=context, mem_fraction=args.mem_fraction,
+        graph_max_bs=args.graph_max_bs, hicache_gb=args.hicache_gb,
+        extra=tuple(args.server_args.split()),
+    )  # fmt: skip
+    t0 = time.time()
+    sizer = TokenSizer.for_model(args.model)
+    convs = workload(args.seed, scale, sizer)
+    print(f"workload: {len(convs)} conversations x {scale.turns} turns, history "
+          f"{min(c.history_tokens for c in convs)}-{max(c.history_tokens for c in convs)} "
+          f"tokens ({'tokenizer' if sizer.exact else 'approximate'}), "
+          f"{time.time() - t0:.1f}s; KV {kv_bytes / (1 << 30):.3f} GiB per system")  # fmt: skip
+    if args.dry_run:
+        for system in systems:
+            print(system.name, " ".join(server_command(system, kv_bytes, geometry, opts)[1:]))
+        return 0
+    meta = {
+        "gpu": _gpu_name(), "commit": args.commit or _commit(), "model": args.model,
+        "kv_bytes": kv_bytes, "kv_bytes_per_bf16_token": geometry.bytes_per_token(),
+        "preset": args.preset, "scale": dataclasses.asdict(scale), "seed": args.seed,
+        "sizer": "tokenizer" if sizer.exact else "approximate",
+        "history_tokens": [c.history_tokens for c in convs], "ignore_eos": not args.no_ignore_eos,
+        "command": sys.argv,
+    }  # fmt: skip
+    for system in systems:
+        rows = run_system(system, convs, loads, kv_bytes, geometry, opts, args)
+        summary = report.merge(meta, rows, args.out)
+        try:
+            report.plot(summary, args.out / "serve.png")
+        except ImportError as err:  # the summary is what counts; the plot can be redrawn
+            print(f"no plot: {err}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""The systems compared, their server flags for one KV byte target, and their server processes.
+
+Same KV memory for all (``kv_bytes``): SGLang's ``--max-total-tokens T`` caps the token slots
+of the pool it sizes from free memory (``--mem-fraction-static`` leaves room for more), so each
+system's ``T`` is the token count its pool fits in ``kv_bytes``, with ``c`` = the model's bf16
+KV bytes a token (``2 * layers * kv_heads * head_dim * 2``; 12 KiB for Qwen2.5-0.5B):
+
+- ``bf16``: ``T = kv_bytes / c``;
+- ``fp8`` (``--kv-cache-dtype fp8_e4m3``): ``T = kv_bytes / (c / 2)``, twice the tokens;
+- ``hicache`` (``--enable-hierarchical-cache --hicache-size G``): the bf16 device pool,
+  ``T = kv_bytes / c``, plus ``G`` GB of host memory as the second tier (not counted in
+  ``kv_bytes``: it is the point of HiCache);
+- tiered (``--kv-policy P --kv-budget f``): the plugin's cell size is ``c * f``
+  (``plugin.cell_size``) and the pool spends ``f * T * c`` bytes on its row blocks and ledger
+  pages (``sizing.plan_blocks``), so ``T = kv_bytes / (c * f)``: ``1/f`` times the slots.
+
+SGLang rounds ``T`` down to its page size. The pool bytes SGLang logs (``KV Cache is allocated
+... K size ... V size``, from each pool's ``get_kv_size_bytes``; 10 MB resolution) are
+recorded as ``pool_bytes`` to check the mapping.
+
+A :class:`Server` is one ``python -m sglang.launch_server`` process: started with its log in a
+file, waited for on ``/health``, stopped by its PID (SIGINT, then SIGKILL), never by name.
+:class:`GpuMemory` polls ``nvidia-smi`` for the device's used memory while a server runs; its
+peak minus the reading before the launch is the server's peak GPU memory (the benchmark is the
+GPU's only user).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+KINDS = ("bf16", "fp8", "hicache", "qevict", "rdkv")
+TIERED = ("qevict", "rdkv")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The model's KV shape: layers, KV heads and head dim."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of_model(cls, folder: str | Path) -> KVGeometry:
+        cfg = json.loads(Path(folder, "config.json").read_text())
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        return cls(cfg["num_hidden_layers"], heads, head_dim)
+
+    def bytes_per_token(self, itemsize: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class System:
+    """One system: ``kind`` (one of :data:`KINDS`) and, for tiered kinds, a ``budget``
+    fraction (``"10%"``)."""
+
+    kind: str
+    budget: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown system {self.kind!r}: one of {', '.join(KINDS)}")
+        if (self.kind in TIERED) != (self.budget is not None):
+            raise ValueError(f"{self.kind}: a budget is for (and needed by) {', '.join(TIERED)}")
+        if self.budget is not None:
+            self.fraction()  # validates
+
+    @classmethod
+    def parse(cls, spec: str) -> System:
+        """``bf16``, ``fp8``, ``hicache``, ``qevict@10%``, ``rdkv@25%``."""
+        kind, _, budget = spec.strip().partition("@")
+        return cls(kind, budget or None)
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.budget is None else f"{self.kind}@{self.budget}"
+
+    def fraction(self) -> Fraction:
+        """The budget as a fraction of full KV (1 for untiered systems)."""
+        if self.budget is None:
+            return Fraction(1)
+        if not self.budget.endswith("%"):
+            raise ValueError(f"{self.name}: only percent budgets have a per-token size")
+        f = Fraction(self.budget[:-1]) / 100
+        if not 0 < f <= 1:
+            raise ValueError(f"{self.name}: budget outside (0%, 100%]")
+        return f
+
+    def pool_tokens(self, kv_bytes: int, geometry: KVGeometry) -> int:
+        """``--max-total-tokens`` for a pool of ``kv_bytes`` (see the module docstring)."""
+        per_token = geometry.bytes_per_token(1 if self.kind == "fp8" else 2) * self.fraction()
+        return int(kv_bytes // per_token)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Flags shared by every system's server."""
+
+    model: str
+    port: int = 31100
+    context_length: int = 32768
+    mem_fraction: float = 0.85
+    graph_max_bs: int = 32
+    hicache_gb: float = 40.0
+    extra: tuple[str, ...] = ()
+
+
+def server_command(system: System, kv_bytes: int, geometry: KVGeometry, opts: ServerOptions):
+    """The ``launch_server`` argument list of ``system`` for a ``kv_bytes`` pool."""
+    cmd = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", opts.model,
+        "--host", "127.0.0.1", "--port", str(opts.port), "--enable-cache-report",
+        "--context-length", str(opts.context_length),
+        "--mem-fraction-static", str(opts.mem_fraction),
+        "--max-total-tokens", str(system.pool_tokens(kv_bytes, geometry)),
+        "--cuda-graph-max-bs-decode", str(opts.graph_max_bs),
+    ]  # fmt: skip
+    if system.kind in TIERED:  # the plugin picks page size and attention backend
+        cmd += ["--kv-policy", system.kind, "--kv-budget", system.budget]
+    else:  # FA3 (SGLang's Hopper default) is not in the staged wheels
+        cmd += ["--attention-backend", "triton"]
+    if system.kind == "fp8":
+        cmd += ["--kv-cache-dtype", "fp8_e4m3"]
+    if system.kind == "hicache":
+        cmd += ["--enable-hierarchical-cache", "--hicache-size", f"{opts.hicache_gb:g}"]
+    return cmd + list(opts.extra)
+
+
+_ALLOCATED = re.compile(
+    r"KV Cache is allocated\. dtype: (\S+), #tokens: (\d+), "
+    r"(?:K size: ([\d.]+) GB, V size: ([\d.]+) GB|KV size: ([\d.]+) GB)"
+)
+
+
+def pool_from_log(text: str) -> dict | None:
+    """The device KV pool SGLang logged: dtype, tokens, bytes (GiB resolution 0.01)."""
+    found = _ALLOCATED.findall(text)
+    if not found:
+        return None
+    dtype, tokens, k, v, kv = found[-1]
+    gib = float(kv) if kv else float(k) + float(v)
+    return {"dtype": dtype, "tokens": int(tokens), "bytes": int(gib * (1 << 30))}
+
+
+def _http(url: str, data: bytes | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, data=data, timeout=timeout) as r:
+            return r.status, r.read()
+    except OSError:
+        return 0, b""
+
+
+class ServerError(RuntimeError):
+    """A server exited or did not become healthy; the message ends with its log's tail."""
+
+
+class Server:
+    """One SGLang server process (see the module docstring)."""
+
+    def __init__(self, cmd: list[str], port: int, log: Path) -> None:
+        self.cmd, self.port, self.log = cmd, port, log
+        self.proc: subprocess.Popen | None = None
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        # cwd outside the checkout: `python -m` puts cwd first on sys.path, and the source
+        # tree's tiered_radix has no `kernels` subpackage (the installed one has)
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log_file, stderr=subprocess.STDOUT, cwd=self.log.parent
+        )
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+    def wait_healthy(self, limit_s: float) -> float:
+        """Seconds until ``/health`` answered 200. Raises :class:`ServerError`."""
+        t0 = time.time()
+        while time.time() - t0 < limit_s:
+            if self.proc.poll() is not None:
+                raise ServerError(f"server exited {self.proc.returncode}:\n{self.log_tail()}")
+            if _http(self.url + "/health")[0] == 200:
+                return time.time() - t0
+            time.sleep(1)
+        raise ServerError(f"server not healthy after {limit_s:.0f}s:\n{self.log_tail()}")
+
+    def info(self) -> dict:
+        status, body = _http(self.url + "/server_info", timeout=30)
+        return json.loads(body) if status == 200 else {}
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache (between two runs on one server)."""
+        # waits up to 30 s for requests still running (aborted ones after a run timeout)
+        return _http(self.url + "/flush_cache?timeout=30", data=b"", timeout=60)[0] == 200
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+def gpu_used_mib() -> int | None:
+    """Used memory of the visible GPUs (MiB, summed), or None without nvidia-smi."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+        return sum(int(x) for x in out.split())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+class GpuMemory:
+    """Polls :func:`gpu_used_mib` in a thread; ``peak_mib`` is the peak over the baseline."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.every_s = every_s
+        self.baseline = gpu_used_mib()
+        self._peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.every_s):
+            used = gpu_used_mib()
+            if used is not None and (self._peak is None or used > self._peak):
+                self._peak = used
+
+    def __enter__(self) -> GpuMemory:
+        if self.baseline is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def wait_released(self, limit_s: float = 30.0, slack_mib: int = 512) -> bool | None:
+        """After the server stopped: wait until the GPU is back near the baseline (a server's
+        child processes free their memory a little after it exits), so the next server's
+        baseline is clean. None without nvidia-smi."""
+        if self.baseline is None:
+            return None
+        t0 = time.time()
+        while time.time() - t0 < limit_s:
+            used = gpu_used_mib()
+            if used is not None and used <= self.baseline + slack_mib:
+                return True
+            time.sleep(1)
+        return False
+
+    @property
+    def peak_mib(self) -> int | None:
+        if self.baseline is None or self._peak is None:
+            return None
+        return self._peak - self.baseline

@@ -1,0 +1,108 @@
+"""The serving benchmark's systems: one KV byte target to each system's server flags
+(bench/serving/servers.py), and the pool SGLang logs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from serving.servers import KVGeometry, ServerOptions, System, pool_from_log, server_command  # noqa: E402
+
+QWEN = KVGeometry(layers=24, kv_heads=2, head_dim=64)  # Qwen2.5-0.5B: 12 KiB a bf16 token
+GIB = 1 << 30
+
+
+def _flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_geometry_from_config(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 24, "num_key_value_heads": 2, "num_attention_heads": 14, '
+        '"hidden_size": 896}'
+    )
+    assert KVGeometry.of_model(tmp_path) == QWEN
+    assert QWEN.bytes_per_token() == 12 * 1024 and QWEN.bytes_per_token(1) == 6 * 1024
+
+
+@pytest.mark.parametrize(
+    "spec, tokens",
+    [("bf16", GIB // 12288), ("hicache", GIB // 12288), ("fp8", GIB // 6144),
+     ("qevict@10%", GIB * 10 // 12288), ("qevict@25%", GIB * 4 // 12288),
+     ("rdkv@10%", GIB * 10 // 12288)],
+)  # fmt: skip
+def test_same_bytes_for_every_system(spec, tokens):
+    system = System.parse(spec)
+    assert system.pool_tokens(GIB, QWEN) == tokens
+    # the bytes each pool spends on those tokens: itemsize x budget fraction
+    itemsize = 1 if system.kind == "fp8" else 2
+    spent = tokens * QWEN.bytes_per_token(itemsize) * system.fraction()
+    assert GIB - QWEN.bytes_per_token() < spent <= GIB
+
+
+def test_server_flags():
+    opts = ServerOptions(model="/m", port=1234, hicache_gb=40)
+    cmd = {s: server_command(System.parse(s), GIB, QWEN, opts)
+           for s in ("bf16", "fp8", "hicache", "qevict@10%", "rdkv@10%")}  # fmt: skip
+    for spec, c in cmd.items():
+        assert c[1:3] == ["-m", "sglang.launch_server"] and "--enable-cache-report" in c
+        assert _flag(c, "--max-total-tokens") == str(System.parse(spec).pool_tokens(GIB, QWEN))
+        assert _flag(c, "--port") == "1234" and _flag(c, "--model-path") == "/m"
+    assert _flag(cmd["bf16"], "--attention-backend") == "triton"
+    assert _flag(cmd["fp8"], "--kv-cache-dtype") == "fp8_e4m3"
+    assert "--enable-hierarchical-cache" in cmd["hicache"]
+    assert _flag(cmd["hicache"], "--hicache-size") == "40"
+    assert _flag(cmd["qevict@10%"], "--kv-policy") == "qevict"
+    assert _flag(cmd["qevict@10%"], "--kv-budget") == "10%"
+    assert "--attention-backend" not in cmd["rdkv@10%"]  # the plugin picks it
+    assert "--kv-policy" not in cmd["bf16"] + cmd["fp8"] + cmd["hicache"]
+
+
+@pytest.mark.parametrize("bad", ["fp16", "qevict", "bf16@10%", "qevict@2GiB", "rdkv@0%"])
+def test_bad_systems(bad):
+    with pytest.raises(ValueError):
+        System.parse(bad)
+
+
+def test_pool_from_log():
+    log = (
+        "[2026-12-02] Load weight end.\n"
+        "[2026-12-02] KV Cache is allocated. dtype: torch.bfloat16, #tokens: 87381, "
+        "K size: 0.50 GB, V size: 0.50 GB\n"
+    )
+    assert pool_from_log(log) == {"dtype": "torch.bfloat16", "tokens": 87381, "bytes": GIB}
+    one = "KV Cache is allocated. dtype: torch.float8_e4m3fn, #tokens: 10, KV size: 0.25 GB"
+    assert pool_from_log(one)["bytes"] == GIB // 4
+    assert pool_from_log("no pool here") is None
+
+
+def test_gpu_memory_peak_over_baseline(monkeypatch):
+    import time
+
+    from serving import servers
+
+    readings = iter([1000, 1200, 5000, 3000, 4000] + [1300] * 100)
+    current = {"v": 1000}
+
+    def fake():
+        current["v"] = next(readings, 1300)
+        return current["v"]
+
+    monkeypatch.setattr(servers, "gpu_used_mib", fake)
+    with servers.GpuMemory(every_s=0.001) as mem:
+        while current["v"] != 1300:
+            time.sleep(0.005)
+    assert mem.baseline == 1000 and mem.peak_mib == 4000
+    assert mem.wait_released(limit_s=1) is True
+
+
+def test_gpu_memory_without_nvidia_smi(monkeypatch):
+    from serving import servers
+
+    monkeypatch.setattr(servers, "gpu_used_mib", lambda: None)
+    with servers.GpuMemory() as mem:
+        pass
+    assert mem.peak_mib is None and mem.wait_released() is None
