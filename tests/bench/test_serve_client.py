@@ -163,7 +163,10 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
     hits = [rows["bf16", a]["hit_rate"] for a in ("poisson:50", "saturation:2")]
     assert hits[0] == hits[1]  # the second mode's first turns found no earlier answers
     assert rows["qevict@10%", "saturation:2"]["budget"] == "10%"
-    assert rows["qevict@10%", "saturation:2"]["pool_tokens_flag"] == 160_000
+    from serving.servers import KVGeometry, System
+
+    qevict = System.parse("qevict@10%").pool_tokens(16_000 * 12_288, KVGeometry(24, 2, 64))
+    assert rows["qevict@10%", "saturation:2"]["pool_tokens_flag"] == qevict
     assert rows["bf16", "saturation:2"]["pool_tokens_flag"] == 16_000
     lines = (out / "records" / "bf16.saturation-2.jsonl").read_text().splitlines()
     assert len(lines) == 3 * 2

@@ -30,17 +30,30 @@ def test_geometry_from_config(tmp_path):
 
 @pytest.mark.parametrize(
     "spec, tokens",
-    [("bf16", GIB // 12288), ("hicache", GIB // 12288), ("fp8", GIB // 6144),
-     ("qevict@10%", GIB * 10 // 12288), ("qevict@25%", GIB * 4 // 12288),
-     ("rdkv@10%", GIB * 10 // 12288)],
+    [("bf16", GIB // 12288), ("hicache", GIB // 12288), ("fp8", GIB // 6144)],
 )  # fmt: skip
-def test_same_bytes_for_every_system(spec, tokens):
+def test_same_bytes_for_every_plain_system(spec, tokens):
     system = System.parse(spec)
     assert system.pool_tokens(GIB, QWEN) == tokens
-    # the bytes each pool spends on those tokens: itemsize x budget fraction
     itemsize = 1 if system.kind == "fp8" else 2
-    spent = tokens * QWEN.bytes_per_token(itemsize) * system.fraction()
+    spent = tokens * QWEN.bytes_per_token(itemsize)
     assert GIB - QWEN.bytes_per_token() < spent <= GIB
+
+
+@pytest.mark.parametrize("spec", ["qevict@10%", "qevict@25%", "rdkv@10%"])
+def test_a_tiered_pool_gets_the_slots_its_cell_size_fits(spec):
+    """The plugin's own cell size (rows and pages at the budget, plus tables and engine state)
+    divides the bytes: fewer than 1/f times bf16's slots, more than bf16's."""
+    from tiered_radix.adapters.sglang.config import parse_budget
+    from tiered_radix.adapters.sglang.sizing import cell_bytes
+    from tiered_radix.policy import load_policy
+
+    system = System.parse(spec)
+    cell = cell_bytes(load_policy(system.kind), parse_budget(system.budget), 24, 2, 64, 2)
+    tokens = system.pool_tokens(GIB, QWEN)
+    assert tokens == GIB // cell
+    f = float(system.fraction())
+    assert GIB // 12288 < tokens < GIB / (12288 * f)
 
 
 def test_server_flags():
