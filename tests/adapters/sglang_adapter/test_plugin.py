@@ -145,7 +145,7 @@ def test_the_policy_is_compiled_once_per_process(baseline, monkeypatch):
     monkeypatch.setattr(config, "load_policy", lambda arg: calls.append(arg) or real(arg))
     monkeypatch.setattr(config, "_current", None)  # as a freshly spawned process
     first = config.current()
-    plugin.cell_size(1000)
+    plugin.cell_size(2 * 24 * 2 * 64 * 2, None, qwen_kvc(monkeypatch), 24)  # calls current()
     assert config.current() is first
     assert calls == ["qevict"]
 
