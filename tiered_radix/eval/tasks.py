@@ -9,7 +9,10 @@ the first turn, which carries the document.
 Task names follow RULER: ``niah_single``, ``niah_multikey``, ``niah_multivalue``,
 ``niah_multiquery``, ``vt``, ``cwe``, ``fwe``; plus ``needle`` (a needle depth sweep:
 sample ``i`` sits at ``DEPTHS[i % len(DEPTHS)]``) and ``multiturn`` (a fact in turn 1,
-asked for in the last turn). Groups: ``ruler`` (the seven RULER tasks).
+asked for in the last turn) and ``distractor`` (3-6 facts of one kind about near-duplicate
+project names, with near-duplicate values; the question names one). Groups: ``ruler`` (the
+seven RULER tasks), ``suite`` (those, ``distractor`` and ``multiturn``: what a policy must
+hold).
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ GROUPS = {
     "ruler": (
         "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
     ),
+    "suite": (
+        "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
+        "distractor", "multiturn",
+    ),
 }  # fmt: skip
 
 
@@ -104,7 +111,7 @@ def register(name: str) -> Callable[[Generator], Generator]:
 
 
 def task_names() -> list[str]:
-    from . import counting, multiturn, ruler  # noqa: F401  (registers the generators)
+    from . import counting, distractor, multiturn, ruler  # noqa: F401  (registers them)
 
     return sorted(_REGISTRY)
 
