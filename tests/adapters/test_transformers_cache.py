@@ -212,6 +212,19 @@ def test_second_turn_prefills_only_its_tokens_and_matches_a_fresh_run(model):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n", [7, 16, 49])
+def test_chunked_prefill_routes_after_each_chunk_and_full_matches_one_forward(model, n):
+    prompt = tokens(50, 1)
+    ref = ChatSession(model, None, "full", max_new_tokens=6, eos_ids=()).ask_ids(prompt)
+    session = ChatSession(model, None, "full", max_new_tokens=6, eos_ids=(), prefill_chunk=n)
+    assert session.ask_ids(prompt).ids == ref.ids
+    chunks = math.ceil(50 / n) - (50 % n == 1)  # a last chunk of one token joins the one before
+    reasons = [s.reason for s in session.cache.store.events.steps]
+    assert reasons == [f"after prefill {i}" for i in range(1, chunks + 1)]
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        ChatSession(model, None, "full", prefill_chunk=1)
+
+
 def test_qevict_second_turn_keeps_the_store(model):
     session = ChatSession(model, None, "qevict", budget="30%", max_new_tokens=4, eos_ids=())
     t1 = session.ask_ids(tokens(400, 7))
