@@ -1,11 +1,10 @@
-"""``after_prefill(evict=false)``: routing after a prefill chunk only demotes; the evictions it
-would make happen at the next decode step (``TierStore.deferring``, ``defer_evictions``)."""
+"""``after_prefill(defer=true)``: the routing due after a prefill chunk waits for the next decode
+step (``TierStore.defer``), so it runs once after the whole prompt, its question read."""
 
 from __future__ import annotations
 
 import torch
 
-from tiered_radix.engine.routing import TierSet, defer_evictions
 from tiered_radix.engine.signals import Signals
 from tiered_radix.engine.store import TierStore
 from tiered_radix.policy.compiler import compile_text
@@ -56,20 +55,14 @@ def _kept(store: TierStore, tokens: slice) -> bool:
     return all(bool(store.view(li)[2][:, tokens].all()) for li in range(L))
 
 
-def test_defer_evictions_moves_only_new_evictions_to_the_cheapest_kept_tier():
-    ts = TierSet.of(compile_text(POLICY.format(schedule="after_prefill")))
-    old = torch.tensor([0, 1, 2, 0, 1])
-    new = torch.tensor([2, 2, 2, 1, 0])
-    assert defer_evictions(new, old, ts).tolist() == [1, 1, 2, 1, 0]
-
-
 def test_a_fact_evicted_mid_prompt_survives_until_the_question_under_deferral():
     """Chunks 1-3 are prose that attention ignores, the fact sits in chunk 1; chunk 4's
     question attends to it. Routing after every chunk evicts it before the question comes;
-    deferred, it is INT2 until the question, then kept by the first decode step's routing."""
+    deferred, it stays at full precision until the question, then the first decode step's
+    routing keeps it at full precision."""
     fact = slice(40, 48)
     results = {}
-    for schedule in ("after_prefill, every(16)", "after_prefill(evict=false), every(16)"):
+    for schedule in ("after_prefill, every(16)", "after_prefill(defer=true), every(16)"):
         g = torch.Generator().manual_seed(0)
         store = _store(schedule)
         for _ in range(3):
@@ -82,26 +75,28 @@ def test_a_fact_evicted_mid_prompt_survives_until_the_question_under_deferral():
         if store.schedule_due(0):
             store.route("decode 0")
         over = [s.over_budget for s in store.events.steps]
-        results[schedule] = (evicted_mid_prompt, _kept(store, fact), over, store)
+        full = all(bool((store.stack.tier[li, :, 5] == 0).all()) for li in range(L))  # 40-47
+        results[schedule] = (evicted_mid_prompt, _kept(store, fact) and full, over, store)
     # routing after every chunk: the fact is gone before the question is seen
     evicted, kept, over, store = results["after_prefill, every(16)"]
     assert evicted and not kept
     assert store.deferred is False
-    # deferred: never evicted during the prompt (over budget there, flagged), kept at the end,
-    # where the first decode step's routing meets the budget
-    evicted, kept, over, store = results["after_prefill(evict=false), every(16)"]
+    # deferred: nothing moves during the prompt; one routing, at the first decode step, which
+    # keeps the fact at full precision and meets the budget
+    evicted, kept, over, store = results["after_prefill(defer=true), every(16)"]
     assert not evicted and kept
-    assert over == [True] * 4 + [False]
+    assert over == [False] and [s.reason for s in store.events.steps] == ["decode 0"]
     assert store.bytes_used() <= store.budget_bytes()
     assert store.occupancy()["evicted"] > 0 and store.deferred is False
 
 
 def test_deferral_asks_for_a_routing_at_the_next_decode_step_only():
     g = torch.Generator().manual_seed(1)
-    store = _store("after_prefill(evict=false), every(16)")
+    store = _store("after_prefill(defer=true), every(16)")
     _chunk(store, g, 96)
     assert not store.schedule_due(0)
-    store.after_prefill()
+    moves = store.after_prefill()
+    assert moves is not None and len(moves) == 0 and not store.events.steps
     assert store.deferred and store.schedule_due(0) and store.occupancy()["evicted"] == 0
     _decode(store, g)
     store.route("decode 0")
@@ -110,11 +105,12 @@ def test_deferral_asks_for_a_routing_at_the_next_decode_step_only():
 
 def test_route_many_defers_only_after_prefill():
     g = torch.Generator().manual_seed(2)
-    stores = [_store("after_prefill(evict=false), every(16)") for _ in range(2)]
+    stores = [_store("after_prefill(defer=true), every(16)") for _ in range(2)]
     for s in stores:
         _chunk(s, g, 96)
-    TierStore.route_many(stores, ["a", "b"], prefill=True)
-    assert all(s.deferred and s.occupancy()["evicted"] == 0 for s in stores)
+    moves = TierStore.route_many(stores, ["a", "b"], prefill=True)
+    assert [len(m) for m in moves] == [0, 0]
+    assert all(s.deferred and s.occupancy() == {"full": L * H * 12, "int2": 0, "evicted": 0} for s in stores)
     for s in stores:
         _decode(s, g)
     TierStore.route_many(stores, ["a", "b"])

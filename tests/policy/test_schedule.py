@@ -1,4 +1,4 @@
-"""The schedule's ``after_prefill(evict=false)`` option: parsing and the compiled value."""
+"""The schedule's ``after_prefill(defer=true)`` option: parsing and the compiled value."""
 
 from __future__ import annotations
 
@@ -24,28 +24,29 @@ schedule: {}
 @pytest.mark.parametrize(
     ("text", "want"),
     [
-        ("after_prefill, every(16)", Schedule(True, True, 16)),
-        ("after_prefill(evict=true), every(16)", Schedule(True, True, 16)),
-        ("after_prefill(evict=false), every(16)", Schedule(True, False, 16)),
-        ("every(4), after_prefill(evict=false)", Schedule(True, False, 4)),
-        ("after_prefill(evict = false)", Schedule(True, False)),
-        ("every(8)", Schedule(False, True, 8)),
+        ("after_prefill, every(16)", Schedule(True, False, 16)),
+        ("after_prefill(defer=false), every(16)", Schedule(True, False, 16)),
+        ("after_prefill(defer=true), every(16)", Schedule(True, True, 16)),
+        ("every(4), after_prefill(defer=true)", Schedule(True, True, 4)),
+        ("after_prefill(defer = true)", Schedule(True, True)),
+        ("every(8)", Schedule(False, False, 8)),
     ],
 )
 def test_schedule_values(text: str, want: Schedule) -> None:
     assert compile_text(BASE.format(text)).schedule == want
 
 
-def test_default_schedule_evicts_after_prefill() -> None:
+def test_default_schedule_routes_after_each_prefill_chunk() -> None:
     p = compile_text(BASE.format("after_prefill").replace("schedule: after_prefill\n", ""))
-    assert p.schedule == Schedule() and p.schedule.prefill_evicts
+    assert p.schedule == Schedule() and not p.schedule.prefill_defers
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("after_prefill(evict=false), after_prefill", "listed twice"),
-        ("after_prefill(evict=no)", "expected: true or false"),
+        ("after_prefill(defer=true), after_prefill", "listed twice"),
+        ("after_prefill(defer=no)", "expected: true or false"),
+        ("after_prefill(evict=false)", "unexpected 'evict'"),
         ("after_prefill(demote=true)", "unexpected 'demote'"),
     ],
 )

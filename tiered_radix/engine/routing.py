@@ -84,18 +84,6 @@ class TierSet:
         return q[0] if q else None
 
 
-def defer_evictions(new: Tensor, old: Tensor, tiers: TierSet) -> Tensor:
-    """A demote-only routing (``after_prefill(evict=false)``): ``new`` engine tiers (int64,
-    any shape) with every unit that ``new`` evicts but ``old`` (same shape) still keeps moved to
-    the cheapest kept tier (the last before ``evict``; full precision when there is no other),
-    where it stays attended to and can be promoted, or evicted by a later routing. Units
-    already evicted stay so. The result may exceed the budget until that routing."""
-    if tiers.evict is None:
-        return new
-    ev = tiers.evict
-    return torch.where((new == ev) & (old != ev), ev - 1, new)
-
-
 def full_token_bytes(n_heads: int, head_dim: int) -> int:
     """Bytes of one token's K and V rows at full precision in one layer."""
     return 2 * 2 * n_heads * head_dim

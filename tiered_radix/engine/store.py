@@ -32,14 +32,7 @@ from .coupled import CoupledLayer, CoupledStack
 from .decoupled import ChannelK
 from .events import EventLog, StepEvents, Transitions
 from .planner import Plan, plan_route, plan_routes
-from .routing import (
-    EngineConfigError,
-    TierSet,
-    defer_evictions,
-    per_layer,
-    spread_shares,
-    total_budget,
-)
+from .routing import EngineConfigError, TierSet, per_layer, spread_shares, total_budget
 from .scores import ScoreEvaluator
 from .shard import HeadShard, check_shardable
 from .signals import CacheState, Signals
@@ -132,7 +125,7 @@ class TierStore:
         self.scores = ScoreEvaluator(policy, n_layers, n_heads, cache=self._cache_state)
         self.events = EventLog()
         self.step = 0
-        self.deferred = False  # the last routing deferred its evictions to the next decode step
+        self.deferred = False  # a prefill chunk's routing waits for the next decode step
 
     # -- feeding -------------------------------------------------------------------------
     def append(self, layer: int, k: Tensor, v: Tensor) -> None:
@@ -191,7 +184,7 @@ class TierStore:
         """After decode step ``decode_step`` (0-based): route every N steps (after steps N-1,
         2N-1, ...) or when bytes reach the ``on_pressure`` fraction of the budget (bytes of all
         ranks: one all-reduce when sharded, so every rank decides the same); and at the first
-        decode step after a routing that deferred its evictions (``after_prefill(evict=false)``).
+        decode step after prefill chunks whose routing was deferred (``after_prefill(defer=true)``).
         """
         if self.deferred:
             return True
@@ -203,10 +196,13 @@ class TierStore:
         return int(self.shard.sum(self._bytes())) >= s.on_pressure * self.budget_bytes()
 
     def after_prefill(self, reason: str = "after_prefill") -> Transitions | None:
-        """Route once if the policy's schedule says ``after_prefill`` (demote-only under
-        ``after_prefill(evict=false)``); else None. Call it after every prefill chunk."""
+        """Route once if the policy's schedule says ``after_prefill`` (under
+        ``after_prefill(defer=true)``: :meth:`defer`); else None. Call it after every prefill
+        chunk."""
         s = self.policy.schedule
-        return self.route(reason, evict=s.prefill_evicts) if s.after_prefill else None
+        if not s.after_prefill:
+            return None
+        return self.defer() if s.prefill_defers else self.route(reason)
 
     # -- routing -------------------------------------------------------------------------
     def plan(self) -> Plan:
@@ -237,23 +233,21 @@ class TierStore:
         self.step += 1
         return out
 
-    def route(self, reason: str, *, evict: bool = True) -> Transitions:
-        """Run allocation for every layer and move units; returns the transitions.
-        ``evict=False``: a demote-only routing (:meth:`deferring`)."""
-        return self.apply(self.deferring(self.plan(), evict), reason)
+    def route(self, reason: str) -> Transitions:
+        """Run allocation for every layer and move units; returns the transitions."""
+        self.deferred = False
+        return self.apply(self.plan(), reason)
 
-    def deferring(self, plan: Plan, evict: bool) -> Plan:
-        """``plan`` as it is (``evict``), or with its evictions deferred: each unit it would
-        evict goes to the cheapest kept tier instead (:func:`~.routing.defer_evictions`) and
-        :meth:`schedule_due` asks for a routing at the next decode step, which evicts."""
-        self.deferred = not evict
-        if evict:
-            return plan
-        if not self.coupled:
-            raise EngineConfigError("deferred evictions need K and V to share units")
-        old = self.stack.tier[..., : plan.tiers.shape[-1]]
-        plan.tiers = defer_evictions(plan.tiers, old, self.tier_set)
-        return plan
+    def defer(self) -> Transitions:
+        """A routing step put off until the next decode step (:meth:`schedule_due` then says
+        so): nothing is planned or moved now, the new tokens stay at full precision (so bytes
+        may exceed the budget until then); returns no transitions."""
+        self.deferred = True
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        shape = (self.n_layers, self.n_heads, 1)
+        return Transitions.from_flat(
+            self.tier_set.names, self.tier_set.evict, empty, shape, empty, empty, empty
+        )
 
     @staticmethod
     def route_many(
@@ -261,11 +255,13 @@ class TierStore:
     ) -> list[Transitions]:
         """:meth:`route` of several stores (one policy and model shape), planned together
         (:func:`~.planner.plan_routes`: one pass over their stacked layers where it can).
-        ``prefill``: they route after a prefill chunk (demote-only under
-        ``after_prefill(evict=false)``)."""
+        ``prefill``: they route after a prefill chunk (deferred under
+        ``after_prefill(defer=true)``: :meth:`defer`)."""
+        if prefill and stores and stores[0].policy.schedule.prefill_defers:
+            return [s.defer() for s in stores]
         plans = plan_routes(stores)
-        evict = not prefill or stores[0].policy.schedule.prefill_evicts if stores else True
-        plans = [s.deferring(p, evict) for s, p in zip(stores, plans, strict=True)]
+        for s in stores:
+            s.deferred = False
         return [s.apply(p, why) for s, p, why in zip(stores, plans, reasons, strict=True)]
 
     # -- reading -------------------------------------------------------------------------

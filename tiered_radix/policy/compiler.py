@@ -118,7 +118,7 @@ class Compiler:
             tiers=tiers,
             rules=self.rules(root.get("rules"), names, units, tiers),
             allocate=allocate,
-            schedule=self.schedule(root.get("schedule"), tiers, units),
+            schedule=self.schedule(root.get("schedule")),
             ledger=ledger,
         )
 
@@ -410,28 +410,8 @@ class Compiler:
             rules.append(Rule(when, then, item.span))
         return tuple(rules)
 
-    def schedule(
-        self, node: Node | None, tiers: tuple[Tier, ...], units: tuple[Granularity, Granularity]
-    ) -> Schedule:
-        if node is None:
-            return Schedule()
-        schedule = self.value(node, "schedule")
-        if schedule.prefill_evicts:
-            return schedule
-        if not any(isinstance(t.action, Evict) for t in tiers):
-            raise PolicyError(
-                "after_prefill(evict=false) defers evictions, but no tier evicts",
-                node.span,
-                suggestion="write `after_prefill`, or add an `evict` tier",
-            )
-        if units[0] != units[1]:
-            raise PolicyError(
-                "after_prefill(evict=false) needs K and V to share units",
-                node.span,
-                suggestion="with K per channel (RDKV) the K allocation follows the V tokens "
-                "evicted; write `after_prefill`",
-            )
-        return schedule
+    def schedule(self, node: Node | None) -> Schedule:
+        return Schedule() if node is None else self.value(node, "schedule")
 
     def ledger(self, node: Node | None, tiers: tuple[Tier, ...]) -> Ledger:
         if node is None:

@@ -143,10 +143,10 @@ class RateDistortion:
 @dataclass(frozen=True)
 class Schedule:
     after_prefill: bool = True
-    # False (``after_prefill(evict=false)``): routing after a prefill chunk only moves units
-    # between kept tiers; the evictions it would make wait for the next decode step, which
-    # routes, so they are decided after the whole prompt, its question included
-    prefill_evicts: bool = True
+    # ``after_prefill(defer=true)``: the routing due after a prefill chunk waits for the next
+    # decode step, so it runs once after the whole prompt (however it was chunked), with the
+    # prompt's question read; until then the chunks stay at full precision
+    prefill_defers: bool = False
     every: int | None = None  # decode steps between routing steps
     on_pressure: float | None = None  # route when bytes reach this fraction of the budget
 

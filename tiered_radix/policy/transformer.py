@@ -213,15 +213,15 @@ class PolicyTransformer(Transformer):
         prefill = fields.get("after_prefill")
         return Schedule(
             after_prefill=prefill is not None,
-            prefill_evicts=prefill is None or prefill,
+            prefill_defers=bool(prefill),
             every=fields.get("every"),
             on_pressure=fields.get("on_pressure"),
         )
 
     def after_prefill(self, c):
-        """``after_prefill`` -> True (routing after a prefill chunk may evict);
-        ``after_prefill(evict=false)`` -> False (it only demotes)."""
-        return ("after_prefill", c[0] is None or str(c[0]) == "true")
+        """``after_prefill`` -> False (route after each prefill chunk);
+        ``after_prefill(defer=true)`` -> True (route at the next decode step instead)."""
+        return ("after_prefill", c[0] is not None and str(c[0]) == "true")
 
     @v_args(meta=True)
     def every(self, meta, c):
