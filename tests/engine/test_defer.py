@@ -110,7 +110,8 @@ def test_route_many_defers_only_after_prefill():
         _chunk(s, g, 96)
     moves = TierStore.route_many(stores, ["a", "b"], prefill=True)
     assert [len(m) for m in moves] == [0, 0]
-    assert all(s.deferred and s.occupancy() == {"full": L * H * 12, "int2": 0, "evicted": 0} for s in stores)
+    untouched = {"full": L * H * 12, "int2": 0, "evicted": 0}
+    assert all(s.deferred and s.occupancy() == untouched for s in stores)
     for s in stores:
         _decode(s, g)
     TierStore.route_many(stores, ["a", "b"])
