@@ -162,12 +162,24 @@ def test_custom_example_combines_qevict_and_rdkv() -> None:
 
 def test_the_full70_example_is_qevict_with_other_shares() -> None:
     """examples/qevict_full70.yaml (the niah_multivalue precision test of GPU eval run 6) is
-    the shipped qevict but for its name and its 70/30 split between full precision and INT2."""
-    ours, ref = load_policy(EXAMPLE.parent / "qevict_full70.yaml"), load_policy("qevict")
+    qevict as shipped then (examples/qevict_v1.yaml) but for its name and its 70/30 split
+    between full precision and INT2."""
+    ours = load_policy(EXAMPLE.parent / "qevict_full70.yaml")
+    ref = load_policy(EXAMPLE.parent / "qevict_v1.yaml")
     assert ours.allocate.shares == (0.7, 0.3) and ref.allocate.shares == (0.5, 0.5)
     same = ("name", "description", "source", "allocate")
     assert replace(ours, **{f: getattr(ref, f) for f in same}) == ref
     assert replace(ours.allocate, shares=ref.allocate.shares) == ref.allocate
+
+
+def test_qevict_v1_is_qevict_but_for_routing_after_every_prefill_chunk() -> None:
+    """Issue 18: the shipped qevict defers its prefill routing to the first decode step;
+    examples/qevict_v1.yaml keeps the old schedule for comparison, nothing else differs."""
+    new, old = load_policy("qevict"), load_policy(EXAMPLE.parent / "qevict_v1.yaml")
+    assert new.schedule.prefill_defers and not old.schedule.prefill_defers
+    same = ("name", "description", "source", "schedule")
+    assert replace(old, **{f: getattr(new, f) for f in same}) == new
+    assert replace(old.schedule, prefill_defers=True) == new.schedule
 
 
 # ---- the reference stays true to the language -------------------------------------------------
