@@ -56,7 +56,10 @@ def run(
             torch.randn(heads, prompt, d, generator=g) * 2 + 0.5,
         )
         store.observe(li, signals(g, torch.ones(heads, prompt, dtype=torch.bool), d, True))
-    if store.after_prefill() is not None and check:
+    moves = store.after_prefill()
+    if store.deferred and steps == 0:  # deferred to the first decode step: with none, here
+        moves = store.route("after prefill")
+    if moves is not None and not store.deferred and check:
         check(store)
     for s in range(steps):
         for li in range(layers):
