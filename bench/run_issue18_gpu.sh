@@ -9,7 +9,9 @@
 # .whl/ carried (lark):
 #   bash bench/run_issue18_gpu.sh
 # Env: MODEL (default /tmp/models/qwen2.5-0.5b), OUT (default bench/results/issue18-gpu),
-# SAMPLES, LENGTHS (default 16k), MINUTES (start no new configuration after this; default 9).
+# SAMPLES, LENGTHS (default 16k), MINUTES (start no new configuration after this; default 9),
+# EXTRA_POLICIES (more rows, ~1.5-2 min each, e.g. "examples/ablation/defer.yaml
+# examples/ablation/rdkv_defer.yaml": deferral without the new score, and rdkv deferred).
 set -uo pipefail
 . bench/gpu_install.sh || exit 1
 MODEL=${MODEL:-/tmp/models/qwen2.5-0.5b}
@@ -20,6 +22,7 @@ common=(--engine sglang --model-path "$MODEL" --tasks distractor,niah_multikey,n
 mkdir -p "$OUT"
 # full, qevict v1, qevict, rdkv (the runner goes configuration by configuration)
 python3 -m tiered_radix eval "${common[@]}" --policies examples/qevict_v1.yaml qevict rdkv \
+  ${EXTRA_POLICIES:-} \
   --out "$OUT/policies" > "$OUT/policies.log" 2>&1
 # full KV at FP8 (a separate folder: its cells would share the full row's keys)
 python3 -m tiered_radix eval "${common[@]}" --policies full --engine-arg kv_cache_dtype=fp8_e4m3 \
