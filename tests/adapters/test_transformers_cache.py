@@ -227,7 +227,8 @@ def test_chunked_prefill_routes_after_each_chunk_and_full_matches_one_forward(mo
 
 def test_deferred_policy_routes_once_after_a_chunked_prompt(model, tmp_path):
     """``after_prefill(defer=true)``: the chunks of a prompt do not route; the first decode step
-    does, once per turn, and meets the budget (qevict itself routes after every chunk)."""
+    does, once per turn, and meets the budget (qevict before issue 18 routed after every
+    chunk)."""
     src = tmp_path / "deferred.yaml"
     src.write_text(
         f"extends: {Path(__file__).parents[2] / 'policies' / 'qevict.yaml'}\n"
@@ -241,7 +242,8 @@ def test_deferred_policy_routes_once_after_a_chunked_prompt(model, tmp_path):
     steps = session.cache.store.events.steps
     assert [s.reason for s in steps] == ["decode step 0", "decode step 3"]
     assert not t1.over_budget and not t2.over_budget and t2.occupancy["int2"] > 0
-    eager = ChatSession(model, None, "qevict", budget="50%", max_new_tokens=3, eos_ids=(),
+    v1 = Path(__file__).parents[2] / "examples" / "qevict_v1.yaml"  # routes after every chunk
+    eager = ChatSession(model, None, str(v1), budget="50%", max_new_tokens=3, eos_ids=(),
                         prefill_chunk=64)  # fmt: skip
     eager.ask_ids(tokens(300, 3))
     assert [s.reason for s in eager.cache.store.events.steps][:5] == [
