@@ -212,6 +212,45 @@ def test_second_turn_prefills_only_its_tokens_and_matches_a_fresh_run(model):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n", [7, 16, 49])
+def test_chunked_prefill_routes_after_each_chunk_and_full_matches_one_forward(model, n):
+    prompt = tokens(50, 1)
+    ref = ChatSession(model, None, "full", max_new_tokens=6, eos_ids=()).ask_ids(prompt)
+    session = ChatSession(model, None, "full", max_new_tokens=6, eos_ids=(), prefill_chunk=n)
+    assert session.ask_ids(prompt).ids == ref.ids
+    chunks = math.ceil(50 / n) - (50 % n == 1)  # a last chunk of one token joins the one before
+    reasons = [s.reason for s in session.cache.store.events.steps]
+    assert reasons == [f"after prefill {i}" for i in range(1, chunks + 1)]
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        ChatSession(model, None, "full", prefill_chunk=1)
+
+
+def test_deferred_policy_routes_once_after_a_chunked_prompt(model, tmp_path):
+    """``after_prefill(defer=true)``: the chunks of a prompt do not route; the first decode step
+    does, once per turn, and meets the budget (qevict before issue 18 routed after every
+    chunk)."""
+    src = tmp_path / "deferred.yaml"
+    src.write_text(
+        f"extends: {Path(__file__).parents[2] / 'policies' / 'qevict.yaml'}\n"
+        "schedule: after_prefill(defer=true), every(16)\n"
+    )
+    session = ChatSession(
+        model, None, str(src), budget="50%", max_new_tokens=3, eos_ids=(), prefill_chunk=64
+    )
+    t1 = session.ask_ids(tokens(300, 3))
+    t2 = session.ask_ids(tokens(100, 4))
+    steps = session.cache.store.events.steps
+    assert [s.reason for s in steps] == ["decode step 0", "decode step 3"]
+    assert not t1.over_budget and not t2.over_budget and t2.occupancy["int2"] > 0
+    v1 = Path(__file__).parents[2] / "examples" / "qevict_v1.yaml"  # routes after every chunk
+    eager = ChatSession(model, None, str(v1), budget="50%", max_new_tokens=3, eos_ids=(),
+                        prefill_chunk=64)  # fmt: skip
+    eager.ask_ids(tokens(300, 3))
+    assert [s.reason for s in eager.cache.store.events.steps][:5] == [
+        f"after prefill {i}" for i in range(1, 6)
+    ]
+
+
 def test_qevict_second_turn_keeps_the_store(model):
     session = ChatSession(model, None, "qevict", budget="30%", max_new_tokens=4, eos_ids=())
     t1 = session.ask_ids(tokens(400, 7))

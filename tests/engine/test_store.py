@@ -56,7 +56,10 @@ def run(
             torch.randn(heads, prompt, d, generator=g) * 2 + 0.5,
         )
         store.observe(li, signals(g, torch.ones(heads, prompt, dtype=torch.bool), d, True))
-    if store.after_prefill() is not None and check:
+    moves = store.after_prefill()
+    if store.deferred and steps == 0:  # deferred to the first decode step: with none, here
+        moves = store.route("after prefill")
+    if moves is not None and not store.deferred and check:
         check(store)
     for s in range(steps):
         for li in range(layers):
@@ -198,7 +201,7 @@ def test_promote_after_demote_restores_the_ledger_copy_exactly():
     )
     store.append(0, torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g))
     attn = torch.rand(h, t, generator=g)
-    store.observe(0, Signals(attn=attn))
+    store.observe(0, Signals(attn=attn, obs_attn=torch.zeros(h, t)))  # qevict reads obs_attn
     store.route("prefill")
     tiers = store.tiers(0)
     q = store.tier_names.index("int2")
@@ -362,7 +365,8 @@ def test_transitions_are_exactly_the_tier_changes_and_count_ledger_writes():
         store.append(li, torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g))
     for step in range(4):
         for li in range(layers):
-            store.observe(li, Signals(attn=torch.rand(h, t, generator=g) ** 6))
+            obs = torch.zeros(h, t)  # qevict reads obs_attn (0: the ranking is attn's)
+            store.observe(li, Signals(attn=torch.rand(h, t, generator=g) ** 6, obs_attn=obs))
         before = [store.tiers(li).clone() for li in range(layers)]
         q = store.tier_names.index("int2")
         writes = [lay.v.stores[q].write_count.clone() for lay in store.layers]

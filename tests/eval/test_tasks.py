@@ -32,9 +32,10 @@ ALL = task_names()
 def test_registry_and_groups():
     assert set(ALL) == {
         "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
-        "needle", "multiturn",
+        "needle", "multiturn", "distractor",
     }  # fmt: skip
     assert expand_tasks("ruler,needle,vt") == expand_tasks("ruler") + ["needle"]
+    assert expand_tasks("suite") == expand_tasks("ruler") + ["distractor", "multiturn"]
     with pytest.raises(TaskError, match="Did you mean 'niah_single'"):
         expand_tasks("niah_singel")
 
@@ -117,6 +118,39 @@ def test_multikey_answer_is_the_asked_key_only():
     assert f"for {asked} mentioned" in s.turns[0]
     assert NEEDLE.format(key=asked, value=s.answers[0]) in s.turns[0]
     assert all(f"for {k} mentioned" not in s.turns[0] for k in s.meta["keys"][1:])
+
+
+def test_distractor_facts_are_near_duplicates_and_only_the_asked_one_scores():
+    kinds = set()
+    for s in make_samples("distractor", 1200, 6, count, seed=5):
+        text, kind = s.turns[0], s.meta["kind"]
+        kinds.add(kind)
+        facts = re.findall(_DISTRACTOR_FACT[kind], text)
+        assert 3 <= len(facts) <= 6 and len(facts) == len(s.meta["depths"])
+        projects, vals = [p for p, _ in facts], [v for _, v in facts]
+        assert len(set(projects)) == len(projects) and len(set(vals)) == len(vals)
+        # near duplicates: one length each, every pair differing in at most two symbols
+        for group in (projects, vals):
+            assert len({len(x) for x in group}) == 1
+            for a in group:
+                for b in group:
+                    assert sum(x != y for x, y in zip(a, b, strict=True)) <= 2 * 3
+        # the question at the end names one project; the answer is its value, no other
+        question = text[text.rindex("\n") :]
+        asked = [p for p in projects if f"project {p}?" in question]
+        assert asked == s.meta["keys"]
+        assert s.answers == (vals[projects.index(asked[0])],)
+        assert sorted(s.meta["distractors"]) == sorted(v for v in vals if v != s.answers[0])
+        assert all(s.answers[0] not in d and d not in s.answers[0] for d in s.meta["distractors"])
+        assert not any(v in question for v in vals)
+    assert kinds == {"lead", "budget", "code"}
+
+
+_DISTRACTOR_FACT = {
+    "lead": r"lead engineer of project (\w+) is (\w+ \w+)\.",
+    "budget": r"approved budget of project (\w+) is (\d+) dollars\.",
+    "code": r"internal code of project (\w+) is ([A-Z]{2}-\d{4})\.",
+}
 
 
 def test_variable_tracking_chain():

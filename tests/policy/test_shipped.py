@@ -9,7 +9,7 @@ import pytest
 
 from tiered_radix import Policy, load_policy
 from tiered_radix.policy import shipped_names
-from tiered_radix.policy.expr import BinOp, Call, Name, Num
+from tiered_radix.policy.expr import BinOp, Call, Name, Num, to_text
 from tiered_radix.policy.model import (
     Evict,
     Granularity,
@@ -63,6 +63,11 @@ def test_qevict_cumulative_attention_with_decay() -> None:
     score = p.allocate.by
     if isinstance(score, Name) and score.id in dict(p.scores):
         score = p.score(score.id)
+    if isinstance(score, BinOp):  # cumulative attention plus the question's (issue 18)
+        assert score.op == "+" and score.right == Call(
+            "pool_max", (Name("obs_attn"),), (("size", Num(7)),)
+        )
+        score = score.left
     assert score.fn == "cumulative" and score.args == (Name("attn"),)
     decay = score.kwarg("decay")
     assert isinstance(decay, Num) and 0 < decay.value < 1  # a decay, so not H2O's plain sum
@@ -162,12 +167,28 @@ def test_custom_example_combines_qevict_and_rdkv() -> None:
 
 def test_the_full70_example_is_qevict_with_other_shares() -> None:
     """examples/qevict_full70.yaml (the niah_multivalue precision test of GPU eval run 6) is
-    the shipped qevict but for its name and its 70/30 split between full precision and INT2."""
-    ours, ref = load_policy(EXAMPLE.parent / "qevict_full70.yaml"), load_policy("qevict")
+    qevict as shipped then (examples/qevict_v1.yaml) but for its name and its 70/30 split
+    between full precision and INT2."""
+    ours = load_policy(EXAMPLE.parent / "qevict_full70.yaml")
+    ref = load_policy(EXAMPLE.parent / "qevict_v1.yaml")
     assert ours.allocate.shares == (0.7, 0.3) and ref.allocate.shares == (0.5, 0.5)
     same = ("name", "description", "source", "allocate")
     assert replace(ours, **{f: getattr(ref, f) for f in same}) == ref
     assert replace(ours.allocate, shares=ref.allocate.shares) == ref.allocate
+
+
+def test_qevict_v1_is_qevict_but_for_its_first_routing() -> None:
+    """Issue 18: the shipped qevict defers its prefill routing to the first decode step and
+    adds the pooled observation window to its score; examples/qevict_v1.yaml keeps the old
+    schedule and score for comparison, nothing else differs."""
+    new, old = load_policy("qevict"), load_policy(EXAMPLE.parent / "qevict_v1.yaml")
+    assert new.schedule.prefill_defers and not old.schedule.prefill_defers
+    assert to_text(new.score("score")) == (
+        "(cumulative(attn, decay=0.99) + pool_max(obs_attn, size=7))"
+    )
+    same = ("name", "description", "source", "schedule", "scores")
+    assert replace(old, **{f: getattr(new, f) for f in same}) == new
+    assert replace(old.schedule, prefill_defers=True) == new.schedule
 
 
 # ---- the reference stays true to the language -------------------------------------------------

@@ -76,6 +76,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="prefill every (policy, budget) separately instead of once per sample",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--engine transformers: prefill prompts in chunks of N tokens, routing after each, "
+        "as a server's chunked prefill does (implies --no-shared-prefill)",
+    )
+    p.add_argument(
         "--stop-when-answered",
         action="store_true",
         help="end a decode once the text holds every answer string (scores cannot change)",
@@ -152,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
                 attention=args.attention,
                 diagnostics=args.diagnostics,
+                prefill_chunk=args.prefill_chunk,
             )
     except EngineError as e:
         print(f"tiered-radix eval: {e}", file=sys.stderr)
@@ -164,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         args.samples,
         args.seed,
         args.max_new_tokens,
-        args.shared_prefill,
+        args.shared_prefill and not args.prefill_chunk,
         args.stop_when_answered,
         shard,
     )
@@ -174,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         "engine": engine.name,
         "model": args.model_path or args.model,
         "attention": "fast" if getattr(engine, "fast", False) else "exact",
-        "shared_prefill": args.shared_prefill,
+        "shared_prefill": args.shared_prefill and not args.prefill_chunk,
+        "prefill_chunk": args.prefill_chunk,
         "stop_when_answered": args.stop_when_answered,
         "max_minutes": args.max_minutes,
         "samples_run": _samples_run(records),

@@ -159,6 +159,9 @@ def _spread_text(policy: Policy) -> str:
 def _schedule_text(policy: Policy) -> str:
     s = policy.schedule
     parts = ["after prefill"] if s.after_prefill else []
+    if s.after_prefill and s.prefill_defers:
+        parts = ["once after the whole prompt (at the first decode step after prefill, "
+                 "however the prompt was chunked)"]  # fmt: skip
     if s.every:
         parts.append(f"every {s.every} decode steps")
     if s.on_pressure:

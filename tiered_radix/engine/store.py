@@ -125,6 +125,7 @@ class TierStore:
         self.scores = ScoreEvaluator(policy, n_layers, n_heads, cache=self._cache_state)
         self.events = EventLog()
         self.step = 0
+        self.deferred = False  # a prefill chunk's routing waits for the next decode step
 
     # -- feeding -------------------------------------------------------------------------
     def append(self, layer: int, k: Tensor, v: Tensor) -> None:
@@ -182,7 +183,11 @@ class TierStore:
     def schedule_due(self, decode_step: int) -> bool:
         """After decode step ``decode_step`` (0-based): route every N steps (after steps N-1,
         2N-1, ...) or when bytes reach the ``on_pressure`` fraction of the budget (bytes of all
-        ranks: one all-reduce when sharded, so every rank decides the same)."""
+        ranks: one all-reduce when sharded, so every rank decides the same); and at the first
+        decode step after prefill chunks whose routing was deferred (``after_prefill(defer=true)``).
+        """
+        if self.deferred:
+            return True
         s = self.policy.schedule
         if s.every is not None and (decode_step + 1) % s.every == 0:
             return True
@@ -190,9 +195,14 @@ class TierStore:
             return False
         return int(self.shard.sum(self._bytes())) >= s.on_pressure * self.budget_bytes()
 
-    def after_prefill(self) -> Transitions | None:
-        """Route once if the policy's schedule says ``after_prefill``; else None."""
-        return self.route("after_prefill") if self.policy.schedule.after_prefill else None
+    def after_prefill(self, reason: str = "after_prefill") -> Transitions | None:
+        """Route once if the policy's schedule says ``after_prefill`` (under
+        ``after_prefill(defer=true)``: :meth:`defer`); else None. Call it after every prefill
+        chunk."""
+        s = self.policy.schedule
+        if not s.after_prefill:
+            return None
+        return self.defer() if s.prefill_defers else self.route(reason)
 
     # -- routing -------------------------------------------------------------------------
     def plan(self) -> Plan:
@@ -225,13 +235,33 @@ class TierStore:
 
     def route(self, reason: str) -> Transitions:
         """Run allocation for every layer and move units; returns the transitions."""
+        self.deferred = False
         return self.apply(self.plan(), reason)
 
+    def defer(self) -> Transitions:
+        """A routing step put off until the next decode step (:meth:`schedule_due` then says
+        so): nothing is planned or moved now, the new tokens stay at full precision (so bytes
+        may exceed the budget until then); returns no transitions."""
+        self.deferred = True
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        shape = (self.n_layers, self.n_heads, 1)
+        return Transitions.from_flat(
+            self.tier_set.names, self.tier_set.evict, empty, shape, empty, empty, empty
+        )
+
     @staticmethod
-    def route_many(stores: list[TierStore], reasons: list[str]) -> list[Transitions]:
+    def route_many(
+        stores: list[TierStore], reasons: list[str], *, prefill: bool = False
+    ) -> list[Transitions]:
         """:meth:`route` of several stores (one policy and model shape), planned together
-        (:func:`~.planner.plan_routes`: one pass over their stacked layers where it can)."""
+        (:func:`~.planner.plan_routes`: one pass over their stacked layers where it can).
+        ``prefill``: they route after a prefill chunk (deferred under
+        ``after_prefill(defer=true)``: :meth:`defer`)."""
+        if prefill and stores and stores[0].policy.schedule.prefill_defers:
+            return [s.defer() for s in stores]
         plans = plan_routes(stores)
+        for s in stores:
+            s.deferred = False
         return [s.apply(p, why) for s, p, why in zip(stores, plans, reasons, strict=True)]
 
     def settle(self, layer: Tensor, head: Tensor, unit: Tensor, tier: Tensor, copy: Tensor) -> None:

@@ -110,6 +110,7 @@ class TransformersEngine:
         dtype: str = "float32",
         attention: str | None = None,
         diagnostics: bool = True,
+        prefill_chunk: int | None = None,
     ) -> None:
         if attention not in (None, "exact", "fast"):
             raise EngineError(f"attention must be 'exact' or 'fast', got {attention!r}")
@@ -131,6 +132,9 @@ class TransformersEngine:
         self.hf_model.to(device).eval()
         self.fast = (attention or ("fast" if str(device).startswith("cuda") else "exact")) == "fast"
         self.variant = "fast" if self.fast else ""
+        self.prefill_chunk = prefill_chunk  # chunked prompts (as a server): no shared prefill
+        if prefill_chunk:
+            self.variant += f"chunk{prefill_chunk}"
         self.diagnostics = diagnostics
         self._float_keys = None
         self.eos = adapter.stop_ids(self.hf_model, self.tokenizer)
@@ -140,14 +144,16 @@ class TransformersEngine:
 
     def generate(self, prompt: str, policy: Policy, max_new_tokens: int) -> Reply:
         text, stats = self._adapter.generate(
-            self.hf_model, self.tokenizer, prompt, policy, max_new_tokens=max_new_tokens
-        )
+            self.hf_model, self.tokenizer, prompt, policy, max_new_tokens=max_new_tokens,
+            prefill_chunk=self.prefill_chunk,
+        )  # fmt: skip
         return Reply(text, _turn_stats(stats))
 
     def chat(self, turns: Sequence[str], policy: Policy, max_new_tokens: int) -> list[Reply]:
         session = self._adapter.ChatSession(
-            self.hf_model, self.tokenizer, policy, max_new_tokens=max_new_tokens
-        )
+            self.hf_model, self.tokenizer, policy, max_new_tokens=max_new_tokens,
+            prefill_chunk=self.prefill_chunk,
+        )  # fmt: skip
         replies = []
         for user in turns:
             turn = session.ask(user)

@@ -2,10 +2,11 @@
 
 Why sharing is exact: the transformers adapter prefills a prompt in one chunk while every token
 is still at full precision (a fresh store holds the rows it was given), and every shipped policy
-routes only when that chunk ends (``schedule: after_prefill``; a schedule without it would route
-at its first decode step, also after the prefill). So the prefill's attention outputs, the first
-token's logits, the cached K/V (post-RoPE) and the signals the store observes do not depend on
-the policy; only routing and the decode that follows do. :func:`capture` runs the model once and
+routes only when that chunk ends (``schedule: after_prefill``; a schedule without it, or
+``after_prefill(defer=true)``, routes at a decode step, also after the prefill). So the
+prefill's attention outputs, the first token's logits, the cached K/V (post-RoPE) and the
+signals the store observes do not depend on the policy; only routing and the decode that
+follows do. :func:`capture` runs the model once and
 keeps what a :class:`~tiered_radix.adapters.transformers.TieredCache` would have received;
 :mod:`.seeded` builds each policy's store from it. (A multi-turn sample's later turns prefill
 *over a compressed cache*, so only single-turn samples share a prefill.)

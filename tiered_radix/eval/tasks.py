@@ -1,17 +1,20 @@
 """The task catalogue: names, groups, and the samples of a task (the generators live in
-:mod:`.ruler`, :mod:`.counting` and :mod:`.multiturn`; what they produce in :mod:`.sample`).
+:mod:`.ruler`, :mod:`.counting`, :mod:`.distractor` and :mod:`.multiturn`; what they produce in :mod:`.sample`).
 
 Task names follow RULER: ``niah_single``, ``niah_multikey``, ``niah_multivalue``,
 ``niah_multiquery``, ``vt``, ``cwe``, ``fwe``; plus ``needle`` (a needle depth sweep:
 sample ``i`` sits at ``DEPTHS[i % len(DEPTHS)]``) and ``multiturn`` (a fact in turn 1,
-asked for in the last turn). Groups: ``ruler`` (the seven RULER tasks).
+asked for in the last turn) and ``distractor`` (3-6 facts of one kind about near-duplicate
+project names, with near-duplicate values; the question names one). Groups: ``ruler`` (the
+seven RULER tasks), ``suite`` (those, ``distractor`` and ``multiturn``: what a policy must
+hold).
 """
 
 from __future__ import annotations
 
 import difflib
 
-from . import counting, multiturn, ruler
+from . import counting, distractor, multiturn, ruler
 from .sample import (
     _REGISTRY,
     DEPTHS,
@@ -26,11 +29,15 @@ __all__ = [
     "DEPTHS", "GROUPS", "Sample", "TaskError", "TokenCounter", "expand_tasks", "fit",
     "make_sample", "make_samples", "sample_rng", "task_names",
 ]  # fmt: skip
-GENERATOR_MODULES = (counting, multiturn, ruler)  # each registers its tasks when imported
+GENERATOR_MODULES = (counting, distractor, multiturn, ruler)  # each registers its tasks when imported
 
 GROUPS = {
     "ruler": (
         "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
+    ),
+    "suite": (
+        "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
+        "distractor", "multiturn",
     ),
 }  # fmt: skip
 

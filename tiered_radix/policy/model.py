@@ -143,6 +143,10 @@ class RateDistortion:
 @dataclass(frozen=True)
 class Schedule:
     after_prefill: bool = True
+    # ``after_prefill(defer=true)``: the routing due after a prefill chunk waits for the next
+    # decode step, so it runs once after the whole prompt (however it was chunked), with the
+    # prompt's question read; until then the chunks stay at full precision
+    prefill_defers: bool = False
     every: int | None = None  # decode steps between routing steps
     on_pressure: float | None = None  # route when bytes reach this fraction of the budget
 

@@ -210,14 +210,18 @@ class PolicyTransformer(Transformer):
         fields = dict(c)
         if len(fields) != len(c):
             raise self._error(meta, "a schedule trigger is listed twice")
+        prefill = fields.get("after_prefill")
         return Schedule(
-            after_prefill=fields.get("after_prefill", False),
+            after_prefill=prefill is not None,
+            prefill_defers=bool(prefill),
             every=fields.get("every"),
             on_pressure=fields.get("on_pressure"),
         )
 
-    def after_prefill(self, _):
-        return ("after_prefill", True)
+    def after_prefill(self, c):
+        """``after_prefill`` -> False (route after each prefill chunk);
+        ``after_prefill(defer=true)`` -> True (route at the next decode step instead)."""
+        return ("after_prefill", c[0] is not None and str(c[0]) == "true")
 
     @v_args(meta=True)
     def every(self, meta, c):

@@ -287,6 +287,22 @@ ledger: write_once
 """
 
 
+def test_a_deferred_policy_routes_at_the_first_decode_step_not_after_each_chunk():
+    """``after_prefill(defer=true)``: a prompt prefilled in two chunks is routed once, at its
+    first decode step (with the prompt's end read), and nothing moves before."""
+    policy = KERNEL_POLICY.replace("after_prefill, every(3)", "after_prefill(defer=true), every(3)")
+    h = Harness(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
+    req = h.start("a", list(range(1, 71)))
+    h.step([req], [req.origin_input_ids[:32]], extend=True)
+    h.step([req], [req.origin_input_ids[32:]], extend=True)
+    store = h.backend.sessions["a"].store
+    assert not store.events.steps and store.deferred
+    assert h.backend.stats()["demote"] + h.backend.stats()["evict"] == 0
+    h.step([req], [[80]], extend=False)
+    assert [s.reason for s in store.events.steps] == ["decode step 0"] and not store.deferred
+    assert h.backend.stats()["demote"] + h.backend.stats()["evict"] > 0
+
+
 def test_a_kivi_shaped_policy_matches_the_engine():
     """Everything but the newest window quantized, no evict tier: the backend's outputs and
     tiers equal the engine's own (gather path, float32 extend)."""

@@ -101,8 +101,7 @@ def test_the_engine_share_bounds_a_store_holding_every_slot(policy):
     """A request's tier engine (rows held elsewhere, as in the SGLang pool) after a prefill of
     200 tokens and 40 decode steps with routing holds no more device bytes per (layer, head,
     token) than :func:`~.sizing.engine_bytes_per_token` counts."""
-    from tiered_radix.adapters.transformers.cache import policy_reads
-    from tiered_radix.engine.signals import Signals
+    from tiered_radix.engine.signals import Signals, policy_reads
 
     p, L, H, d = load_policy(policy), 2, 2, 64
     T = 200

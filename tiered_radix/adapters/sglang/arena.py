@@ -288,7 +288,7 @@ class ArenaAttnBackend(AttentionBackend):
         due = due_routings(self.batch, self.extend, self.policy)
         # each store moves its own data; one planning pass over all of them
         stores = [r.session.store for r, _ in due]
-        moves = TierStore.route_many(stores, [why for _, why in due])
+        moves = TierStore.route_many(stores, [why for _, why in due], prefill=self.extend)
         if self.tp is not None:
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)

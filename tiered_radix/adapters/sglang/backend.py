@@ -601,7 +601,8 @@ class TieredAttnBackend(AttentionBackend):
         if due:
             self.fold_pending()  # scores up to date (replayed steps summed their attention)
         # planned together (one pass over their stacked layers), then one pool move for all
-        moves = TierStore.route_many([r.session.store for r, _ in due], [why for _, why in due])
+        stores = [r.session.store for r, _ in due]
+        moves = TierStore.route_many(stores, [why for _, why in due], prefill=self.extend)
         routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
         for settled in self.tree.route_many(routed):  # the pool was short of blocks
             self._settle(settled)

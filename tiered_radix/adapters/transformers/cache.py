@@ -154,7 +154,7 @@ class TieredCache(Cache):
         if phase == "prefill":
             self.prefills += 1
             if self.policy.schedule.after_prefill:
-                return self.store.route(f"after prefill {self.prefills}")
+                return self.store.after_prefill(f"after prefill {self.prefills}")
         elif phase == "decode":
             step, self.decode_steps = self.decode_steps, self.decode_steps + 1
             if self.store.schedule_due(step):

@@ -60,6 +60,8 @@ class ChatSession:
     ``tokenizer`` renders turns with its chat template (plain text if it has none); it may be
     None for :meth:`ask_ids`. ``budget`` replaces the policy's. ``eos_ids`` defaults to
     :func:`stop_ids`. The model runs with the tiered attention only inside each call.
+    ``prefill_chunk``: feed a turn's prompt in forwards of at most this many tokens, as a
+    server's chunked prefill does (the store routes after each; default: one forward).
     """
 
     def __init__(
@@ -72,9 +74,13 @@ class ChatSession:
         max_new_tokens: int = 64,
         eos_ids: Sequence[int] | None = None,
         progress: bool = False,
+        prefill_chunk: int | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if prefill_chunk is not None and prefill_chunk < 2:
+            raise ValueError(f"prefill_chunk must be at least 2, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
         self.cache = TieredCache(policy, model.config, budget=budget)
         self.eos = frozenset(eos_ids) if eos_ids is not None else stop_ids(model, tokenizer)
@@ -94,11 +100,18 @@ class ChatSession:
         """Prefill ``ids`` after what is cached, then decode up to ``max_new_tokens``."""
         start, reused, n_routes = time.perf_counter(), self.cache.n_tokens(), self._routes()
         device = self.model.device
-        step = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        ids, n = list(ids), self.prefill_chunk or max(len(ids), 1)
+        last = len(ids) % n or n
+        last = min(n + 1, len(ids)) if last == 1 else last  # one token would be a decode step
+        step = torch.tensor([ids[len(ids) - last :]], dtype=torch.long, device=device)
         out: list[int] = []
         bar = tqdm(total=self.max_new_tokens, desc="generating", disable=not self.progress,
                    leave=False, unit="tok")  # fmt: skip
         with bar, torch.no_grad(), tiered_attention_on(self.model):
+            for i in range(0, len(ids) - step.shape[1], n):  # the chunks before the last
+                chunk = torch.tensor([ids[i : i + n]], dtype=torch.long, device=device)
+                self.model(input_ids=chunk, past_key_values=self.cache, use_cache=True,
+                           logits_to_keep=1)  # fmt: skip
             for _ in range(self.max_new_tokens):
                 logits = self.model(
                     input_ids=step, past_key_values=self.cache, use_cache=True, logits_to_keep=1
@@ -151,8 +164,12 @@ def generate(
     *,
     max_new_tokens: int = 64,
     budget: Budget | str | None = None,
+    prefill_chunk: int | None = None,
 ) -> tuple[str, Turn]:
     """One prompt (chat template applied when the tokenizer has one), greedy; (text, stats)."""
-    session = ChatSession(model, tokenizer, policy, budget=budget, max_new_tokens=max_new_tokens)
+    session = ChatSession(
+        model, tokenizer, policy, budget=budget, max_new_tokens=max_new_tokens,
+        prefill_chunk=prefill_chunk,
+    )  # fmt: skip
     turn = session.ask(prompt)
     return turn.text, turn
