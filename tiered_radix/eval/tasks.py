@@ -1,5 +1,6 @@
 """The task catalogue: names, groups, and the samples of a task (the generators live in
-:mod:`.ruler`, :mod:`.counting`, :mod:`.distractor` and :mod:`.multiturn`; what they produce in :mod:`.sample`).
+:mod:`.ruler`, :mod:`.counting`, :mod:`.distractor` and :mod:`.multiturn`; what they produce
+in :mod:`.sample`).
 
 Task names follow RULER: ``niah_single``, ``niah_multikey``, ``niah_multivalue``,
 ``niah_multiquery``, ``vt``, ``cwe``, ``fwe``; plus ``needle`` (a needle depth sweep:
@@ -29,7 +30,8 @@ __all__ = [
     "DEPTHS", "GROUPS", "Sample", "TaskError", "TokenCounter", "expand_tasks", "fit",
     "make_sample", "make_samples", "sample_rng", "task_names",
 ]  # fmt: skip
-GENERATOR_MODULES = (counting, distractor, multiturn, ruler)  # each registers its tasks when imported
+# each registers its tasks when imported
+GENERATOR_MODULES = (counting, distractor, multiturn, ruler)
 
 GROUPS = {
     "ruler": (
