@@ -196,7 +196,10 @@ def test_dry_run_starts_nothing(tmp_path, capsys):
     assert set(cmds) == {"bf16", "fp8", "hicache", "qevict@10%", "qevict@25%", "rdkv@10%"}
     flag = {k: int(v[v.index("--max-total-tokens") + 1]) for k, v in cmds.items()}
     assert flag["fp8"] == 2 * flag["bf16"] == 2 * (1 << 30) // 12288
-    assert flag["qevict@10%"] == (1 << 30) * 10 // 12288  # floored once, not 10x a floor
+    from serving.servers import KVGeometry, System
+
+    qevict = System.parse("qevict@10%").pool_tokens(1 << 30, KVGeometry(24, 2, 64))
+    assert flag["qevict@10%"] == qevict  # the plugin's cell size, tables and engine state in
     assert not out.exists()
 
 

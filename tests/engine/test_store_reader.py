@@ -3,6 +3,8 @@ what a store holding the rows decides, for every coupled shipped policy."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_store import FILES, signals
@@ -149,8 +151,9 @@ def test_folded_decode_attention_routes_like_one_observe_per_step(path):
 def test_settle_puts_units_where_the_rows_holder_left_them():
     """Units the holder of the rows could not quantize (out of ledger blocks) and evicted
     instead: ``settle`` gives them that tier and no copy, the bytes drop by their copies, and
-    one left at full precision marks the step over budget."""
-    policy = load_policy("qevict")
+    one left at full precision marks the step over budget. (qevict as it routed before issue
+    18: right after prefill, on the last query's attention alone.)"""
+    policy = load_policy(Path(__file__).parents[2] / "examples" / "qevict_v1.yaml")
     L, H, d, T = 1, 2, 64, 32 * 40
     store = TierStore(policy, n_layers=L, n_heads=H, head_dim=d, reader=lambda li: None)
     store.append_tokens(None, T)
