@@ -303,6 +303,26 @@ def test_a_deferred_policy_routes_at_the_first_decode_step_not_after_each_chunk(
     assert h.backend.stats()["demote"] + h.backend.stats()["evict"] > 0
 
 
+def test_flush_cache_gives_the_trees_windows_back_before_their_pages_are_reused():
+    """SGLang's ``flush_cache`` resets the tree and clears the allocator, which frees no page:
+    the tree's windows must leave the pool then, or a later prompt given the same pages finds
+    them owned (routed: "a write into a routed window"; unrouted: their rows never return).
+    The H200 prefill bench flushed between prompts under a policy routing after prefill."""
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
+    sim = h.sim
+    free0 = ([len(f) for f in sim.pool.free_rows], [len(f) for f in sim.pool.free_q])
+    for rid in "ab":
+        req = h.start(rid, [ord(rid) % 90 + i % 7 for i in range(70)])
+        h.step([req], [req.origin_input_ids], extend=True)  # routed: windows demoted
+        h.finish(req)  # the tree keeps its windows
+        assert h.backend.stats()["demote"] + h.backend.stats()["evict"] > 0
+        sim.cache.reset()  # SGLang's flush_cache, in its order
+        sim.r2t.clear()
+        sim.alloc.clear()  # "b" is given "a"'s pages again
+    assert ([len(f) for f in sim.pool.free_rows], [len(f) for f in sim.pool.free_q]) == free0
+    assert bool((sim.pool.owner_all < 0).all()) and not bool(sim.pool.ref_all.any())
+
+
 def test_a_kivi_shaped_policy_matches_the_engine():
     """Everything but the newest window quantized, no evict tier: the backend's outputs and
     tiers equal the engine's own (gather path, float32 extend)."""

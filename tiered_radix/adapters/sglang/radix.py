@@ -267,8 +267,17 @@ class TieredRadixCache(RadixCache):
             view.windows, view.borrowed = now, view.borrowed | moved
 
     def reset(self) -> None:
+        """Empty the tree (SGLang's ``flush_cache``, and ``__init__``). SGLang then clears the
+        allocator, which frees no page through it: the windows the tree held are given back to
+        the pool here, or pages handed out again would find them owned (routed ones fail the
+        pool's write check; full ones keep their rows forever)."""
         if getattr(self, "before_close", None) is not None:
             self.before_close()
         for rid in list(getattr(self, "views", {})):
             self.close_view(rid)
+        pool = getattr(self, "pool", None)
+        if pool is not None:  # windows opened in every layer and head: layer 0, head 0 says
+            owned = (pool.owner_all[0, 0] >= 0).nonzero().squeeze(1)
+            if owned.numel():
+                pool.release_pages(owned)
         super().reset()
