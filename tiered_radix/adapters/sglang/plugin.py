@@ -351,13 +351,19 @@ def add_one_req(original, self, req, *args, **kwargs):
         from sglang.srt.managers.schedule_policy import AddReqResult
 
         return AddReqResult.NO_TOKEN
-    chunk = self.rem_chunk_tokens
-    self.rem_chunk_tokens = min(chunk, room * W)
-    cut = self.rem_chunk_tokens
+    return _cut_to_rows(self, req, pool, call, room)
+
+
+def _cut_to_rows(adder, req, pool, call, room: int):
+    """``call()`` (an admission) with the batch's chunk budget cut to the ``room`` windows the
+    free rows hold; what the cut chunk used comes off the real budget afterwards."""
+    chunk = adder.rem_chunk_tokens
+    adder.rem_chunk_tokens = min(chunk, room * pool.layout.window)
+    cut = adder.rem_chunk_tokens
     try:
-        return _admitted(self, req, pool, call)
-    finally:  # what the cut chunk used comes off the real one
-        self.rem_chunk_tokens = chunk - (cut - self.rem_chunk_tokens)
+        return _admitted(adder, req, pool, call)
+    finally:
+        adder.rem_chunk_tokens = chunk - (cut - adder.rem_chunk_tokens)
 
 
 def route_stride() -> int | None:
@@ -431,12 +437,7 @@ def add_chunked_req(original, self, req):
             return req  # parked
     if fits or room <= 0:  # nothing runs that could free rows: it goes (see add_one_req)
         return _admitted(self, req, pool, call)
-    self.rem_chunk_tokens = min(chunk, room * W)
-    cut = self.rem_chunk_tokens
-    try:
-        return _admitted(self, req, pool, call)
-    finally:  # what the cut chunk used comes off the real one
-        self.rem_chunk_tokens = chunk - (cut - self.rem_chunk_tokens)
+    return _cut_to_rows(self, req, pool, call, room)
 
 
 def attention_backend_factory(runner):
