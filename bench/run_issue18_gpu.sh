@@ -21,10 +21,10 @@ common=(--engine sglang --model-path "$MODEL" --tasks distractor,niah_multikey,n
         --engine-arg attention_backend=triton --max-minutes "${MINUTES:-9}")
 mkdir -p "$OUT"
 # full, qevict v1, qevict, rdkv (the runner goes configuration by configuration)
-python3 -m tiered_radix eval "${common[@]}" --policies examples/qevict_v1.yaml qevict rdkv \
+python3 -P -m tiered_radix eval "${common[@]}" --policies examples/qevict_v1.yaml qevict rdkv \
   ${EXTRA_POLICIES:-} \
   --out "$OUT/policies" > "$OUT/policies.log" 2>&1
 # full KV at FP8 (a separate folder: its cells would share the full row's keys)
-python3 -m tiered_radix eval "${common[@]}" --policies full --engine-arg kv_cache_dtype=fp8_e4m3 \
+python3 -P -m tiered_radix eval "${common[@]}" --policies full --engine-arg kv_cache_dtype=fp8_e4m3 \
   --out "$OUT/fp8" > "$OUT/fp8.log" 2>&1
 tail -n 30 "$OUT/policies/report.md" "$OUT/fp8/report.md" 2>/dev/null
