@@ -51,7 +51,7 @@ pids=()
 # (shared/notes/gpu-anchors.md), still answerable by a 0.5B model, and short (32-token cap).
 if [ "${OURS_PER_GPU:-3}" -gt 0 ]; then
   SEED_RESULTS=${SEED_OURS:-} PER_GPU=${OURS_PER_GPU:-3} bash bench/shards.sh "$OUT/ours" \
-    python3 -m tiered_radix eval --engine transformers "${model_arg[@]}" "${common[@]}" \
+    python3 -P -m tiered_radix eval --engine transformers "${model_arg[@]}" "${common[@]}" \
     --policies full qevict rdkv snapkv h2o streaming kivi --stop-when-answered \
     > "$OUT/ours.log" 2>&1 &
   pids+=($!)
@@ -72,6 +72,6 @@ for p in "${pids[@]}"; do wait "$p" || rc=1; done
 collect
 tail -25 "$OUT"/ours.log "$OUT"/kvpress.log 2>/dev/null
 dirs=(); for d in "$OUT/ours" "$OUT/kvpress"; do [ -f "$d/results.jsonl" ] && dirs+=("$d"); done
-[ ${#dirs[@]} -gt 0 ] && python3 -m tiered_radix eval --report-from "${dirs[@]}" --out "$OUT" \
+[ ${#dirs[@]} -gt 0 ] && python3 -P -m tiered_radix eval --report-from "${dirs[@]}" --out "$OUT" \
   | tail -45
 exit $rc

@@ -3,7 +3,7 @@
 # A 0.5B model's eager decode is launch-bound: one process leaves the GPU mostly idle, so several
 # per GPU multiply the samples an hour. Each shard gets `--shard i/N --out OUT/shard-i` and its
 # own CUDA_VISIBLE_DEVICES and log; the merged report goes to OUT.
-#   PER_GPU=4 bash bench/shards.sh OUT python3 -m tiered_radix eval --device cuda ...
+#   PER_GPU=4 bash bench/shards.sh OUT python3 -P -m tiered_radix eval --device cuda ...
 #   PER_GPU=4 bash bench/shards.sh OUT python3 -m tiered_radix.eval.kvpress_run --device cuda ...
 # MERGE_PYTHONPATH: the merge's PYTHONPATH when the shards' differs (kvpress's transformers).
 # SEED_RESULTS: a results.jsonl of an earlier run (another machine, another shard count) copied
@@ -33,7 +33,7 @@ done
 dirs=()
 for ((i = 0; i < N; i++)); do [ -f "$OUT/shard-$i/results.jsonl" ] && dirs+=("$OUT/shard-$i"); done
 [ ${#dirs[@]} -gt 0 ] || { echo "shards.sh: no shard wrote results" >&2; exit 1; }
-PYTHONPATH="${MERGE_PYTHONPATH:-${PYTHONPATH:-}}" python3 -m tiered_radix eval --report-from "${dirs[@]}" \
+PYTHONPATH="${MERGE_PYTHONPATH:-${PYTHONPATH:-}}" python3 -P -m tiered_radix eval --report-from "${dirs[@]}" \
   --out "$OUT" | tail -40
 rc=${PIPESTATUS[0]}
 [ $failed = 0 ] || exit 1
