@@ -14,8 +14,9 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   ``kv_budget=``, ``kv_decode=``, ... for the options), where a bad policy raises
   :class:`PolicyError`;
 - ``DefaultPoolConfigurator._compute_cell_size`` (AFTER) and
-  ``KVCacheConfigurator._build_mha_kv_pool`` (AROUND): the allocator gets
-  :func:`~.sizing.logical_tokens` slots and the pool is a :class:`~.pool.TieredKVPool`
+  ``KVCacheConfigurator._build_mha_kv_pool`` (AROUND): SGLang's cell size is
+  :func:`~.sizing.cell_bytes` (the budget's rows and pages plus every slot's metadata), so the
+  allocator gets the slots that fit, and the pool is a :class:`~.pool.TieredKVPool`
   (decoupled policies, RDKV: an :class:`~.arena.ArenaKVPool`, whose requests keep their own
   K/V);
 - ``DecodeCudaGraphRunner.can_run_graph`` (AROUND): a decode batch over the backend's graph

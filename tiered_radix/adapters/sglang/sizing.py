@@ -175,12 +175,6 @@ def check_metadata(
         )
 
 
-def logical_tokens(stock_tokens: int, budget: Budget) -> int:
-    """Allocator slots for a pool whose bytes would hold ``stock_tokens`` full tokens, ignoring
-    metadata (the plain ``N0 / f``; :func:`slot_bytes` gives the cell size that counts it)."""
-    return int(stock_tokens / budget.value) if budget.kind == "fraction" else stock_tokens
-
-
 def plan_blocks(
     size: int, head_num: int, head_dim: int, itemsize: int, policy: Policy, budget: Budget
 ) -> PoolBlocks:

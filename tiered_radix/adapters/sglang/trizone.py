@@ -89,8 +89,7 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
 
     rows = (st == S_FULL) | (st == S_R)
     quant = pool.layout.quant
-    # eviction-only layouts hold FULL blocks only (K = 1): no restored rows to list
-    rowblk = torch.where(st == S_FULL, blk[:, FULL], blk[:, R]) if quant else blk[:, FULL]
+    rowblk, pageblk = _blocks_read(pool, st, blk)
     i = torch.arange(W, device=dev)
     tok = rows[..., None] & (i < ntok[None, :, None, :, None])  # [L, B, H, N, W]
     listed, future = tok, None
@@ -106,11 +105,21 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
     per_list = torch.zeros(L, B, H, 4, dtype=torch.long, device=dev)
     if quant is not None:
         per_list[..., V_BITS.index(quant.bits)] = qm.sum(-1)
-    pages = blk[:, Q][qm] if quant is not None else blk.new_zeros(0)
+    pages = pageblk[qm]
     return Lists(
         full_ptr, slots, units, _indptr(per_list.flatten()), pages,
         unit[qm].to(torch.int32), n, N, future,
     )  # fmt: skip
+
+
+def _blocks_read(pool, st: Tensor, blk: Tensor) -> tuple[Tensor, Tensor]:
+    """The row block (``FULL``, or ``R`` where restored) and the ledger page each window is
+    read from in state ``st`` (``[...]``), given its block ids ``blk`` (``[..., K, ...]`` with
+    the kinds at dim 1). Eviction-only layouts hold ``FULL`` blocks only (``K = 1``): no
+    restored rows, pages all 0."""
+    if pool.layout.quant is None:
+        return blk[:, FULL], torch.zeros_like(blk[:, FULL])
+    return torch.where(st == S_FULL, blk[:, FULL], blk[:, R]), blk[:, Q]
 
 
 def _window_states(pool, views, n: list[int], N: int) -> tuple[Tensor, Tensor]:
@@ -145,10 +154,7 @@ def extend_lists(pool, views) -> extend.WindowLists:
     blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4)  # [L, K, B, H, N]
     rows = (st == S_FULL) | (st == S_R)
     kind = torch.where(rows, extend.ROW, torch.where(st == S_Q, extend.PAGE, extend.ABSENT))
-    if pool.layout.quant is None:  # eviction-only layouts hold FULL blocks only (K = 1)
-        return extend.window_lists(kind, blk[:, FULL], torch.zeros_like(blk[:, FULL]))
-    row_blk = torch.where(st == S_FULL, blk[:, FULL], blk[:, R])
-    return extend.window_lists(kind, row_blk, blk[:, Q])
+    return extend.window_lists(kind, *_blocks_read(pool, st, blk))
 
 
 def k_table(pool, lists: int) -> Tensor:
