@@ -3,8 +3,10 @@
 Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`` at a time:
 
 - ``plain``: SGLang 0.5.17 with its Triton attention backend, bf16 KV, CUDA graphs on;
-- ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), chunked prefill of
-  ``--chunk`` tokens so routing runs between chunks, decode CUDA graphs on;
+- ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), decode CUDA graphs on;
+  ``--chunk N`` sets SGLang's ``chunked_prefill_size`` for every kind (plain too, so both
+  prefill in the same chunks); without it each kind keeps SGLang's default (GPU run 15 and
+  earlier ran the tiered kinds at 2,048 and plain at SGLang's default);
 - ``tiered_overlap``: ``tiered`` with SGLang's overlap scheduler on (``kv_overlap=True``;
   ``tiered``, like every run before GPU run 12, runs without it);
 - ``plain_serial``: ``plain`` without the overlap scheduler (``disable_overlap_schedule``);
@@ -173,10 +175,12 @@ def _engine_kwargs(kind: str, a, context: int) -> dict:
     kw = dict(model_path=a.model, mem_fraction_static=0.6, context_length=context + 512,
               attention_backend="triton", log_level="error",
               cuda_graph_max_bs_decode=a.graph_max_bs)  # fmt: skip
+    if a.chunk:
+        kw["chunked_prefill_size"] = a.chunk
     if a.load_format != "auto":  # "dummy": random weights of the model's shapes (timing only)
         kw.update(load_format=a.load_format, skip_tokenizer_init=True)
     if kind.startswith("tiered"):
-        kw.update(kv_policy=a.policy, chunked_prefill_size=a.chunk)
+        kw.update(kv_policy=a.policy)
         kw.pop("attention_backend")
         if a.budget:
             kw["kv_budget"] = a.budget
@@ -282,7 +286,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--long", type=int, default=136)
-    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=None, help="chunked_prefill_size, every kind")
     p.add_argument("--kinds", nargs="+", default=["plain", "tiered", "tiered_step"])
     p.add_argument("--graph-max-bs", type=int, default=16)
     p.add_argument("--profile", default=None, help="DIR:START:STEPS, tiered kinds: decode steps "

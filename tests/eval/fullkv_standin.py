@@ -13,6 +13,7 @@ from tiered_radix.eval.engines import Reply
 
 class FullKVStandIn:
     name = "hf-generate-standin"
+    context_window = None
 
     def __init__(self, model: str = "smollm2-135m") -> None:
         import torch

@@ -76,6 +76,7 @@ def test_cache_bytes_counts_tensors_and_kivi_codes():
 
 class _Engine:
     name, model = "kvpress", "m"
+    context_window = None
 
     def count_tokens(self, text):
         return words(text)

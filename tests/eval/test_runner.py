@@ -27,6 +27,7 @@ _WORD = re.compile(r"\w+|[^\w\s]")
 
 class OracleEngine:
     name, model = "fake", "oracle"
+    context_window = None
 
     def __init__(self, failing: tuple[str, ...] = ()) -> None:
         self.calls: list[tuple[str, str, int]] = []

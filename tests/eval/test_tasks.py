@@ -10,6 +10,7 @@ import pytest
 from tiered_radix.eval.ruler import NEEDLE
 from tiered_radix.eval.tasks import (
     DEPTHS,
+    WINDOW_RESERVE,
     TaskError,
     expand_tasks,
     fit,
@@ -47,6 +48,20 @@ def test_deterministic_from_seed(task):
     b = make_samples(task, 600, 2, count, seed=4)
     assert [s.turns for s in a] != [s.turns for s in b]
     assert a[0].turns != a[1].turns  # samples differ from each other
+
+
+@pytest.mark.parametrize("task", ["niah_multikey", "distractor", "multiturn", "cwe"])
+def test_window_trims_the_sized_turn_and_keeps_the_draws(task):
+    """A 1,500-token cell on a 1,024-token model: the sized turn leaves WINDOW_RESERVE free,
+    the label and the drawn facts stay those of the 1,500-token sample (run 15 lost its 32K
+    cells: 32,790-token prompts on Qwen2.5's 32,768-token window)."""
+    window = 1024
+    s = make_sample(task, 1500, 0, count, window=window)
+    full = make_sample(task, 1500, 0, count)
+    assert s.length == 1500 and s.key == full.key
+    assert s.answers == full.answers
+    assert count(s.turns[0]) <= window - WINDOW_RESERVE < count(full.turns[0])
+    assert make_sample(task, 600, 0, count, window=window) == make_sample(task, 600, 0, count)
 
 
 @pytest.mark.parametrize("task", ALL)

@@ -2,7 +2,7 @@
 
 An engine generates greedily under a compiled :class:`Policy` (whose budget the runner has
 already set) and returns the text plus flat, JSON-ready statistics. Only the transformers
-engine exists; SGLang is refused by the CLI until its adapter lands.
+engine runs on CPU; the SGLang engine (:mod:`.sglang_engine`) serves the same grid on a GPU.
 
 An engine may also offer a shared prefill (:class:`SharedPrefill`): ``prefill`` once per
 single-turn sample, then ``decode`` it under each (policy, budget); the runner uses it when the
@@ -37,6 +37,7 @@ class Reply:
 class Engine(Protocol):
     name: str  # "transformers"
     model: str  # the model's registry name or path
+    context_window: int | None  # the model's most tokens (prompt + answer); None: unbounded
 
     def count_tokens(self, text: str) -> int:
         """Tokens of ``text`` without special tokens (the tokenizer that generation uses)."""
@@ -46,6 +47,17 @@ class Engine(Protocol):
 
     def chat(self, turns: Sequence[str], policy: Policy, max_new_tokens: int) -> list[Reply]:
         """Answer ``turns`` in one session (later turns reuse the cached prefix)."""
+
+
+def model_window(folder: str | Path) -> int | None:
+    """The context window a model folder's ``config.json`` declares
+    (``max_position_embeddings``), or None when it says nothing."""
+    import json
+
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("max_position_embeddings")
 
 
 class SharedPrefill(Protocol):
@@ -130,6 +142,7 @@ class TransformersEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
         self.hf_model.to(device).eval()
+        self.context_window = model_window(folder)
         self.fast = (attention or ("fast" if str(device).startswith("cuda") else "exact")) == "fast"
         self.variant = "fast" if self.fast else ""
         self.prefill_chunk = prefill_chunk  # chunked prompts (as a server): no shared prefill

@@ -13,6 +13,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .engines import model_window
+
 
 class KVPressRunError(ValueError):
     """Bad input (press, budget, task, model folder) or a missing kvpress; says what to do."""
@@ -171,6 +173,7 @@ class KVPressEngine:
         self.model, self.folder, self.device = model, resolve_model(model), device
         self.dtype = getattr(torch, dtype)
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.folder)
+        self.context_window = model_window(self.folder)
         self._pipes: dict[str, Any] = {}
         self.versions = {p: metadata.version(p) for p in ("kvpress", "transformers", "torch")}
 

@@ -253,7 +253,9 @@ def samples(grid: Grid, engine: Engine) -> Iterator[Sample]:
     for i in range(i0, max(per.values(), default=0), n):  # lazily: long prompts take a while
         for task, length in pairs:
             if i < per[task]:
-                yield make_sample(task, length, i, engine.count_tokens, grid.seed)
+                yield make_sample(
+                    task, length, i, engine.count_tokens, grid.seed, engine.context_window
+                )
 
 
 def run_grid(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..policy import Policy
-from .engines import EngineError, Reply, conversation_ids, model_folder
+from .engines import EngineError, Reply, conversation_ids, model_folder, model_window
 
 
 class SGLangEngine:
@@ -49,6 +49,7 @@ class SGLangEngine:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         self._sglang, self.model, self.folder = sglang, model, str(folder)
         self.tokenizer, self.engine_kwargs = tokenizer, dict(engine_kwargs or {})
+        self.context_window = self.engine_kwargs.get("context_length") or model_window(folder)
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))

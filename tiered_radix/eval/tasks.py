@@ -13,6 +13,7 @@ hold).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 
 from . import counting, distractor, multiturn, ruler
@@ -27,8 +28,8 @@ from .sample import (
 )
 
 __all__ = [
-    "DEPTHS", "GROUPS", "Sample", "TaskError", "TokenCounter", "expand_tasks", "fit",
-    "make_sample", "make_samples", "sample_rng", "task_names",
+    "DEPTHS", "GROUPS", "WINDOW_RESERVE", "Sample", "TaskError", "TokenCounter", "expand_tasks",
+    "fit", "make_sample", "make_samples", "sample_rng", "task_names",
 ]  # fmt: skip
 # each registers its tasks when imported
 GENERATOR_MODULES = (counting, distractor, multiturn, ruler)
@@ -42,6 +43,11 @@ GROUPS = {
         "distractor", "multiturn",
     ),
 }  # fmt: skip
+
+# Tokens a sample leaves free in the model's context window beside its sized turn: the chat
+# template, a conversation's other turns and answers (multiturn: two short turns, two replies)
+# and the scored answer (at most 96 tokens, cwe).
+WINDOW_RESERVE = 256
 
 
 def task_names() -> list[str]:
@@ -73,15 +79,29 @@ def expand_tasks(spec: str | list[str]) -> list[str]:
     return out
 
 
-def make_sample(task: str, length: int, index: int, count: TokenCounter, seed: int = 0) -> Sample:
-    """Sample ``index`` of ``task`` at ``length`` target tokens (deterministic)."""
+def make_sample(
+    task: str, length: int, index: int, count: TokenCounter, seed: int = 0,
+    window: int | None = None,
+) -> Sample:
+    """Sample ``index`` of ``task`` at ``length`` target tokens (deterministic).
+
+    ``window``: the model's context window. A sample must fit in it with its chat template, the
+    other turns of a conversation and its answer, so the sized turn gets at most
+    ``window - WINDOW_RESERVE`` tokens. The sample keeps its ``length`` label and its draws (the
+    same facts, keys and depths), only its filler is shorter: a 32K cell on a 32,768-token model
+    holds prompts of ~32,500 tokens.
+    """
     expand_tasks([task])
-    return _REGISTRY[task](sample_rng(seed, task, length, index), length, index, count)
+    target = length if window is None else min(length, window - WINDOW_RESERVE)
+    sample = _REGISTRY[task](sample_rng(seed, task, length, index), target, index, count)
+    return sample if target == length else dataclasses.replace(sample, length=length)
 
 
 def make_samples(
-    task: str, length: int, n: int, count: TokenCounter, seed: int = 0
+    task: str, length: int, n: int, count: TokenCounter, seed: int = 0,
+    window: int | None = None,
 ) -> list[Sample]:
-    """The first ``n`` samples of ``task`` (for ``needle``: ``n`` per depth)."""
+    """The first ``n`` samples of ``task`` (for ``needle``: ``n`` per depth); ``window`` as
+    :func:`make_sample`."""
     total = n * len(DEPTHS) if task == "needle" else n
-    return [make_sample(task, length, i, count, seed) for i in range(total)]
+    return [make_sample(task, length, i, count, seed, window) for i in range(total)]
