@@ -212,7 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         s
         for t in tasks
         for n in lengths
-        for s in make_samples(t, n, args.samples, engine.count_tokens, args.seed, engine.context_window)
+        for s in make_samples(
+            t, n, args.samples, engine.count_tokens, args.seed, engine.context_window
+        )
         if s.index % every == first
     ]
     samples.sort(key=lambda s: s.index)  # index outer: a cut run has every task and length

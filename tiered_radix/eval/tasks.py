@@ -80,7 +80,11 @@ def expand_tasks(spec: str | list[str]) -> list[str]:
 
 
 def make_sample(
-    task: str, length: int, index: int, count: TokenCounter, seed: int = 0,
+    task: str,
+    length: int,
+    index: int,
+    count: TokenCounter,
+    seed: int = 0,
     window: int | None = None,
 ) -> Sample:
     """Sample ``index`` of ``task`` at ``length`` target tokens (deterministic).
@@ -98,7 +102,11 @@ def make_sample(
 
 
 def make_samples(
-    task: str, length: int, n: int, count: TokenCounter, seed: int = 0,
+    task: str,
+    length: int,
+    n: int,
+    count: TokenCounter,
+    seed: int = 0,
     window: int | None = None,
 ) -> list[Sample]:
     """The first ``n`` samples of ``task`` (for ``needle``: ``n`` per depth); ``window`` as
