@@ -297,6 +297,11 @@ def versions() -> dict:
     return out
 
 
+def save(rows: list[dict], out: Path, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_attention.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -337,6 +342,9 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     bw = copy_bandwidth(dev)
     grid = TINY if args.tiny else QUICK if args.quick else FULL
+    out = Path(args.out)
+    gpu = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
+    meta = {"command": " ".join(sys.argv), "gpu": gpu, "copy_bw_Bps": bw, "versions": versions()}
     rows = []
     if args.splits:
         rows = sweep_splits([int(x) for x in args.splits.split(",")], dev, bw, gen)
@@ -346,12 +354,9 @@ def main(argv=None) -> None:
             if args.quick and fam != "llama3-8b" and (ctx, batch) != (32768, 1):
                 continue
             rows += run_config(fam, ctx, batch, dev, bw, args.quick or args.tiny, gen)
+            save(rows, out, meta)  # after every configuration: a timed-out call keeps its rows
             print(f"done {fam} ctx={ctx} batch={batch}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
-    meta = {"command": " ".join(sys.argv), "gpu": gpu, "copy_bw_Bps": bw, "versions": versions()}
-    (out / "decode_attention.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    save(rows, out, meta)
     plot(rows, out / "decode_attention.png")
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {gpu}")
     print(
