@@ -187,7 +187,7 @@ def main(argv=None) -> int:
                       "minutes": args.minutes, "context": args.context,
                       "mem_fraction": args.mem_fraction, "seed": args.seed},
             "sizer_exact": sizer.exact}  # fmt: skip
-    rows = []
+    rows, summary = [], {}
     try:
         for policy in policies:
             rows.append(soak_policy(args, policy, scale, sizer))
@@ -202,7 +202,7 @@ def main(argv=None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     check_schema(summary)
-    return 0 if all(r.get("ok") for r in rows) else 1
+    return 0 if rows and all(r.get("ok") for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """The soak's pieces (bench/soak.py): its workload, its client against a fake OpenAI server,
-the checks against recorded metric snapshots, and the summary's schema."""
+the checks against recorded metric snapshots, the summary's schema, and the whole soak against
+a fake server process (tests/bench/fake_soak_server.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
+import socket
 import sys
 from pathlib import Path
 
@@ -14,7 +15,9 @@ import pytest
 pytest.importorskip("aiohttp", reason="the soak's client needs aiohttp (pip install aiohttp)")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+import soak  # noqa: E402
 from aiohttp import web  # noqa: E402
+from fake_soak_server import make_app  # noqa: E402
 from serving import soak_checks as checks  # noqa: E402
 from serving.soak_client import SoakRun  # noqa: E402
 from serving.soak_workload import EXPECTED, SoakScale, burst_points, plan  # noqa: E402
@@ -72,50 +75,6 @@ def test_a_scale_whose_prompts_overflow_the_context_is_refused():
         SoakScale(context=4096, prompt_max=4096)
 
 
-def _fake(limit_words: int, nan_for: str | None = None):
-    """A streaming chat server: 400 past ``limit_words`` words, 400 for an empty completion
-    prompt, logprobs per token (NaN for a message holding ``nan_for``), usage with cached
-    tokens for a message-prefix of an earlier request."""
-    state = {"seen": [], "closed": 0}
-
-    async def chat(request):
-        body = await request.json()
-        msgs = body["messages"]
-        words = sum(len(m["content"].split()) for m in msgs)
-        if words > limit_words:
-            return web.json_response({"object": "error", "message": "longer than context"},
-                                     status=400)  # fmt: skip
-        cached = max((w for s, w in state["seen"] if msgs[: len(s)] == s), default=0)
-        state["seen"].append((msgs, words))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        lp = math.nan if nan_for and nan_for in msgs[-1]["content"] else -0.5
-        try:
-            for i in range(body["max_tokens"]):
-                await asyncio.sleep(0.001)
-                ch = {"choices": [{"delta": {"content": f"w{i} "},
-                                   "logprobs": {"content": [{"logprob": lp}]}}]}  # fmt: skip
-                await resp.write(f"data: {json.dumps(ch)}\n\n".encode())
-            usage = {"prompt_tokens": words, "completion_tokens": body["max_tokens"],
-                     "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
-            await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:  # the client disconnected (an abort)
-            state["closed"] += 1
-        return resp
-
-    async def complete(request):
-        body = await request.json()
-        if not body["prompt"]:
-            return web.json_response({"message": "empty prompt"}, status=400)
-        return web.json_response({"choices": [{"text": "x", "logprobs": {"token_logprobs": [0]}}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", complete)
-    return app, state
-
-
 async def _serve_and_run(app, sessions, bursts, clients, hard_s=60.0):
     runner = web.AppRunner(app)
     await runner.setup()
@@ -140,7 +99,7 @@ def test_the_client_sends_every_kind_and_records_what_came_back():
     scale = SoakScale(requests=80, clients=4, context=4096, prompt_min=100, prompt_max=800,
                       burst=8, burst_every=30, abort_share=0.2, odd_share=0.05)  # fmt: skip
     sessions, bursts = plan(0, scale, TokenSizer())
-    app, state = _fake(limit_words=3000)  # ~4 characters a token: too_long has ~3.8K words
+    app, state = make_app(limit_words=3000)  # ~4 characters a token: too_long has ~3.8K words
     records, run, bar = asyncio.run(_serve_and_run(app, sessions, bursts, scale.clients))
     assert len(records) + run.not_sent == scale.requests == bar + run.not_sent
     by = {}
@@ -165,7 +124,7 @@ def test_a_nan_logprob_is_counted():
     scale = SoakScale(requests=10, clients=2, context=4096, prompt_min=100, prompt_max=200,
                       burst=0, abort_share=0, odd_share=0)  # fmt: skip
     sessions, _ = plan(0, scale, TokenSizer())
-    app, _ = _fake(limit_words=3000, nan_for="Which place")  # every follow-up turn
+    app, _ = make_app(limit_words=3000, nan_for="Which place")  # every follow-up turn
     records, _, _ = asyncio.run(_serve_and_run(app, sessions, [], 2))
     follow = [r for r in records if r["turn"] > 0]
     assert follow and all(r["nonfinite"] == r["output_tokens"] > 0 for r in follow)
@@ -264,3 +223,38 @@ def test_the_summary_has_the_issue_schema_and_merges_by_policy(tmp_path):
         checks.check_schema(dict(meta, rows=[bad]))
     with pytest.raises(ValueError, match="commit"):
         checks.check_schema({"gpu": "x", "rows": []})
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("leak", [0, 7])
+def test_the_soak_runs_a_policy_end_to_end_and_catches_a_leak(tmp_path, monkeypatch, leak):
+    """bench/soak.py against a fake server process: the summary has the issue's schema and
+    the policy's row; a server that keeps slots after a flush fails the free-slot check."""
+    fake = [sys.executable, str(ROOT / "tests/bench/fake_soak_server.py"), "--leak", str(leak)]
+    monkeypatch.setattr(soak, "server_command", lambda args, p: fake + ["--port", str(args.port)])
+    monkeypatch.setattr(soak, "_gpu", lambda: "none")
+    out = tmp_path / "soak"
+    argv = ["--model", str(tmp_path), "--policies", "qevict", "--requests", "60", "--clients",
+            "4", "--burst", "8", "--prompt", "200:2000", "--context", "4096", "--port",
+            str(_port()), "--out", str(out), "--commit", "abc", "--no-progress"]  # fmt: skip
+    status = soak.main(argv)
+    summary = json.loads((out / checks.SUMMARY).read_text())
+    checks.check_schema(summary)
+    (row,) = summary["rows"]
+    assert summary["commit"] == "abc" and row["policy"] == "qevict"
+    assert row["requests"] + row["not_sent"] == 60 and row["crashes"] == 0
+    assert row["aborted"] == row["by_kind"].get("abort", 0) > 0
+    assert row["errors_4xx"] >= row["by_kind"].get("too_long", 0)
+    assert row["probe_status"] == [200, 200]
+    records = (out / "records" / "qevict.jsonl").read_text().splitlines()
+    assert len(records) == row["requests"]
+    if leak:
+        assert status == 1 and not row["checks"]["free_slots_back"]
+        assert row["free_slots_start"] - row["free_slots_end"] == leak
+    else:
+        assert status == 0 and row["ok"], row["checks"]
