@@ -141,6 +141,7 @@ def main() -> None:
         for p in policies:
             rec["start"].append(start(a.model, p))
             print(json.dumps(rec["start"][-1])[:600], flush=True)
+            (out / "issue21.json").write_text(json.dumps(rec, indent=1))  # kept if cut off
     if a.mode in ("burst", "both"):
         rec["burst"] = burst(a.model, a.burst, a.prompt, out)
         print(json.dumps({k: v for k, v in rec["burst"].items() if k != "stats"})[:1500])

@@ -61,6 +61,7 @@ class _Reply:
     nonfinite: int = 0
     usage: dict | None = None
     aborted: bool = False
+    done: bool = False  # the stream ended with [DONE]
     error: str | None = None
 
     def logprob(self, x) -> None:
@@ -76,6 +77,7 @@ async def _stream(resp: aiohttp.ClientResponse, out: _Reply, disconnect_after: i
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            out.done = True
             return
         event = json.loads(data)
         if "error" in event or event.get("object") == "error":
@@ -121,6 +123,8 @@ async def request(http: aiohttp.ClientSession, base: str, model: str, messages: 
                 out.usage = reply.get("usage")
             else:
                 await _stream(resp, out, turn.disconnect_after)
+                if not (out.done or out.aborted or out.error):
+                    out.error = "the stream ended without [DONE]"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
         out.error = f"{type(err).__name__}: {err}"[:300]
         if isinstance(err, asyncio.TimeoutError):

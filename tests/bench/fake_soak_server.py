@@ -3,7 +3,8 @@
 
 Chat: 400 past ``limit_words`` words of messages; otherwise ``max_tokens`` words, each with a
 logprob (NaN for a last message holding ``nan_for``), then usage with the words of the longest
-earlier message-prefix as cached tokens. Completions: 400 for an empty prompt. ``/metrics``
+earlier message-prefix as cached tokens (none of it, nor [DONE], for one holding ``cut_for``).
+Completions: 400 for an empty prompt. ``/metrics``
 serves SGLang's free-slot gauges and the tiered series: slots taken by cached conversations
 (their words) come back at ``/flush_cache``, except ``leak`` of them.
 
@@ -22,7 +23,9 @@ from aiohttp import web
 SLOTS = 100_000
 
 
-def make_app(limit_words: int = 3000, nan_for: str | None = None, leak: int = 0):
+def make_app(
+    limit_words: int = 3000, nan_for: str | None = None, leak: int = 0, cut_for: str | None = None
+):
     state = {"seen": [], "closed": 0, "leaked": 0}
 
     def words(msgs) -> int:
@@ -46,6 +49,8 @@ def make_app(limit_words: int = 3000, nan_for: str | None = None, leak: int = 0)
                 ch = {"choices": [{"delta": {"content": f"w{i} "},
                                    "logprobs": {"content": [{"logprob": lp}]}}]}  # fmt: skip
                 await resp.write(f"data: {json.dumps(ch)}\n\n".encode())
+            if cut_for and cut_for in msgs[-1]["content"]:
+                return resp  # a stream that stops without usage or [DONE]
             usage = {"prompt_tokens": n, "completion_tokens": body["max_tokens"],
                      "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
             await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())

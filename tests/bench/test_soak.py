@@ -131,6 +131,17 @@ def test_a_nan_logprob_is_counted():
     assert all(r["nonfinite"] == 0 for r in records if r["turn"] == 0)
 
 
+def test_a_stream_cut_before_done_is_an_unexpected_failure():
+    scale = SoakScale(requests=10, clients=2, context=4096, prompt_min=100, prompt_max=200,
+                      burst=0, abort_share=0, odd_share=0)  # fmt: skip
+    sessions, _ = plan(0, scale, TokenSizer())
+    app, _ = make_app(limit_words=3000, cut_for="Which place")
+    records, _, _ = asyncio.run(_serve_and_run(app, sessions, [], 2))
+    follow = [r for r in records if r["turn"] > 0]
+    assert follow and all(not r["expected"] and "[DONE]" in r["error"] for r in follow)
+    assert all(r["expected"] for r in records if r["turn"] == 0)
+
+
 METRICS = """# HELP sglang:kv_available_tokens free slots
 # TYPE sglang:kv_available_tokens gauge
 sglang:kv_available_tokens{model_name="m",tp_rank="0"} %(avail)s

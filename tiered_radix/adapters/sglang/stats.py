@@ -71,10 +71,9 @@ class BackendStats:
         if not (parts or steps):
             return
         add = torch.zeros(len(COUNTS), dtype=torch.long, device=device)
-        for e in steps:
-            add[COUNTS.index("over_budget_routings")] += torch.as_tensor(
-                e.unforced_over(), device=device
-            ).long()
+        if steps:
+            over = [torch.as_tensor(e.unforced_over(), device=device) for e in steps]
+            add[COUNTS.index("over_budget_routings")] = torch.stack(over).sum()
         if parts:
             cols = [m.on(device, "src", "dst", "ledger_write") for m in parts]
             src, dst, wrote = (torch.cat([c[i] for c in cols]) for i in range(3))
