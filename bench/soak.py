@@ -104,6 +104,7 @@ def snapshot(server: Server) -> dict[str, float]:
     body = {"model": "default", "max_tokens": 1, "temperature": 0.0,
             "messages": [{"role": "user", "content": PROBE}]}  # fmt: skip
     status = _post_json(server.url + "/v1/chat/completions", body)
+    time.sleep(1.0)  # SGLang reports a prefill's pool gauges after streaming its output
     snap = parse_prometheus(server.metrics())
     snap["probe_status"] = status
     return snap

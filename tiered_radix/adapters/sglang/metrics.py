@@ -38,13 +38,11 @@ COUNTERS = {  # snapshot running total -> (metric name, help); exported with a _
     "kernel_steps": ("kernel_decode_steps", "Decode steps run by the TriZone kernel."),
     "over_budget_routings": (
         "over_budget_routings",
-        "Routings that left a request's bytes over "
-        "its budget without its forced content explaining it.",
+        "Routings that left a request over its budget beyond its forced content.",
     ),
     "borrowed_quantized": (
         "borrowed_quantized",
-        "Units requests borrowed from the radix cache "
-        "at a quantized state (promotable without a demotion of their own).",
+        "Units requests borrowed from the radix cache quantized (promotable, never demoted).",
     ),
     "degraded_moves": ("degraded_moves", "Moves the pool was short of blocks for (degraded)."),
 }
