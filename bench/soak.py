@@ -98,15 +98,17 @@ def snapshot(server: Server) -> dict[str, float]:
     """Flush the radix cache (retried while aborted requests drain), send the probe, read
     ``/metrics`` (see ``soak_checks``)."""
     t0 = time.time()
-    while not server.flush_cache() and time.time() - t0 < 120:
+    flushed = server.flush_cache()
+    while not flushed and time.time() - t0 < 120:
         time.sleep(2)
+        flushed = server.flush_cache()
     time.sleep(1.5)  # the tiered gauges export at most once a second
     body = {"model": "default", "max_tokens": 1, "temperature": 0.0,
             "messages": [{"role": "user", "content": PROBE}]}  # fmt: skip
     status = _post_json(server.url + "/v1/chat/completions", body)
     time.sleep(1.0)  # SGLang reports a prefill's pool gauges after streaming its output
     snap = parse_prometheus(server.metrics())
-    snap["probe_status"] = status
+    snap["probe_status"], snap["flushed"] = status, flushed
     return snap
 
 
@@ -131,7 +133,8 @@ def soak_policy(args, policy: str, scale: SoakScale, sizer: TokenSizer) -> dict:
         alive = alive and server.healthy()
         out = row(policy, records, start, end, alive=alive, not_sent=run.not_sent)
         out |= {"startup_s": round(startup, 1), "load_s": round(run.now(), 1),
-                "probe_status": [start.get("probe_status"), end.get("probe_status")]}  # fmt: skip
+                "probe_status": [start.get("probe_status"), end.get("probe_status")],
+                "flushed": [start.get("flushed"), end.get("flushed")]}  # fmt: skip
         rec = args.out / "records" / f"{policy}.jsonl"
         rec.parent.mkdir(parents=True, exist_ok=True)
         rec.write_text("".join(json.dumps(r) + "\n" for r in records))

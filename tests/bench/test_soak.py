@@ -261,7 +261,7 @@ def test_the_soak_runs_a_policy_end_to_end_and_catches_a_leak(tmp_path, monkeypa
     assert row["requests"] + row["not_sent"] == 60 and row["crashes"] == 0
     assert row["aborted"] == row["by_kind"].get("abort", 0) > 0
     assert row["errors_4xx"] >= row["by_kind"].get("too_long", 0)
-    assert row["probe_status"] == [200, 200]
+    assert row["probe_status"] == [200, 200] and row["flushed"] == [True, True]
     records = (out / "records" / "qevict.jsonl").read_text().splitlines()
     assert len(records) == row["requests"]
     if leak:
