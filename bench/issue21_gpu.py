@@ -24,10 +24,14 @@ import argparse
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `serving`, also under python -P
+from serving.servers import KVGeometry  # noqa: E402
 
 FULL100 = """
 policy: qevict-full100
@@ -76,8 +80,10 @@ def start(model: str, policy: str) -> dict:
         out = eng.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
         info = eng.get_server_info()
         n = int(info.get("max_total_num_tokens") or 0)
-        p = load_policy(policy)
-        split = sizing.pool_bytes(n, 2, 64, 24, 2, p, p.budget) if n else None
+        p, g = load_policy(policy), KVGeometry.of_model(model)
+        split = (
+            sizing.pool_bytes(n, g.kv_heads, g.head_dim, g.layers, 2, p, p.budget) if n else None
+        )
         return {
             "policy": policy, "ok": True, "startup_s": round(time.perf_counter() - t0, 1),
             "max_total_num_tokens": n,
@@ -135,6 +141,7 @@ def main() -> None:
         for p in policies:
             rec["start"].append(start(a.model, p))
             print(json.dumps(rec["start"][-1])[:600], flush=True)
+            (out / "issue21.json").write_text(json.dumps(rec, indent=1))  # kept if cut off
     if a.mode in ("burst", "both"):
         rec["burst"] = burst(a.model, a.burst, a.prompt, out)
         print(json.dumps({k: v for k, v in rec["burst"].items() if k != "stats"})[:1500])

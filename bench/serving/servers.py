@@ -219,6 +219,16 @@ class Server:
         status, body = _http(self.url + "/server_info", timeout=30)
         return json.loads(body) if status == 200 else {}
 
+    def metrics(self) -> str:
+        """The ``/metrics`` text (Prometheus; SGLang's ``--enable-metrics``), "" if none."""
+        status, body = _http(self.url + "/metrics", timeout=30)
+        return body.decode(errors="replace") if status == 200 else ""
+
+    def healthy(self) -> bool:
+        """The process runs and ``/health`` answers 200."""
+        alive = self.proc is not None and self.proc.poll() is None
+        return alive and _http(self.url + "/health", timeout=30)[0] == 200
+
     def flush_cache(self) -> bool:
         """Empty the radix cache (between two runs on one server)."""
         # waits up to 30 s for requests still running (aborted ones after a run timeout)

@@ -176,8 +176,10 @@ def _same(a: torch.device, b: torch.device) -> bool:
 class StepEvents:
     """One routing step. ``over_budget``: the forced content (protected tokens, the partial
     trailing window, ``keep``/``promote`` rules, tiers without an evicting option) alone exceeded
-    the budget, so everything else went to its cheapest tier and ``bytes_used > budget``.
-    ``bytes_used`` and ``over_budget`` may be given as 0-d device tensors (read lazily)."""
+    the budget, so everything else went to its cheapest tier and ``bytes_used > budget``
+    (``forced``), or the units ended above the budget for another reason (:meth:`mark_over`).
+    ``bytes_used``, ``over_budget`` and ``forced`` may be given as 0-d device tensors (read
+    lazily)."""
 
     def __init__(
         self,
@@ -187,9 +189,10 @@ class StepEvents:
         bytes_used: int | Tensor,
         budget: int,
         over_budget: bool | Tensor = False,
+        forced: bool | Tensor = False,
     ) -> None:
         self.step, self.reason, self.transitions, self.budget = step, reason, transitions, budget
-        self._bytes_used, self._over = bytes_used, over_budget
+        self._bytes_used, self._over, self.forced = bytes_used, over_budget, forced
 
     @property
     def bytes_used(self) -> int:
@@ -207,6 +210,12 @@ class StepEvents:
         """The step's units ended above the budget after all (a 0-d device tensor or bool:
         no host sync), e.g. where the rows' holder could not demote them as planned."""
         self._over = self._over | over
+
+    def unforced_over(self) -> bool | Tensor:
+        """Over the budget without the forced content explaining it (a bug, or a move the rows'
+        holder degraded); a 0-d bool device tensor where the flags are (no host sync)."""
+        forced = self.forced
+        return self._over & (~forced if isinstance(forced, Tensor) else not forced)
 
     def __repr__(self) -> str:
         return (

@@ -227,7 +227,13 @@ class TierStore:
             used = self.shard.sum(used)
         self.events.record(
             StepEvents(
-                self.step, reason, out, used, budget, over_budget=plan.over | (used > budget)
+                self.step,
+                reason,
+                out,
+                used,
+                budget,
+                over_budget=plan.over | (used > budget),
+                forced=plan.over,
             )
         )
         self.step += 1

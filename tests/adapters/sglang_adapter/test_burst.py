@@ -187,6 +187,9 @@ def test_a_burst_over_a_full100_policy_completes_without_a_pool_error():
     assert got["waiting"] == [] and got["done"] == dict.fromkeys(prompts, 8)
     routed = h.backend.stats()
     assert routed["routes"] > 12  # every prefill routed, and decode steps too
+    assert routed["degraded_moves"] > 0  # the pool was short of ledger pages...
+    assert routed["over_budget_routings"] == 0  # ...and degraded downwards: within the budget
+    assert routed["promote"] <= routed["demote"] + routed["borrowed_quantized"]
     evict(sim, 1 << 20)  # the tree's cache gives everything back
     assert sim.pool.blocks_free() == free0
     assert bool((sim.pool.ref_all == 0).all()) and bool((sim.pool.owner_all == -1).all())

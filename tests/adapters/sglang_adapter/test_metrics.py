@@ -85,6 +85,9 @@ def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
         (P + "evictions_total", ()): moves["evict"],
         (P + "ledger_writes_total", ()): moves["ledger"],
         (P + "kernel_decode_steps_total", ()): 0,
+        (P + "over_budget_routings_total", ()): moves["over"],
+        (P + "borrowed_quantized_total", ()): moves["borrowed"],
+        (P + "degraded_moves_total", ()): pool.degraded,
     }
     out |= {(P + "units", (("state", s),)): own.count(i) for i, s in enumerate(names)}
     for kind, row in zip(("full", "ledger", "restored"), blk, strict=True):
@@ -100,18 +103,31 @@ def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
 
 def record(h: Harness) -> Counter:
     """Count, at the radix tree, every transition a routing applies (one by one, not through
-    the backend's counters)."""
-    moves, route_many = Counter(), h.sim.cache.route_many
+    the backend's counters), the units views borrow at the quantized state, and routings that
+    leave a request's engine over its budget with its forced content within it (the engine's
+    own bytes and budget, with the forced bytes the planner reports)."""
+    from tiered_radix.adapters.sglang.reps import S_Q
+
+    cache = h.sim.cache
+    moves, route_many, open_view = Counter(), cache.route_many, cache.open_view
 
     def routed(many):
-        for _, transitions in many:
+        for rid, transitions in many:
             moves["routes"] += 1
             for t in transitions[:]:
                 moves[t.kind] += 1
                 moves["ledger"] += t.ledger_write
+            store = h.backend.sessions[rid].store
+            step = store.events.steps[-1]
+            moves["over"] += bool(store.bytes_used() > step.budget and not step.forced)
         return route_many(many)
 
-    h.sim.cache.route_many = routed
+    def opened(req, prefix_len):
+        view = open_view(req, prefix_len)
+        moves["borrowed"] += int((view.state == S_Q).sum())
+        return view
+
+    cache.route_many, cache.open_view = routed, opened
     return moves
 
 
@@ -147,6 +163,8 @@ def test_series_equal_the_pool_and_the_transitions(prom, monkeypatch):
         before = got
         restored = max(restored, got[metrics.P + "blocks", (("kind", "restored"),)])
     assert moves["routes"] >= 8 and moves["promote"] > 0 and got[metrics.P + "requests", ()] == 2
+    assert moves["borrowed"] > 0  # b borrowed a's quantized windows
+    assert moves["promote"] <= moves["demote"] + moves["borrowed"]
     assert restored > 0
     units = {k[1][0][1]: v for k, v in got.items() if k[0] == metrics.P + "units"}
     assert units["full"] > 0 and units["quantized"] > 0 and units["evicted"] > 0
@@ -181,3 +199,34 @@ def test_nothing_is_created_without_metrics(prom, monkeypatch, enable):
     assert list(prom.iterdir()) == []  # no value files
     names = {m.name for m in prometheus_client.REGISTRY.collect()}
     assert not any(n.startswith(metrics.P) for n in names)
+
+
+def test_a_routing_counts_over_budget_only_where_forced_content_does_not_explain_it():
+    """``over_budget_routings``: a step over its budget counts unless its forced content was
+    over by itself; a deferred store (no new step) is not counted again; a settled step
+    raised above its plan counts."""
+    import torch
+
+    from tiered_radix.adapters.sglang.stats import BackendStats
+    from tiered_radix.engine.events import StepEvents, Transitions
+
+    empty = torch.zeros(0, dtype=torch.long)
+    none = Transitions.from_flat(("full",), None, empty, (1, 1, 1), empty, empty, empty)
+
+    def store(used, budget, forced, deferred=False):
+        t = torch.tensor
+        ev = StepEvents(0, "r", none, t(used), budget, t(forced) | (t(used) > budget), t(forced))
+        return SimpleNamespace(deferred=deferred, events=SimpleNamespace(steps=[ev]))
+
+    stats = BackendStats()
+    within, forced, over = store(10, 20, False), store(30, 20, True), store(30, 20, False)
+    stats.routed([none] * 3, torch.device("cpu"), [within, forced, over])
+    assert stats.moved()["over_budget_routings"] == 1
+    stats.routed([none], torch.device("cpu"), [store(30, 20, False, deferred=True)])
+    assert stats.moved()["over_budget_routings"] == 1
+    within.events.steps[-1].mark_over(torch.tensor(True))  # a degraded move kept units higher
+    stats.routed([none], torch.device("cpu"), [within])
+    assert stats.moved() == dict(demote=0, promote=0, evict=0, ledger_writes=0,
+                                 over_budget_routings=2, borrowed_quantized=0)  # fmt: skip
+    stats.borrowed(torch.tensor(5))
+    assert stats.moved()["borrowed_quantized"] == 5

@@ -168,3 +168,54 @@ def test_graph_buffers_are_what_buffer_bytes_says(side_output):
     held = sum(t.nbytes for t in vars(g).values() if isinstance(t, torch.Tensor))
     want = graph.buffer_bytes(sim.L, sim.H, 64, sim.W, 4, 1000, 300, side_output)
     assert held == want
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_startup_log_prints_the_split_and_max_total_num_tokens(policy, monkeypatch, caplog):
+    """Every shipped policy's pool logs, once built, its slots (SGLang's
+    ``max_total_num_tokens``) and the byte split (rows, codes, metadata) of
+    :func:`~.sizing.pool_bytes` for them."""
+    L, H, d = 2, 2, 64
+    n = slots(policy, 8 << 20, L, H, d, 2, monkeypatch)
+    p = load_policy(policy)
+    pool_class, page = (TieredKVPool, Layout.of(p).window) if p.coupled else (ArenaKVPool, 1)
+    with caplog.at_level("INFO", logger="tiered_radix.adapters.sglang"):
+        pool = pool_class(n, page, torch.bfloat16, H, d, L, "cpu", policy=p)
+    lines = [r.getMessage() for r in caplog.records if "tiered-radix pool" in r.getMessage()]
+    assert len(lines) == 1, lines
+    blocks = pool.blocks if p.coupled else None
+    split = sizing.pool_bytes(n, H, d, L, 2, p, p.budget, blocks)
+    assert f"max_total_num_tokens={n}," in lines[0]
+    assert lines[0].endswith(split.describe())
+    assert all(w in lines[0] for w in ("rows", "codes", "metadata"))
+
+
+@pytest.mark.parametrize(
+    "window, suggested",
+    [
+        (1, "window(size=16) or window(size=32) or window(size=64) units, or a smaller"),
+        (32, "use window(size=64) units, or a smaller"),
+        (64, "tables per unit: use a smaller budget"),
+    ],
+)
+def test_a_refused_policy_is_pointed_to_wider_windows_only(window, suggested):
+    """At a 95% budget (5% saved) a policy's metadata outweighs the savings at any unit: the
+    refusal names only windows wider than the policy's own."""
+    units = "token" if window == 1 else f"window(size={window})"
+    text = f"""
+policy: wide
+budget: 95%
+units: {units}
+scores:
+  s: cumulative(attn, decay=0.9)
+tiers:
+  full: keep(bf16)
+  int2: quantize(bits=2, group={max(32, window)}, axis=kivi)
+  evicted: evict
+allocate: {{method: rank, by: s, shares: {{full: 50%, int2: 50%}}}}
+schedule: after_prefill
+"""
+    p = compile_text(text)
+    with pytest.raises(PoolConfigError, match="no more tokens") as err:
+        sizing.check_metadata(p, p.budget, 24, 2, 16, 1)
+    assert suggested in str(err.value)

@@ -30,6 +30,8 @@ outputs are those of a :class:`TierStore` driven directly, step by step
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
@@ -54,7 +56,10 @@ from .backend import (
 from .options import KVOptions
 from .profile import StepTimer
 from .reps import STATE_NAMES, PoolConfigError
+from .sizing import pool_bytes
 from .stats import BackendStats
+
+log = logging.getLogger(__name__)
 
 
 class ArenaKVPool(MHATokenToKVPool):
@@ -90,6 +95,10 @@ class ArenaKVPool(MHATokenToKVPool):
         kwargs.pop("post_capture_active", None)
         super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device,
                          enable_memory_saver, **kwargs)  # fmt: skip
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        split = pool_bytes(size, head_num, head_dim, layer_num, itemsize, policy, self.budget)
+        log.info("tiered-radix pool: max_total_num_tokens=%d, one arena per request; %s",
+                 size, split.describe())  # fmt: skip
 
     def _create_buffers(self) -> None:
         self.k_buffer = self.v_buffer = None  # the rows live in the requests' stores
@@ -292,7 +301,7 @@ class ArenaAttnBackend(AttentionBackend):
         if self.tp is not None:
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)
-        self.counters.routed(moves, self.pool.device)
+        self.counters.routed(moves, self.pool.device, stores)
         self.counters.publish(self.stats, bool(due))
 
     def stats(self) -> dict:

@@ -459,6 +459,7 @@ class TieredAttnBackend(AttentionBackend):
                 copies.present[:, :, :n] = has
                 copies.write_count[:, :, :n] = has.int()
             st.routed_units = [n] * self.layers
+            self.counters.borrowed((states == S_Q).sum())
         return Session(store)
 
     def _read(self, rid: str, li: int):
@@ -612,7 +613,7 @@ class TieredAttnBackend(AttentionBackend):
         if self.tp is not None:
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)
-        self.counters.routed(moves, self.pool.device)
+        self.counters.routed(moves, self.pool.device, stores)
         self.counters.publish(self.stats, bool(due))
         return bool(due)
 
@@ -640,7 +641,6 @@ class TieredAttnBackend(AttentionBackend):
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
         out["extend"] = "kernel" if self.extend_kernel else "gather"
-        out["degraded_moves"] = self.pool.degraded  # moves the pool was short of blocks for
         out |= self.timer.report()
         if self.tp is not None:
             out["tp"] = self.tp.record()

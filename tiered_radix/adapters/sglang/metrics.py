@@ -36,6 +36,15 @@ COUNTERS = {  # snapshot running total -> (metric name, help); exported with a _
     "evict": ("evictions", "Units evicted."),
     "ledger_writes": ("ledger_writes", "Quantized ledger copies written."),
     "kernel_steps": ("kernel_decode_steps", "Decode steps run by the TriZone kernel."),
+    "over_budget_routings": (
+        "over_budget_routings",
+        "Routings that left a request over its budget beyond its forced content.",
+    ),
+    "borrowed_quantized": (
+        "borrowed_quantized",
+        "Units requests borrowed from the radix cache quantized (promotable, never demoted).",
+    ),
+    "degraded_moves": ("degraded_moves", "Moves the pool was short of blocks for (degraded)."),
 }
 UNITS = (f"{P}units", "(layer, KV head, window) units of the cache by the owner's state.")
 BLOCK_KINDS = ("full", "restored", "ledger")

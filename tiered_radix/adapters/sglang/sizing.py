@@ -57,6 +57,7 @@ TIER_BYTES = 8  # int64 tier per unit (CoupledStack.tier)
 COPY_BYTES = 1 + 4  # per quantized tier and unit: present (bool) and write_count (int32)
 STATE_BYTES = 4  # float32 per token of each cumulative(...) score state
 SIGNAL_BYTES = 4  # float32 per token of each token signal kept (attn, colmass, obs_attn)
+WINDOW_SUGGESTIONS = (16, 32, 64)  # window sizes a refused policy is pointed to
 
 
 @dataclass(frozen=True)
@@ -165,13 +166,14 @@ def check_metadata(
     meta = slot_bytes(policy, budget, layers, heads, head_dim, itemsize) - f * full
     if meta >= (1 - f) * full:
         W = _unit_size(policy)
+        wider = [f"window(size={s})" for s in WINDOW_SUGGESTIONS if s > W]
+        units = f"use {' or '.join(wider)} units, or " if wider else "use "
         raise PoolConfigError(
             f"policy '{policy.name}': its metadata costs {meta:.0f} bytes a token slot (block "
             f"tables and engine state), at least the {(1 - f) * full:.0f} bytes its "
             f"{f:.0%} budget saves of a {full} byte full-precision token, so the tiered pool "
             f"would hold no more tokens than SGLang's own. Units of {W} token(s) pay their "
-            "tables per unit: use window(size=16), window(size=32) or window(size=64) units, "
-            "or a smaller budget fraction"
+            f"tables per unit: {units}a smaller budget fraction"
         )
 
 

@@ -24,13 +24,20 @@ from .metrics import TierMetrics, from_server_args
 
 log = logging.getLogger("tiered_radix.adapters.sglang.backend")
 LOG_EVERY_S = 30.0
+COUNTS = (*KINDS, "ledger_writes", "over_budget_routings", "borrowed_quantized")  # on the device
 
 
 @dataclass
 class BackendStats:
     """Counters since startup. ``peak_bytes``: the most pool bytes held at the end of a forward
     (before its routing), ``peak_tokens`` the tokens the allocator held then (running requests
-    and the radix tree's cache, in whole windows: what a plain bf16 pool would hold)."""
+    and the radix tree's cache, in whole windows: what a plain bf16 pool would hold).
+
+    Two counters let a reader check the others (``bench/soak.py`` does): ``over_budget_routings``,
+    routings after which a request's bytes exceeded its budget without its forced content
+    (protected tokens, keep rules) explaining it, and ``borrowed_quantized``, units a request
+    borrowed from the radix cache at a quantized state: its engine may promote those without
+    having demoted them, so ``promote <= demote + borrowed_quantized`` over all requests."""
 
     routes: int = 0  # requests routed
     peak_bytes: int = 0
@@ -41,7 +48,7 @@ class BackendStats:
     metrics: TierMetrics | None = None  # made at the first publish, with --enable-metrics
     metrics_checked: bool = False
     rank: int | None = None  # under --tp: the stats file is per rank (``name.rank{r}.json``)
-    counts: Tensor | None = None  # int64 [4] on the device: demote, promote, evict, ledger writes
+    counts: Tensor | None = None  # int64 [len(COUNTS)] on the device
     path: str | None = None  # --kv-stats: the JSON file rewritten after every routing
 
     def forward_done(self, pool, tokens: int) -> None:
@@ -50,23 +57,44 @@ class BackendStats:
         if used > self.peak_bytes:
             self.peak_bytes, self.peak_tokens = used, tokens
 
-    def routed(self, moves: list, device: torch.device) -> None:
-        """Count a routing's transitions (one ``Transitions`` per routed request) on ``device``,
-        without a host sync: :meth:`moved` reads them."""
-        self.routes += len(moves)
-        parts = [m for m in moves if len(m)]
-        if not parts:
-            return
-        cols = [m.on(device, "src", "dst", "ledger_write") for m in parts]
-        src, dst, wrote = (torch.cat([c[i] for c in cols]) for i in range(3))
-        kinds = kinds_of(src, dst, parts[0].evict_index)
-        add = torch.cat([torch.bincount(kinds, minlength=len(KINDS)), wrote.sum().view(1)])
+    def _add(self, add: Tensor) -> None:
         self.counts = add if self.counts is None else self.counts + add
 
+    def routed(self, moves: list, device: torch.device, stores: list = ()) -> None:
+        """Count a routing's transitions (one ``Transitions`` per routed request) on ``device``,
+        and the routed ``stores`` (``TierStore``, after any settling) whose last routing ended
+        over budget without its forced content explaining it, without a host sync: :meth:`moved`
+        reads them. A store whose routing was deferred is not counted."""
+        self.routes += len(moves)
+        steps = [s.events.steps[-1] for s in stores if not s.deferred and s.events.steps]
+        parts = [m for m in moves if len(m)]
+        if not (parts or steps):
+            return
+        add = torch.zeros(len(COUNTS), dtype=torch.long, device=device)
+        if steps:
+            over = [torch.as_tensor(e.unforced_over(), device=device) for e in steps]
+            add[COUNTS.index("over_budget_routings")] = torch.stack(over).sum()
+        if parts:
+            cols = [m.on(device, "src", "dst", "ledger_write") for m in parts]
+            src, dst, wrote = (torch.cat([c[i] for c in cols]) for i in range(3))
+            add[: len(KINDS)] += torch.bincount(
+                kinds_of(src, dst, parts[0].evict_index), minlength=len(KINDS)
+            )
+            add[len(KINDS)] += wrote.sum()
+        self._add(add)
+
+    def borrowed(self, quantized: Tensor) -> None:
+        """A request opened on a radix hit borrowed ``quantized`` units (a 0-d device count)
+        at a quantized state (no host sync)."""
+        add = torch.zeros(len(COUNTS), dtype=torch.long, device=quantized.device)
+        add[COUNTS.index("borrowed_quantized")] = quantized
+        self._add(add)
+
     def moved(self) -> dict[str, int]:
-        """Transitions so far per kind, and ledger copies written (one host sync)."""
-        c = [0] * (len(KINDS) + 1) if self.counts is None else self.counts.tolist()
-        return dict(zip((*KINDS, "ledger_writes"), c, strict=True))
+        """Transitions so far per kind, ledger copies written, over-budget routings and
+        borrowed quantized units (one host sync)."""
+        c = [0] * len(COUNTS) if self.counts is None else self.counts.tolist()
+        return dict(zip(COUNTS, c, strict=True))
 
     def snapshot(self, pool, requests: int, decode: str, kernel_error: str | None) -> dict:
         """Pool bytes and blocks in use, transitions so far and the peak (a bf16 pool would
@@ -88,6 +116,7 @@ class BackendStats:
             "ledger_blocks_free": ledger_free,
             "routes": self.routes,
             **self.moved(),
+            "degraded_moves": getattr(pool, "degraded", 0),  # moves short of blocks (pool.move)
             "peak_bytes": self.peak_bytes,
             "peak_tokens": self.peak_tokens,
             "bf16_bytes_per_token": per_token,
