@@ -164,9 +164,10 @@ class Harness:
             for li, layer in enumerate(self.layers)
         ]
 
-    def start(self, rid: str, tokens: list[int]) -> SimpleNamespace:
-        """Match the prefix; the backend opens the view at the request's first extend."""
-        req = self.sim.match(rid, tokens)
+    def start(self, rid: str, tokens: list[int], custom_params: dict | None = None):
+        """Match the prefix (``custom_params``: the request's ``kv_budget`` / ``kv_policy``);
+        the backend opens the view at the request's first extend."""
+        req = self.sim.match(rid, tokens, custom_params)
         req.tokens = list(tokens[: req.prefix_len])
         return req
 
