@@ -215,7 +215,9 @@ def test_usage_is_the_pools_blocks_and_agrees_with_the_engine_after_routing():
         occupancy = store.occupancy()  # engine tiers: full, int2, evicted
         units = got["units_per_state"]
         assert (units["full"] + units["restored"], units["quantized"], units["evicted"]) == (
-            occupancy["full"], occupancy["int2"], occupancy["evicted"]
+            occupancy["full"],
+            occupancy["int2"],
+            occupancy["evicted"],
         )
         assert sum(got["tokens_per_state"].values()) == 96
         stats = h.backend.stats()  # since startup: this request's are the difference

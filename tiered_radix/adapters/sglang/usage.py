@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reps import FULL, Q, R, S_EVICT, S_FULL, S_Q, S_R, STATE_NAMES
+from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, STATE_NAMES, Q, R
 
 KEY = "kv_usage"  # the report's name in meta_info (OpenAI API: usage.kv)
 # moves counted per (layer, head, window) a routing changed: [demotions, promotions, evictions]
