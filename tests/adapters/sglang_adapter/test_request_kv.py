@@ -126,6 +126,25 @@ def test_launch_refuses_a_mixed_set_and_spawned_processes_get_the_set(capsys):
         config.export(None)
 
 
+def test_engine_keywords_load_the_set_or_raise():
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import ServerArgs
+
+    from tiered_radix.adapters.sglang import plugin
+
+    plugin.register()
+    HookRegistry.apply_hooks()
+    try:
+        with pytest.raises(CatalogError, match="'full'.*window 32 vs 1"):
+            ServerArgs(model_path="dummy", kv_policy="qevict", kv_policies="full")
+        ServerArgs(model_path="dummy", kv_policy="qevict", kv_policies="kivi")
+        assert config.current().served().names == ("qevict", "kivi")
+        with pytest.raises(ValueError, match="need kv_policy"):
+            ServerArgs(model_path="dummy", kv_policies="kivi")
+    finally:
+        config.export(None)
+
+
 # -- one request's engine, its isolation, its usage -----------------------------------------
 SHARED = list(range(1, 41))  # 10 windows of 4 tokens
 
