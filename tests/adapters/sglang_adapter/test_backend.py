@@ -57,7 +57,8 @@ class Harness:
         runner = SimpleNamespace(
             token_to_kv_pool=self.sim.pool, tp_group=tp_group, model_config=context
         )
-        self.backend = TieredAttnBackend(runner, options)
+        kv = sim.get("kv")  # a launch's policy set: the backend computes what any reads
+        self.backend = TieredAttnBackend(runner, options, kv.served().policies if kv else None)
         g = torch.Generator().manual_seed(11)
         self.wq = torch.randn(self.sim.L, 100, HQ, self.sim.d, generator=g)[:, :, q_heads]
         self.hq = self.wq.shape[2]

@@ -145,6 +145,17 @@ def test_engine_keywords_load_the_set_or_raise():
         config.export(None)
 
 
+def test_decode_attention_folds_only_at_a_decay_every_loaded_policy_shares():
+    from tiered_radix.adapters.sglang.backend import common_decay
+
+    qevict, full70 = load_policy("qevict"), load_policy("examples/qevict_full70.yaml")
+    position = compile_text(KERNEL_POLICY.replace("cumulative(attn, decay=0.99)", "position"))
+    assert common_decay([qevict, full70]) == 0.99
+    assert common_decay([qevict, position]) is None  # position reads no attn: observe each step
+    h = Harness(kv=launch(POLICY, OTHER))
+    assert h.backend.policies == tuple(p for _, p in h.sim.cache.kv.served().by_name)
+
+
 # -- one request's engine, its isolation, its usage -----------------------------------------
 SHARED = list(range(1, 41))  # 10 windows of 4 tokens
 
