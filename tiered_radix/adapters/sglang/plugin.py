@@ -123,12 +123,13 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
     """
     from tiered_radix.engine.shard import heads_functions
 
-    used = heads_functions(cfg.policy)
-    if used:
-        raise ValueError(
-            f"--kv-policy {cfg.policy_arg} with --tp {given['tp_size']}: {', '.join(used)} "
-            "reduce over all KV heads, which no rank holds; write the score per head or use --tp 1"
-        )
+    for policy in cfg.served().policies:  # --kv-policy and every --kv-policies one
+        used = heads_functions(policy)
+        if used:
+            raise ValueError(
+                f"--kv-policy {policy.name} with --tp {given['tp_size']}: {', '.join(used)} reduce"
+                " over all KV heads, which no rank holds; write the score per head or use --tp 1"
+            )
     if given.get("enable_dp_attention"):
         raise ValueError(f"--kv-policy {cfg.policy_arg} does not support --enable-dp-attention")
 
