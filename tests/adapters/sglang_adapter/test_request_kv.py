@@ -294,6 +294,34 @@ def test_native_sampling_params_are_moved_and_checked(exported):
         serving.create_tokenized_object(lambda self, o: None, None, bad)
 
 
+def test_an_arena_launch_refuses_per_request_fields_and_an_untiered_one_ignores_them():
+    try:
+        config.export(config.resolve("rdkv"))
+        with pytest.raises(RequestError, match="not served by --kv-policy rdkv.*arenas"):
+            serving.check({"kv_budget": "10%"})
+        serving.check({"thinking_budget": 3})  # other custom params: not ours
+        config.export(None)
+        serving.check({"kv_budget": "nonsense"})  # no tiering: the plugin changes nothing
+    finally:
+        config.export(None)
+
+
+def test_outputs_stream_out_with_the_one_report():
+    report = {"policy": "qevict"}
+    chunks = [{"meta_info": {KEY: [None]}}, {"meta_info": {KEY: [None, None, report]}}]
+
+    async def original(self, obj, request=None):
+        for c in chunks:
+            yield c
+
+    async def collect():
+        return [o async for o in serving.generate_request(original, None, None)]
+
+    first, last = asyncio.run(collect())
+    assert KEY not in first["meta_info"] and last["meta_info"][KEY] == report
+    assert chunks[1]["meta_info"][KEY][-1] is report  # SGLang's own list is left as it was
+
+
 def test_engine_keywords_reach_every_prompts_sampling_params(exported):
     got = serving.engine_generate(lambda self, **kw: kw, None, prompt=["x", "y"],
                                   sampling_params=[{"n": 1}, {}], kv_budget="50%")  # fmt: skip
