@@ -351,6 +351,9 @@ class TieredRadixCache(RadixCache):
             self.before_close()
         for rid in list(getattr(self, "views", {})):
             self.close_view(rid)
+        # SGLang flushes only when idle: no request waits with the settings it asked for (a
+        # request aborted while waiting leaves its entry until here)
+        getattr(self, "asked", {}).clear()
         pool = getattr(self, "pool", None)
         if pool is not None:  # windows opened in every layer and head: layer 0, head 0 says
             owned = (pool.owner_all[0, 0] >= 0).nonzero().squeeze(1)
