@@ -259,16 +259,27 @@ class TierStore:
     def route_many(
         stores: list[TierStore], reasons: list[str], *, prefill: bool = False
     ) -> list[Transitions]:
-        """:meth:`route` of several stores (one policy and model shape), planned together
-        (:func:`~.planner.plan_routes`: one pass over their stacked layers where it can).
-        ``prefill``: they route after a prefill chunk (deferred under
-        ``after_prefill(defer=true)``: :meth:`defer`)."""
-        if prefill and stores and stores[0].policy.schedule.prefill_defers:
-            return [s.defer() for s in stores]
-        plans = plan_routes(stores)
-        for s in stores:
-            s.deferred = False
-        return [s.apply(p, why) for s, p, why in zip(stores, plans, reasons, strict=True)]
+        """:meth:`route` of several stores of one model shape: those of one policy planned
+        together (:func:`~.planner.plan_routes`: one pass over their stacked layers where it
+        can), each policy's apart; the transitions in ``stores``' order. ``prefill``: they
+        route after a prefill chunk (deferred under ``after_prefill(defer=true)``:
+        :meth:`defer`)."""
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(stores):
+            groups.setdefault(id(s.policy), []).append(i)
+        out: list[Transitions | None] = [None] * len(stores)
+        for idx in groups.values():
+            group = [stores[i] for i in idx]
+            if prefill and group[0].policy.schedule.prefill_defers:
+                moves = [s.defer() for s in group]
+            else:
+                plans = plan_routes(group)
+                for s in group:
+                    s.deferred = False
+                moves = [s.apply(p, reasons[i]) for s, p, i in zip(group, plans, idx, strict=True)]
+            for i, m in zip(idx, moves, strict=True):
+                out[i] = m
+        return out
 
     def settle(self, layer: Tensor, head: Tensor, unit: Tensor, tier: Tensor, copy: Tensor) -> None:
         """Units ``(layer, head, unit)`` (int64 ``[m]`` each) that the holder of the rows

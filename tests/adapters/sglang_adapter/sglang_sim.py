@@ -64,6 +64,7 @@ class Sim:
         context=512,
         kv_heads: slice | None = None,
         options=None,
+        kv=None,
     ):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -97,7 +98,8 @@ class Sim:
         )
         self.r2t = ReqToTokenPool(16, context, "cpu", False)
         params = CacheInitParams(False, self.r2t, self.alloc, self.W)
-        self.cache = TieredRadixCache(params, policy=self.policy)
+        # kv: the launch's KVConfig (policies a request may name, default budget)
+        self.cache = TieredRadixCache(params, policy=self.policy, kv=kv)
         g = torch.Generator().manual_seed(0)
         emb = torch.randn(2, layers, vocab, heads_total, head_dim, generator=g)
         pos = torch.randn(2, layers, context, heads_total, head_dim, generator=g)
@@ -110,12 +112,17 @@ class Sim:
         p = torch.arange(start, start + len(tokens))
         return tuple(self.emb[i, layer, t] + self.pos[i, layer, p] for i in (0, 1))
 
-    def match(self, rid: str, tokens: list[int]) -> SimpleNamespace:
-        """Match the prefix in the tree and lock it; the request's row maps the matched slots."""
+    def match(self, rid: str, tokens: list[int], custom_params: dict | None = None):
+        """Match the prefix in the tree and lock it; the request's row maps the matched slots.
+        ``custom_params``: the request's (``kv_budget``, ``kv_policy``), as SGLang's ``Req``
+        carries them to the match."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens))))
+        asking = SimpleNamespace(
+            rid=rid, sampling_params=SimpleNamespace(custom_params=custom_params)
+        )
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens)), req=asking))
         n = len(m.device_indices)
         self.cache.inc_lock_ref(m.last_device_node)
         req = SimpleNamespace(

@@ -57,7 +57,8 @@ class Harness:
         runner = SimpleNamespace(
             token_to_kv_pool=self.sim.pool, tp_group=tp_group, model_config=context
         )
-        self.backend = TieredAttnBackend(runner, options)
+        kv = sim.get("kv")  # a launch's policy set: the backend computes what any reads
+        self.backend = TieredAttnBackend(runner, options, kv.served().policies if kv else None)
         g = torch.Generator().manual_seed(11)
         self.wq = torch.randn(self.sim.L, 100, HQ, self.sim.d, generator=g)[:, :, q_heads]
         self.hq = self.wq.shape[2]
@@ -164,9 +165,10 @@ class Harness:
             for li, layer in enumerate(self.layers)
         ]
 
-    def start(self, rid: str, tokens: list[int]) -> SimpleNamespace:
-        """Match the prefix; the backend opens the view at the request's first extend."""
-        req = self.sim.match(rid, tokens)
+    def start(self, rid: str, tokens: list[int], custom_params: dict | None = None):
+        """Match the prefix (``custom_params``: the request's ``kv_budget`` / ``kv_policy``);
+        the backend opens the view at the request's first extend."""
+        req = self.sim.match(rid, tokens, custom_params)
         req.tokens = list(tokens[: req.prefix_len])
         return req
 

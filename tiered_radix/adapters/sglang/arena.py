@@ -294,7 +294,7 @@ class ArenaAttnBackend(AttentionBackend):
     def _route_due(self) -> None:
         tokens = sum(s.store.n_tokens(0) for s in self.sessions.values())
         self.counters.forward_done(self.pool, tokens)
-        due = due_routings(self.batch, self.extend, self.policy)
+        due = due_routings(self.batch, self.extend)
         # each store moves its own data; one planning pass over all of them
         stores = [r.session.store for r, _ in due]
         moves = TierStore.route_many(stores, [why for _, why in due], prefill=self.extend)

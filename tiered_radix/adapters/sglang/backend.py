@@ -170,21 +170,28 @@ def batch_rows(fb) -> tuple[list[int], list[int], list[int]] | None:
     return seqs, [s - 1 for s in seqs], [1] * len(seqs)
 
 
-def due_routings(batch: list[_Req], extend: bool, policy) -> list[tuple[_Req, str]]:
+def due_routings(batch: list[_Req], extend: bool) -> list[tuple[_Req, str]]:
     """After a forward of ``batch``: count each request's prefill or decode step, and return
-    those whose schedule is due now, with the reason the engine records."""
+    those whose schedule (their own policy's) is due now, with the reason the engine records."""
     due = []
     for r in batch:
         s = r.session
         if extend:
             s.prefills += 1
-            if policy.schedule.after_prefill:
+            if s.store.policy.schedule.after_prefill:
                 due.append((r, f"after prefill {s.prefills}"))
         else:
             step, s.decode_steps = s.decode_steps, s.decode_steps + 1
             if s.store.schedule_due(step):
                 due.append((r, f"decode step {step}"))
     return due
+
+
+def common_decay(policies) -> float | None:
+    """The decay at which every policy's decode attention folds (``TierStore.attn_decay``), or
+    None (each step observed) where one cannot fold or two differ."""
+    decays = {ScoreEvaluator(p, 1, 1).attn_decay() for p in policies}
+    return decays.pop() if len(decays) == 1 else None
 
 
 class TieredAttnBackend(AttentionBackend):
@@ -194,20 +201,25 @@ class TieredAttnBackend(AttentionBackend):
     default on CUDA) and it can read the pool; ``sdpa``/``exact`` name the gather path's
     attention (the path before the kernel; on CPU ``exact`` is the reference).
 
+    ``policies``: every policy a request may run with (the launch's :class:`~.catalog.Catalog`;
+    default: the pool's): the signals computed are those any of them reads, and each request's
+    engine runs its own policy and budget (:meth:`~.radix.TieredRadixCache.request_kv`).
+
     Raises:
         PoolConfigError: the model runner's pool is not a :class:`TieredKVPool`.
     """
 
-    def __init__(self, runner, options: KVOptions | None = None) -> None:
+    def __init__(self, runner, options: KVOptions | None = None, policies=None) -> None:
         super().__init__()
         self.options = options = options or KVOptions()
         pool = runner.token_to_kv_pool
         if not isinstance(pool, TieredKVPool):
             raise PoolConfigError(f"tiered_triton needs a TieredKVPool, got {type(pool).__name__}")
         self.pool, self.policy, self.budget = pool, pool.policy, pool.budget
+        self.policies = tuple(policies or (self.policy,))
         self.layers = pool.layer_num
         self.last_layer = pool.start_layer + pool.layer_num - 1
-        reads = policy_reads(self.policy)
+        reads = set().union(*(policy_reads(p) for p in self.policies))
         self.prefill_needs = frozenset(reads & set(PREFILL_SIGNALS))
         # the extend kernel computes only what the policy reads (attn of the last query too)
         self.extend_needs = self.prefill_needs | frozenset(reads & {"attn"})
@@ -216,7 +228,7 @@ class TieredAttnBackend(AttentionBackend):
         # replayed steps sum the side output on the device and fold it in before routing, where
         # the policy's scores allow it (TierStore.attn_decay); else every step is observed
         fold = options.observe == "fold"
-        self.fold_decay = ScoreEvaluator(self.policy, 1, 1).attn_decay() if fold else None
+        self.fold_decay = common_decay(self.policies) if fold else None
         self.sessions: dict[str, Session] = {}
         self.batch: list[_Req] = []
         self.extend = False
@@ -439,12 +451,14 @@ class TieredAttnBackend(AttentionBackend):
             g.folded()
 
     def _open(self, tree, req, prefix_len: int) -> Session:
-        """Borrow the matched prefix; the store's tiers start at the borrowed states."""
+        """Borrow the matched prefix; the store's tiers start at the borrowed states. The
+        store runs the request's own policy and budget (its ``kv_policy`` / ``kv_budget``)."""
         view = tree.open_view(req, prefix_len)
+        kv = tree.request_kv(req.rid)
         store = TierStore(
-            self.policy, n_layers=self.layers, n_heads=self.pool.head_num,
+            kv.policy, n_layers=self.layers, n_heads=self.pool.head_num,
             head_dim=self.pool.head_dim, dtype=self.pool.dtype, device=self.pool.device,
-            budget_override=self.budget, reader=lambda li: self._read(req.rid, li),
+            budget_override=kv.budget, reader=lambda li: self._read(req.rid, li),
             shard=self.shard,
         )  # fmt: skip
         n = view.windows.numel()
@@ -601,7 +615,7 @@ class TieredAttnBackend(AttentionBackend):
     def _route_due(self) -> bool:
         alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
         self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
-        due = due_routings(self.batch, self.extend, self.policy)
+        due = due_routings(self.batch, self.extend)
         if due:
             self.fold_pending()  # scores up to date (replayed steps summed their attention)
         # planned together (one pass over their stacked layers), then one pool move for all

@@ -1,5 +1,5 @@
-"""``--kv-policy`` / ``--kv-budget`` and the ``--kv-*`` options: parsing, validation, and the
-hand-over to scheduler processes.
+"""``--kv-policy`` / ``--kv-budget`` / ``--kv-policies`` and the ``--kv-*`` options: parsing,
+validation, and the hand-over to scheduler processes.
 
 SGLang drops unknown attributes in ``ServerArgs.from_cli_args`` and starts its scheduler
 processes with ``spawn``, so the plugin carries the launch's :class:`KVConfig` (policy argument,
@@ -18,6 +18,7 @@ from tiered_radix.policy import Policy, PolicyError, Span, load_policy
 from tiered_radix.policy.model import Budget
 from tiered_radix.policy.transformer import parse
 
+from .catalog import Catalog, load
 from .options import KVOptions
 
 ENV = "TIERED_RADIX_KV"  # the whole launch configuration, JSON (not a switch of its own)
@@ -26,14 +27,25 @@ BACKEND = "tiered"  # the --radix-cache-backend name the plugin registers
 
 @dataclass(frozen=True)
 class KVConfig:
-    """A validated ``--kv-policy`` (file path or shipped name), optional budget override, and
-    the launch's ``--kv-*`` options."""
+    """A validated ``--kv-policy`` (file path or shipped name), optional budget override, the
+    launch's ``--kv-*`` options, and ``--kv-policies`` (more policies a request may name,
+    :mod:`.catalog`)."""
 
     policy_arg: str
     budget_arg: str | None
     policy: Policy
     budget: Budget  # the override if given, else the policy's own
     options: KVOptions = field(default_factory=KVOptions)
+    policies_arg: str | None = None
+    catalog: Catalog | None = None  # None: the default policy alone
+
+    def served(self) -> Catalog:
+        """Every policy a request may name, the default first."""
+        return self.catalog or Catalog(self.policy, ((self.policy.name, self.policy),))
+
+    def budget_for(self, policy: Policy) -> Budget:
+        """A request's budget when it names none: ``--kv-budget`` if given, else the policy's."""
+        return self.budget if self.overridden else policy.budget
 
     @property
     def overridden(self) -> bool:
@@ -50,16 +62,23 @@ def parse_budget(text: str) -> Budget:
 
 
 def resolve(
-    policy_arg: str, budget_arg: str | None = None, options: KVOptions | None = None
+    policy_arg: str,
+    budget_arg: str | None = None,
+    options: KVOptions | None = None,
+    policies_arg: str | None = None,
 ) -> KVConfig:
-    """Load and validate the policy (and budget override) the user named.
+    """Load and validate the policy (and budget override) the user named, and the policies of
+    ``--kv-policies``.
 
     Raises:
-        PolicyError: the policy file or the budget is invalid (message has file:line:col).
+        PolicyError: a policy file or the budget is invalid (message has file:line:col).
+        CatalogError: ``--kv-policies`` names a policy the default's pool cannot serve.
     """
     policy = load_policy(policy_arg)
     budget = parse_budget(budget_arg) if budget_arg is not None else policy.budget
-    return KVConfig(policy_arg, budget_arg, policy, budget, options or KVOptions())
+    catalog = load(policy, policies_arg) if policies_arg else None
+    opts = options or KVOptions()
+    return KVConfig(policy_arg, budget_arg, policy, budget, opts, policies_arg, catalog)
 
 
 _current: tuple[str, KVConfig] | None = None  # (the exported text, what it resolved to)
@@ -71,9 +90,10 @@ def export(cfg: KVConfig | None) -> None:
     if cfg is None:
         os.environ.pop(ENV, None)
         return
-    text = json.dumps(
-        {"policy": cfg.policy_arg, "budget": cfg.budget_arg, "options": cfg.options.to_dict()}
-    )
+    text = json.dumps({
+        "policy": cfg.policy_arg, "budget": cfg.budget_arg, "options": cfg.options.to_dict(),
+        "policies": cfg.policies_arg,
+    })  # fmt: skip
     os.environ[ENV] = text
     _current = text, cfg
 
@@ -92,7 +112,7 @@ def current() -> KVConfig | None:
     if _current is None or _current[0] != text:
         got = json.loads(text)
         opts = KVOptions.from_dict(got["options"])
-        _current = text, resolve(got["policy"], got["budget"], opts)
+        _current = text, resolve(got["policy"], got["budget"], opts, got.get("policies"))
     return _current[1]
 
 

@@ -3,8 +3,10 @@
 SGLang's ``load_plugins()`` runs :func:`register` in the launcher, in ``Engine.__init__`` and in
 every scheduler process. It registers, through ``sglang.srt.plugins.hook_registry``:
 
-- ``ServerArgs.add_cli_args`` (AFTER): the flags ``--kv-policy`` and ``--kv-budget``, and the
-  ``--kv-*`` options of the backend (:class:`~.options.KVOptions`);
+- ``ServerArgs.add_cli_args`` (AFTER): the flags ``--kv-policy``, ``--kv-budget`` and
+  ``--kv-policies`` (more policies a request may name, :mod:`.catalog`: a set whose pools
+  differ stops the launch with each difference), and the ``--kv-*`` options of the backend
+  (:class:`~.options.KVOptions`);
 - ``ServerArgs.from_cli_args`` (AROUND): validates the policy (a :class:`PolicyError` prints
   ``file:line:col`` and exits with status 2, no traceback), selects ``--radix-cache-backend
   tiered``, ``--page-size W`` and ``--attention-backend tiered_triton`` (and turns prefill CUDA
@@ -33,7 +35,10 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   and a chunk ends only at a routing point of its request (:func:`aligned_chunk`: batch
   invariance);
 - radix cache backend ``tiered`` (a :class:`~.radix.TieredRadixCache`; for decoupled policies
-  an :class:`~.arena.ArenaCache`, no prefix sharing) and attention backend ``tiered_triton``.
+  an :class:`~.arena.ArenaCache`, no prefix sharing) and attention backend ``tiered_triton``;
+- the request path (:mod:`.serving`): a request's ``kv_policy`` / ``kv_budget`` from the OpenAI
+  API, native sampling parameters and ``Engine.generate``, checked (400 with the accepted
+  values), and its KV usage in the response (``meta_info["kv_usage"]``, OpenAI ``usage.kv``).
 
 Without ``--kv-policy`` every hook passes its call through unchanged.
 """
@@ -70,6 +75,13 @@ def add_cli_args(_result, parser) -> None:
         default=None,
         metavar="BUDGET",
         help="override the policy's budget: 10%%, 2 GiB or 4096 tokens",
+    )
+    g.add_argument(
+        "--kv-policies",
+        default=None,
+        metavar="P1,P2|DIR",
+        help="more policies a request may name (kv_policy): shipped names, YAML files or a "
+        "folder of them; they must store windows as --kv-policy does",
     )
     add_flags(g)
 
@@ -111,12 +123,13 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
     """
     from tiered_radix.engine.shard import heads_functions
 
-    used = heads_functions(cfg.policy)
-    if used:
-        raise ValueError(
-            f"--kv-policy {cfg.policy_arg} with --tp {given['tp_size']}: {', '.join(used)} "
-            "reduce over all KV heads, which no rank holds; write the score per head or use --tp 1"
-        )
+    for policy in cfg.served().policies:  # --kv-policy and every --kv-policies one
+        used = heads_functions(policy)
+        if used:
+            raise ValueError(
+                f"--kv-policy {policy.name} with --tp {given['tp_size']}: {', '.join(used)} reduce"
+                " over all KV heads, which no rank holds; write the score per head or use --tp 1"
+            )
     if given.get("enable_dp_attention"):
         raise ValueError(f"--kv-policy {cfg.policy_arg} does not support --enable-dp-attention")
 
@@ -137,20 +150,22 @@ def from_cli_args(original, cls, args):
     global _in_cli
     policy = getattr(args, "kv_policy", None)
     if policy is None:
-        given = [k for k in ("kv_budget", *KVOptions.keys()) if getattr(args, k, None) is not None]
+        given = [k for k in ("kv_budget", "kv_policies", *KVOptions.keys())
+                 if getattr(args, k, None) is not None]  # fmt: skip
         if given:
             sys.exit(f"error: --{given[0].replace('_', '-')} needs --kv-policy")
         config.export(None)
     else:
         try:
             options = KVOptions.from_args(vars(args))
-            cfg = config.resolve(policy, getattr(args, "kv_budget", None), options)
+            cfg = config.resolve(policy, getattr(args, "kv_budget", None), options,
+                                 getattr(args, "kv_policies", None))  # fmt: skip
             for key, value in selections(cfg, vars(args)).items():
                 setattr(args, key, value)
         except PolicyError as err:
             print(config.describe_error(err), file=sys.stderr)
             raise SystemExit(2) from None
-        except ValueError as err:  # PoolConfigError, OptionsError and contradicting flags
+        except ValueError as err:  # PoolConfigError, OptionsError, CatalogError, contradictions
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         config.export(cfg)
@@ -163,13 +178,15 @@ def from_cli_args(original, cls, args):
 
 def server_args_init(original, self, *args, **kwargs):
     policy, budget = kwargs.pop("kv_policy", None), kwargs.pop("kv_budget", None)
+    policies = kwargs.pop("kv_policies", None)
     options = KVOptions.from_args(kwargs, pop=True)  # OptionsError reaches the Engine's caller
     if policy is not None:
-        cfg = config.resolve(policy, budget, options)  # PolicyError reaches the Engine's caller
+        # PolicyError and CatalogError reach the Engine's caller
+        cfg = config.resolve(policy, budget, options, policies)
         kwargs.update(selections(cfg, kwargs))
         config.export(cfg)
-    elif budget is not None or options != KVOptions():
-        raise ValueError("kv_budget and the kv_* options need kv_policy")
+    elif budget is not None or policies is not None or options != KVOptions():
+        raise ValueError("kv_budget, kv_policies and the kv_* options need kv_policy")
     elif not _in_cli:
         config.export(None)
     return original(self, *args, **kwargs)
@@ -251,7 +268,7 @@ def tree_cache_factory(ctx):
         raise ValueError("--radix-cache-backend tiered needs --kv-policy")
     if not cfg.policy.coupled:  # each request's arena is its own: no prefix sharing
         return ArenaCache(ctx.params)
-    return TieredRadixCache(ctx.params, policy=cfg.policy)
+    return TieredRadixCache(ctx.params, policy=cfg.policy, kv=cfg)
 
 
 def can_run_graph(original, self, forward_batch) -> bool:
@@ -456,7 +473,8 @@ def attention_backend_factory(runner):
     options = cfg.options if cfg is not None else KVOptions()
     if isinstance(runner.token_to_kv_pool, ArenaKVPool):
         return ArenaAttnBackend(runner, options)
-    return TieredAttnBackend(runner, options)
+    policies = cfg.served().policies if cfg is not None else None
+    return TieredAttnBackend(runner, options, policies)
 
 
 def register() -> None:
@@ -504,6 +522,10 @@ def register() -> None:
         HookRegistry.register(
             f"sglang.srt.managers.schedule_policy.PrefillAdder.{name}", hook, HookType.AROUND
         )
+    from . import serving
+
+    for target, hook in serving.HOOKS:
+        HookRegistry.register(target, hook, HookType.AROUND)
     if config.BACKEND not in registered_radix_cache_backends():
         register_radix_cache_backend(config.BACKEND, tree_cache_factory)
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS

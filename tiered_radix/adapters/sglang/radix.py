@@ -17,10 +17,17 @@ Who holds what (see :mod:`.reps` for representations and states):
 
 Engine units map to windows in sequence order: unit ``u`` of a request is window
 ``req_to_token[req, u * W] // W``.
+
+Per request (:mod:`.request_kv`): when SGLang matches a request's prefix the cache reads the
+request's ``kv_policy`` / ``kv_budget`` from its sampling parameters (:meth:`request_kv` gives
+them to the attention backend, which builds the request's tier engine with them); a view counts
+its routings and the moves the pool made for it, and when the request finishes its usage, read
+from the pool (:mod:`.usage`), goes into the response (``meta_info["kv_usage"]``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,21 +37,31 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from torch import Tensor
 
 from tiered_radix.engine.events import Transitions
+from tiered_radix.engine.routing import total_budget
 from tiered_radix.policy.model import Policy
 
+from . import usage
+from .config import KVConfig
 from .pool import TieredKVPool
 from .reps import Layout, PoolConfigError
+from .request_kv import RequestError, RequestKV, resolve
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class RequestView:
     """One request's windows: ``windows`` int64 ``[n]`` in sequence order, ``borrowed`` bool
     ``[n]`` (read through the request's own references), ``state`` int8 ``[L, H, n]`` (the
-    request's state of borrowed windows; owned windows read ``pool.owner_all``)."""
+    request's state of borrowed windows; owned windows read ``pool.owner_all``); ``moved``
+    int64 ``[3]`` the moves its routings made (:func:`.usage.moves_of`), ``routes`` their
+    count."""
 
     windows: Tensor
     borrowed: Tensor
     state: Tensor
+    moved: Tensor | None = None
+    routes: int = 0
 
 
 class _Moves(NamedTuple):
@@ -78,7 +95,10 @@ class TieredRadixCache(RadixCache):
     """Raises:
     PoolConfigError: the allocator's pool is not a :class:`TieredKVPool` for this policy."""
 
-    def __init__(self, params, *, policy: Policy) -> None:
+    def __init__(self, params, *, policy: Policy, kv: KVConfig | None = None) -> None:
+        # the launch's policies and defaults, for each request's kv_policy / kv_budget
+        self.kv = kv or KVConfig(policy.name, None, policy, policy.budget)
+        self.asked: dict[str, RequestKV] = {}  # requests that named a policy or budget
         super().__init__(params)
         pool = self.token_to_kv_pool_allocator.get_kvcache()
         if not isinstance(pool, TieredKVPool):
@@ -115,6 +135,57 @@ class TieredRadixCache(RadixCache):
                 free(index)
 
             alloc.free = free_slots
+
+    # -- per-request policy and budget ------------------------------------------------------
+    def match_prefix(self, params):
+        """SGLang's match; a request matched with its ``Req`` (every time it is scheduled)
+        also gives its ``kv_policy`` / ``kv_budget`` (:meth:`request_kv`)."""
+        req = getattr(params, "req", None)
+        if req is not None:
+            self._note(req)
+        return super().match_prefix(params)
+
+    def _note(self, req) -> None:
+        sp = getattr(req, "sampling_params", None)
+        try:  # checked when the request arrived (plugin: 400); a bad value here keeps defaults
+            kv = resolve(getattr(sp, "custom_params", None), self.kv)
+        except RequestError as err:
+            log.error("tiered-radix: request %s: %s; serving it with the launch's", req.rid, err)
+            return
+        if kv.asked:
+            self.asked[req.rid] = kv
+        else:
+            self.asked.pop(req.rid, None)
+
+    def request_kv(self, rid: str) -> RequestKV:
+        """The policy and budget request ``rid`` runs with: its own, or the launch's."""
+        kv = self.asked.get(rid)
+        if kv is None:
+            kv = RequestKV(self.kv.policy, self.kv.budget, False)
+        return kv
+
+    def usage(self, rid: str, n_tokens: int) -> dict | None:
+        """Request ``rid``'s KV usage now (:func:`.usage.report`), its first ``n_tokens``
+        tokens; ``None`` without a view. One host sync."""
+        view = self.views.get(rid)
+        if view is None:
+            return None
+        kv, pool = self.request_kv(rid), self.pool
+        budget = total_budget(kv.budget, [n_tokens] * pool.layer_num, pool.head_num, pool.head_dim)
+        return usage.report(pool, self.states_all(rid), n_tokens, view.moved, view.routes,
+                            budget, kv.describe())  # fmt: skip
+
+    def _report(self, req, n_tokens: int) -> None:
+        """The finished request's usage into SGLang's per-token ``customized_info`` (its last
+        output token's entry), which SGLang sends with the output as ``meta_info["kv_usage"]``
+        (the plugin turns SGLang's per-token list back into the one report)."""
+        out = len(getattr(req, "output_ids_through_stop", None) or req.output_ids or [])
+        report = self.usage(req.rid, n_tokens) if out else None
+        if report is None:
+            return
+        info = dict(getattr(req, "customized_info", None) or {})
+        info[usage.KEY] = [None] * (out - 1) + [report]
+        req.customized_info = info
 
     # -- views -----------------------------------------------------------------------------
     def _windows(self, req, start: int, end: int) -> Tensor:
@@ -190,9 +261,10 @@ class TieredRadixCache(RadixCache):
         ended elsewhere than planned (empty otherwise: no host sync), so their engines learn."""
         dev, parts = self.pool.device, []
         for rid, t in routed:
+            view = self.views[rid]
+            view.routes += 1
             if not len(t):
                 continue
-            view = self.views[rid]
             ly, h, u, dst = t.on(dev, "layer", "head", "unit", "dst")
             w, b = view.windows[u], view.borrowed[u]
             old = torch.where(b, view.state[ly, h, u], self.pool.owner_all[ly, h, w])
@@ -218,6 +290,8 @@ class TieredRadixCache(RadixCache):
             if short and bool((reached != p.new).any()):  # host sync only after a shortage
                 off = (reached != p.new).nonzero().squeeze(1)
                 settled.append(Settled(p.rid, p.ly[off], p.h[off], p.u[off], reached[off]))
+            moved = usage.moves_of(p.old, reached)
+            p.view.moved = moved if p.view.moved is None else p.view.moved + moved
             p.view.state[p.ly, p.h, p.u] = torch.where(p.b, reached, p.view.state[p.ly, p.h, p.u])
             owner[p.ly, p.h, p.w] = torch.where(p.b, owner[p.ly, p.h, p.w], reached)
         return settled
@@ -239,6 +313,7 @@ class TieredRadixCache(RadixCache):
 
     def close_view(self, rid: str) -> None:
         """Release the request's borrowed references (owned windows stay with their owner)."""
+        self.asked.pop(rid, None)
         view = self.views.pop(rid, None)
         if view is None:
             return
@@ -249,6 +324,7 @@ class TieredRadixCache(RadixCache):
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         if self.before_close is not None:
             self.before_close()
+        self._report(req, kv_len_to_handle)
         self.close_view(req.rid)
         return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
 
@@ -275,6 +351,9 @@ class TieredRadixCache(RadixCache):
             self.before_close()
         for rid in list(getattr(self, "views", {})):
             self.close_view(rid)
+        # SGLang flushes only when idle: no request waits with the settings it asked for (a
+        # request aborted while waiting leaves its entry until here)
+        getattr(self, "asked", {}).clear()
         pool = getattr(self, "pool", None)
         if pool is not None:  # windows opened in every layer and head: layer 0, head 0 says
             owned = (pool.owner_all[0, 0] >= 0).nonzero().squeeze(1)

@@ -1,0 +1,73 @@
+"""One request's KV usage, read from the pool: what its view holds now and what its routings
+moved. Reported in the response's ``meta_info["kv_usage"]`` (OpenAI API: ``usage.kv``) when the
+request finishes.
+
+Every number comes from the pool's state, not from the tier engine's plan: the holder states
+of the request's windows (:meth:`~.radix.TieredRadixCache.states_all`, after any degraded move),
+and the representations each state references (:meth:`~.reps.Layout.reps`) at the pool's
+block sizes. A window two requests share counts in both reports (each holds its references).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, STATE_NAMES, Q, R
+
+KEY = "kv_usage"  # the report's name in meta_info (OpenAI API: usage.kv)
+# moves counted per (layer, head, window) a routing changed: [demotions, promotions, evictions]
+MOVES = ("demotions", "promotions", "evictions")
+
+
+def moves_of(old: Tensor, new: Tensor) -> Tensor:
+    """int64 ``[3]`` on the device (no host sync): demotions (full or restored to quantized),
+    promotions (quantized to full or restored) and evictions among holder moves ``old -> new``
+    (int ``[m]`` each, the states the pool reached)."""
+    old, new = old.long(), new.long()
+    rows = (old == S_FULL) | (old == S_R)
+    demote = rows & (new == S_Q)
+    promote = (old == S_Q) & ((new == S_FULL) | (new == S_R))
+    evict = (old != S_EVICT) & (new == S_EVICT)
+    return torch.stack([demote.sum(), promote.sum(), evict.sum()])
+
+
+def state_bytes(pool) -> list[int]:
+    """Bytes one (layer, head, window) unit holds in each holder state, at the pool's sizes:
+    rows (K and V of a window) for full and restored, a ledger page for quantized (and for
+    restored under a write-once ledger, which keeps it), nothing for evicted."""
+    rows = 2 * pool.rows_k[0][0].nbytes  # one row block of K and one of V: [W, d] each
+    size = {FULL: rows, R: rows, Q: pool.page_bytes}
+    return [sum(size[k] for k in pool.layout.reps(st)) for st in (S_FULL, S_Q, S_R, S_EVICT)]
+
+
+def report(pool, states: Tensor, n_tokens: int, moved: Tensor | None, routes: int,
+           budget_bytes: int, request: dict) -> dict:  # fmt: skip
+    """The usage of a request whose windows ``states`` (int8 ``[L, H, n]``) hold ``n_tokens``
+    tokens; ``moved`` its :func:`moves_of` sum, ``routes`` its routings, ``budget_bytes`` what
+    its budget allows at ``n_tokens``, ``request`` its policy and budget as asked. One host sync.
+
+    ``tokens`` per state are token-equivalents, ``W * units / (L * H)``: exact where every layer
+    and head agree (the last window counts whole). ``bf16_bytes``: the same tokens' K and V at
+    the model's precision in every layer and head (a plain SGLang pool's bytes)."""
+    L, H, n = states.shape
+    W = pool.layout.window
+    units = torch.bincount(states.long().flatten(), minlength=4)[:4]
+    counts = torch.cat([units, moved if moved is not None else units.new_zeros(3)]).tolist()
+    units, moves = counts[:4], counts[4:]
+    held = sum(u * b for u, b in zip(units, state_bytes(pool), strict=True))
+    bf16 = n_tokens * 2 * L * H * pool.head_dim * pool.rows_k[0].element_size()
+    return {
+        **request,
+        "tokens": n_tokens,
+        "tokens_per_state": {
+            name: round(W * u / (L * H), 2) for name, u in zip(STATE_NAMES, units, strict=True)
+        },
+        "units_per_state": dict(zip(STATE_NAMES, units, strict=True)),
+        "bytes_held": held,
+        "bf16_bytes": bf16,
+        "held_vs_bf16": round(held / bf16, 4) if bf16 else None,
+        "budget_bytes": budget_bytes,
+        **dict(zip(MOVES, moves, strict=True)),
+        "routed_steps": routes,
+    }
