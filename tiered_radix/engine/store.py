@@ -211,8 +211,11 @@ class TierStore:
 
     def apply(self, plan: Plan, reason: str = "") -> Transitions:
         """Move the data to ``plan``'s tiers; record and return the step's transitions."""
+        return self._applied(plan, reason, self.stack.apply(plan.tiers))
+
+    def _applied(self, plan: Plan, reason: str, m) -> Transitions:
+        """The rest of :meth:`apply` once the stack moved its units (``m``: its ``Moves``)."""
         ev = self.tier_set.evict
-        m = self.stack.apply(plan.tiers)
         for li, u in enumerate(plan.units):
             self.stack.routed_units[li] = u
             k = self.layers[li].k
@@ -262,7 +265,13 @@ class TierStore:
         plans = plan_routes(stores)
         for s in stores:
             s.deferred = False
-        return [s.apply(p, why) for s, p, why in zip(stores, plans, reasons, strict=True)]
+        # every stack's masks first, then one host read of all their counts
+        steps = [s.stack.begin(p.tiers) for s, p in zip(stores, plans, strict=True)]
+        counts = torch.stack([st.counts for st in steps]).tolist() if steps else []
+        return [
+            s._applied(p, why, s.stack.finish(st, c))
+            for s, p, why, st, c in zip(stores, plans, reasons, steps, counts, strict=True)
+        ]
 
     def settle(self, layer: Tensor, head: Tensor, unit: Tensor, tier: Tensor, copy: Tensor) -> None:
         """Units ``(layer, head, unit)`` (int64 ``[m]`` each) that the holder of the rows
