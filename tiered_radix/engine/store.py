@@ -39,6 +39,34 @@ from .signals import CacheState, Signals
 from .units import UnitLayout
 
 
+class PendingRoutes:
+    """Routings planned by :meth:`TierStore.begin_routes`, not yet moved: each store's plan
+    and stack masks, and all their counts (int64 ``[stores, k]`` on the device), copied to
+    pinned host memory as soon as they are computed (CUDA), so :meth:`land` waits for the
+    routing's own work at most, not for what the device was given after it."""
+
+    def __init__(self, stores, plans, reasons, steps, counts: Tensor | None, done=None) -> None:
+        self.stores, self.plans, self.reasons, self.steps = stores, plans, reasons, steps
+        self.done: list[Transitions] | None = done
+        self.counts, self.event = counts, None
+        if counts is not None and counts.device.type == "cuda":
+            self.counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.counts.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def land(self) -> list[Transitions]:
+        """Move every store's units as planned; their transitions (once; later calls return
+        the same)."""
+        if self.done is None:
+            if self.event is not None:
+                self.event.synchronize()
+            counts = [] if self.counts is None else self.counts.tolist()
+            parts = zip(self.stores, self.plans, self.reasons, self.steps, counts, strict=True)
+            self.done = [s._applied(p, why, s.stack.finish(st, c)) for s, p, why, st, c in parts]
+        return self.done
+
+
 @dataclass
 class _Layer:
     v: CoupledLayer  # K and V for coupled policies, V alone for decoupled ones
@@ -260,18 +288,24 @@ class TierStore:
         (:func:`~.planner.plan_routes`: one pass over their stacked layers where it can).
         ``prefill``: they route after a prefill chunk (deferred under
         ``after_prefill(defer=true)``: :meth:`defer`)."""
+        return TierStore.begin_routes(stores, reasons, prefill=prefill).land()
+
+    @staticmethod
+    def begin_routes(
+        stores: list[TierStore], reasons: list[str], *, prefill: bool = False
+    ) -> PendingRoutes:
+        """The first half of :meth:`route_many`, without waiting for the device: the plans and
+        the masks of every store's moves, with their counts on their way to the host.
+        :meth:`PendingRoutes.land` moves the units (one host read of the counts); until then
+        the stores hold their tiers as before and take no other routing."""
         if prefill and stores and stores[0].policy.schedule.prefill_defers:
-            return [s.defer() for s in stores]
+            return PendingRoutes([], [], reasons, [], None, [s.defer() for s in stores])
         plans = plan_routes(stores)
         for s in stores:
             s.deferred = False
-        # every stack's masks first, then one host read of all their counts
         steps = [s.stack.begin(p.tiers) for s, p in zip(stores, plans, strict=True)]
-        counts = torch.stack([st.counts for st in steps]).tolist() if steps else []
-        return [
-            s._applied(p, why, s.stack.finish(st, c))
-            for s, p, why, st, c in zip(stores, plans, reasons, steps, counts, strict=True)
-        ]
+        counts = torch.stack([st.counts for st in steps]) if steps else None
+        return PendingRoutes(stores, plans, reasons, steps, counts)
 
     def settle(self, layer: Tensor, head: Tensor, unit: Tensor, tier: Tensor, copy: Tensor) -> None:
         """Units ``(layer, head, unit)`` (int64 ``[m]`` each) that the holder of the rows

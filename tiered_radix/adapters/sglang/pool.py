@@ -490,21 +490,21 @@ class TieredKVPool(MHATokenToKVPool):
     def _make(self, kind: int, ly: Tensor, h: Tensor, w: Tensor, src: Tensor, block: Tensor,
               got: Tensor) -> None:  # fmt: skip
         """Write representation ``kind`` of the pairs with ``got`` into their new ``block``
-        (int64 ``[m]``). Every pair is computed, those without a block write into a block
-        nobody reads (ledger page 0, the scratch row block), so the work needs no host sync."""
+        (int64 ``[m]``). Every pair is computed, those without a block write zeros or NaN into
+        block 0 (the traps: zeros and NaN already), so the work needs no host sync."""
         if kind == Q:  # a pair without its ledger copy reads rows: FULL, or R (restored)
             blk = self.block_all[ly, :, h, w].long()
             b = torch.where(src == S_R, blk[:, R], blk[:, FULL])
             k, v = self.rows_k_all[ly, b].float(), self.rows_v_all[ly, b].float()
             bits, g = self.layout.quant.bits, self.v_group
-            self.pages_all[ly, block] = pack_pages(k, v, bits, g)
+            self.pages_all[ly, block] = torch.where(got[:, None], pack_pages(k, v, bits, g), 0)
         else:  # R: dequantize(Q), which the holder has or is about to acquire
             qb = self.block_all[ly, Q, h, w]
             _check(((qb > 0) | ~got).all(), "restoring a window without a ledger copy")
             k, v = self._unpage(ly, qb)
-            dest = torch.where(got, block, self.scratch)
-            self.rows_k_all[ly, dest] = k.to(self.dtype)
-            self.rows_v_all[ly, dest] = v.to(self.dtype)
+            keep = got[:, None, None]
+            self.rows_k_all[ly, block] = torch.where(keep, k, torch.nan).to(self.dtype)
+            self.rows_v_all[ly, block] = torch.where(keep, v, torch.nan).to(self.dtype)
             self.tally.t[0] += got.sum()
         cur = self.block_all[ly, kind, h, w]
         self.block_all[ly, kind, h, w] = torch.where(got, block.to(cur.dtype), cur)
