@@ -53,6 +53,8 @@ FUNCS = [  # (module, class or None, attribute): functions whose ops are listed
     ("tiered_radix.engine.planner", None, "plan_routes"),
     ("tiered_radix.engine.planner", None, "plan_route"),
     ("tiered_radix.engine.store", "TierStore", "apply"),
+    ("tiered_radix.engine.store", "TierStore", "begin_routes"),
+    ("tiered_radix.engine.store", "PendingRoutes", "land"),
     ("tiered_radix.engine.store", "TierStore", "route_many"),
     ("tiered_radix.adapters.sglang.radix", "TieredRadixCache", "route_many"),
     ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "move"),

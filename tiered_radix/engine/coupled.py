@@ -49,13 +49,16 @@ class PendingMove(NamedTuple):
 @dataclass
 class Moves:
     """One step's transitions as device columns ``[n]``: flat positions ``index`` into a
-    ``shape`` ``(L, H, capacity)`` tier map, ``src``/``dst`` tiers (int64), ``wrote`` bool."""
+    ``shape`` ``(L, H, capacity)`` tier map, ``src``/``dst`` tiers (int64), ``wrote`` bool;
+    host counts of the promotions and ledger writes among them."""
 
     index: Tensor
     shape: tuple[int, int, int]
     src: Tensor
     dst: Tensor
     wrote: Tensor
+    promoted: int = 0
+    written: int = 0
 
 
 def _compact(mask: Tensor, n: int) -> Tensor:
@@ -257,7 +260,8 @@ class CoupledStack:
         wrote = masks[3:-1].any(0).view_as(changed)  # no quantized tier: none written
         idx = _compact(changed, n_changed)
         flat = [t.flatten()[idx] for t in (old, new, wrote)]
-        return Moves(idx, (self.n_layers, self.n_heads, self.capacity), *flat)
+        shape = (self.n_layers, self.n_heads, self.capacity)
+        return Moves(idx, shape, *flat, promoted=n_up, written=sum(n_need))
 
     def _rows(self, x: Tensor) -> Tensor:
         """Full rows ``[L, H, cap * W, d]`` as unit blocks ``[L * H * cap, W, d]`` (a view)."""

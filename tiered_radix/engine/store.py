@@ -253,6 +253,7 @@ class TierStore:
         out = Transitions.from_flat(
             self.tier_set.names, ev, m.index, m.shape, m.src, m.dst, m.wrote
         )
+        out.promoted, out.written = m.promoted, m.written
         used, budget = self._bytes(), self.budget_bytes()
         if self.shard.world > 1:  # the record is the whole model's, the same on every rank
             used = self.shard.sum(used)

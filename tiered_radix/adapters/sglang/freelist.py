@@ -86,16 +86,17 @@ class FreeStacks:
 
     def floor(self) -> int:
         """A lower bound of the scarcest layer's free blocks, known without waiting: the last
-        counts the host read, less one block a layer for every pair offered to :meth:`take`
-        since."""
+        counts the host read, less the bound of every :meth:`take` since."""
         return min(self._floor)
 
     # -- device side: masks over pairs, no host sync -------------------------------------------
-    def take(self, ly: Tensor, want: Tensor) -> tuple[Tensor, Tensor]:
+    def take(self, ly: Tensor, want: Tensor, bound: int | None = None) -> tuple[Tensor, Tensor]:
         """One block for each pair with ``want`` (bool ``[m]``; ``ly`` int64 ``[m]`` layers), in
         pair order within a layer, while the layer has some: ``got`` bool ``[m]`` and the block
-        ids (int64 ``[m]``, 0 where not ``got``)."""
-        self._floor = [max(0, f - ly.numel()) for f in self._floor]
+        ids (int64 ``[m]``, 0 where not ``got``). ``bound``: a host bound of the pairs with
+        ``want`` (default ``m``), for :meth:`floor`."""
+        bound = ly.numel() if bound is None else bound
+        self._floor = [max(0, f - bound) for f in self._floor]
         rank = rank_in_group(ly, want, self.n_layers)
         avail = self.top.t[ly]
         got = want & (rank < avail)

@@ -439,7 +439,8 @@ class TieredKVPool(MHATokenToKVPool):
             self.tally.t[0] -= (gone & (kind == R)).sum()
             self.tally.changed()
 
-    def move(self, li: int | Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor) -> Tensor:
+    def move(self, li: int | Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor,
+             make: dict[int, int] | None = None) -> Tensor:  # fmt: skip
         """One holder of pairs ``(h, w) [m]`` (unique) goes from state ``old`` to ``new``:
         missing representations are made (``Q`` from what the holder reads now, write-once;
         ``R`` from ``Q``), then the holder's references move. Pairs whose state stays are
@@ -450,13 +451,17 @@ class TieredKVPool(MHATokenToKVPool):
         block goes to the next tier down, evicted, or stays where the layout has no evicted
         tier; an ``R`` that finds no row block stays quantized), counted in :attr:`degraded`.
         Returns the states reached (int64 ``[m]``: ``new`` unless degraded), which the caller
-        records as the holder's."""
+        records as the holder's. ``make[kind]``: a host bound of the pairs that need a new
+        representation of that kind (``Q``, ``R``); none is looked for where it is 0."""
         ly = self._layer_ids(li, h)
         old, new = old.long(), new.long()
         _check(((old != S_EVICT) | (new == S_EVICT)).all(), "an evicted window cannot come back")
         for kind in (Q, R) if self.layout.quant is not None else ():  # Q first: R is from Q
+            bound = ly.numel() if make is None else min(make.get(kind, ly.numel()), ly.numel())
+            if not bound:
+                continue
             need = self._holds[new, kind] & (self.block_all[ly, kind, h, w] == 0)
-            got, block = (self.q_stacks if kind == Q else self.row_stacks).take(ly, need)
+            got, block = (self.q_stacks if kind == Q else self.row_stacks).take(ly, need, bound)
             short = need & ~got
             evicts = kind == Q and self.layout.evict_index is not None
             new = torch.where(short, S_EVICT if evicts else old, new)
@@ -480,12 +485,14 @@ class TieredKVPool(MHATokenToKVPool):
             )  # fmt: skip
         return n
 
-    def short_possible(self, m: int) -> bool:
-        """Whether a move of ``m`` pairs might find a layer short of blocks, from host lower
-        bounds of the free counts (:meth:`.freelist.FreeStacks.floor`, no wait). Where not, the
-        states it reaches are those planned, and nobody needs to compare them."""
-        stacks = [self.row_stacks] + ([self.q_stacks] if self.layout.quant is not None else [])
-        return any(s.floor() < m for s in stacks)
+    def short_possible(self, make: dict[int, int]) -> bool:
+        """Whether a move that makes at most ``make[kind]`` new representations of ``Q``/``R``
+        might find a layer short of blocks, from host lower bounds of the free counts
+        (:meth:`.freelist.FreeStacks.floor`, no wait). Where not, the states it reaches are
+        those planned, and nobody needs to compare them."""
+        if self.layout.quant is None:
+            return False
+        return self.q_stacks.floor() < make[Q] or self.row_stacks.floor() < make[R]
 
     def _make(self, kind: int, ly: Tensor, h: Tensor, w: Tensor, src: Tensor, block: Tensor,
               got: Tensor) -> None:  # fmt: skip

@@ -33,7 +33,7 @@ from tiered_radix.engine.events import Transitions
 from tiered_radix.policy.model import Policy
 
 from .pool import TieredKVPool
-from .reps import Layout, PoolConfigError
+from .reps import Layout, PoolConfigError, Q, R
 
 
 @dataclass
@@ -208,13 +208,18 @@ class TieredRadixCache(RadixCache):
         ly, h, w, old, new = (
             torch.cat([getattr(p, f) for p in parts]) for f in "ly h w old new".split()
         )
-        short = self.pool.short_possible(ly.numel())  # host bounds: no wait
+        # a ledger copy is made only where the engine writes one, restored rows only where it
+        # promotes (host counts, the pairs' number where unknown): at most that many blocks
+        m, ts = ly.numel(), [t for _, t in routed]
+        make = {Q: sum(m if t.written is None else t.written for t in ts),
+                R: sum(m if t.promoted is None else t.promoted for t in ts)}  # fmt: skip
+        short = self.pool.short_possible(make)  # host bounds: no wait
         got = new.long()
         for sel in self._rounds(parts, ly, h, w):
             if sel is None:
-                got = self.pool.move(ly, h, w, old, new)
+                got = self.pool.move(ly, h, w, old, new, make=make)
             else:
-                got[sel] = self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel])
+                got[sel] = self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel], make=make)
         owner, settled = self.pool.owner_all, []
         each = list(got.to(new.dtype).split([p.new.numel() for p in parts]))
         if short:  # the pool may have been short of blocks: host syncs to find where
