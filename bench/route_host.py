@@ -113,6 +113,7 @@ def run(batch: int, args) -> dict:
         _wrap(getattr(m, obj) if obj else m, name, f"X:{obj + '.' if obj else ''}{name}")
     _wrap(torch.Tensor, "tolist", "SYNC:tolist")
     _wrap(torch.Tensor, "item", "SYNC:item")
+    _wrap(torch, "_assert_async", "ASSERT")  # a host sync on CPU only: not counted
     reqs = [
         h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(args.prompt)]) for i in range(batch)
     ]
@@ -153,7 +154,13 @@ def report(events, syncs: set[str], views: set[str]) -> dict:
     """Launching ops, syncs and CPU ms of ``_route_due``, and launching ops per function."""
     aten = [e for e in events if e.name.startswith("aten::")]
     top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    sync = [e for e in events if e.name in syncs | {"SYNC:item"}]
+    checks = [e.time_range for e in events if e.name == "ASSERT"]
+    sync = [
+        e
+        for e in events
+        if e.name in syncs | {"SYNC:item"}
+        and not any(c.start <= e.time_range.start and e.time_range.end <= c.end for c in checks)
+    ]
     rows = {}
     for x in (e for e in events if e.name.startswith("X:")):
         s, t = x.time_range.start, x.time_range.end

@@ -308,18 +308,33 @@ class TierStore:
         counts = torch.stack([st.counts for st in steps]) if steps else None
         return PendingRoutes(stores, plans, reasons, steps, counts)
 
-    def settle(self, layer: Tensor, head: Tensor, unit: Tensor, tier: Tensor, copy: Tensor) -> None:
+    def settle(
+        self,
+        layer: Tensor,
+        head: Tensor,
+        unit: Tensor,
+        tier: Tensor,
+        copy: Tensor,
+        where: Tensor | None = None,
+    ) -> None:
         """Units ``(layer, head, unit)`` (int64 ``[m]`` each) that the holder of the rows
         (``reader=``) could not move as the last routing planned now sit at engine ``tier``
         (``[m]``), with a ledger copy where ``copy`` (bool ``[m]``): the store's tiers and
         bytes follow what is stored, and the next plan starts from there. The last step's
-        record is marked over budget where a unit stayed above its planned tier."""
+        record is marked over budget where a unit stayed above its planned tier. ``where``
+        (bool ``[m]``): only those units (the others keep theirs; no host sync to find them)."""
         st = self.stack
-        raised = tier < st.tier[layer, head, unit]  # a better (costlier) tier than planned
-        st.tier[layer, head, unit] = tier.to(st.tier.dtype)
+        cur = st.tier[layer, head, unit]
+        tier = tier.to(st.tier.dtype) if where is None else torch.where(where, tier, cur)
+        raised = tier < cur  # a better (costlier) tier than planned
+        st.tier[layer, head, unit] = tier
         for copies in st.stores.values():
-            copies.present[layer, head, unit] = copy
-            copies.write_count[layer, head, unit] = copy.int()
+            has, n = copy, copy.int()
+            if where is not None:
+                has = torch.where(where, copy, copies.present[layer, head, unit])
+                n = torch.where(where, n, copies.write_count[layer, head, unit])
+            copies.present[layer, head, unit] = has
+            copies.write_count[layer, head, unit] = n
         if self.events.steps:
             self.events.steps[-1].mark_over(raised.any())
 

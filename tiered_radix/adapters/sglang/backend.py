@@ -648,7 +648,7 @@ class TieredAttnBackend(AttentionBackend):
         state = s.state.long()
         tier = torch.tensor(lay.state_tiers(), device=state.device)[state]
         copy = (state == S_Q) | ((state == S_R) & lay.write_once)
-        self.sessions[s.rid].store.settle(s.ly, s.h, s.u, tier, copy)
+        self.sessions[s.rid].store.settle(s.ly, s.h, s.u, tier, copy, where=s.off)
 
     def stats(self) -> dict:
         """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and

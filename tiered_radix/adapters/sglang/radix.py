@@ -66,15 +66,16 @@ class _Moves(NamedTuple):
 
 
 class Settled(NamedTuple):
-    """Units of request ``rid`` that a routing left in another holder state than planned
-    (the pool was short of blocks, :meth:`~.pool.TieredKVPool.move`): ``(ly, h, u)`` int64
-    ``[m]`` each, and the state each reached."""
+    """Units of request ``rid`` that a routing may have left in another holder state than
+    planned (the pool was short of blocks, :meth:`~.pool.TieredKVPool.move`): ``(ly, h, u)``
+    int64 ``[m]`` each, the state each reached, and ``off`` (bool ``[m]``) those that did."""
 
     rid: str
     ly: Tensor
     h: Tensor
     u: Tensor
     state: Tensor
+    off: Tensor
 
 
 class TieredRadixCache(RadixCache):
@@ -190,8 +191,8 @@ class TieredRadixCache(RadixCache):
         pairs of one move are unique: repeats go to later rounds; one host sync to count
         them). Holders take the states the pool reached: where it was short of blocks and
         degraded a move, the returned :class:`Settled` list says which units of which request
-        ended elsewhere than planned, so their engines learn. It is empty without a host sync
-        where the host's bounds of the free blocks show that no layer can be short
+        ended elsewhere than planned (as masks: no host sync), so their engines learn. It is
+        empty where the host's bounds of the free blocks show that no layer can be short
         (:meth:`~.pool.TieredKVPool.short_possible`)."""
         dev, parts = self.pool.device, []
         for rid, t in routed:
@@ -222,11 +223,9 @@ class TieredRadixCache(RadixCache):
                 got[sel] = self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel], make=make)
         owner, settled = self.pool.owner_all, []
         each = list(got.to(new.dtype).split([p.new.numel() for p in parts]))
-        if short:  # the pool may have been short of blocks: host syncs to find where
+        if short:  # the pool may have been short of blocks: masks of where, no host sync
             for p, r in zip(parts, each, strict=True):
-                off = (r != p.new).nonzero().squeeze(1)
-                if off.numel():
-                    settled.append(Settled(p.rid, p.ly[off], p.h[off], p.u[off], r[off]))
+                settled.append(Settled(p.rid, p.ly, p.h, p.u, r, r != p.new))
         for p, reached in zip(parts, each, strict=True):  # in request order
             p.view.state[p.ly, p.h, p.u] = torch.where(p.b, reached, p.view.state[p.ly, p.h, p.u])
             owner[p.ly, p.h, p.w] = torch.where(p.b, owner[p.ly, p.h, p.w], reached)
