@@ -110,6 +110,8 @@ def run(batch: int, args) -> dict:
     _wrap(b, "_route_due", "X:_route_due", clock=clock)
     for mod, obj, name in FUNCS:
         m = importlib.import_module(mod)
+        if not hasattr(getattr(m, obj, None) if obj else m, name):
+            continue  # an older tree (the "before" run) lacks it
         _wrap(getattr(m, obj) if obj else m, name, f"X:{obj + '.' if obj else ''}{name}")
     _wrap(torch.Tensor, "tolist", "SYNC:tolist")
     _wrap(torch.Tensor, "item", "SYNC:item")
