@@ -20,6 +20,7 @@ Transitions (:meth:`CoupledStack.apply`), in this order so every read precedes t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -31,16 +32,33 @@ from .routing import EngineConfigError, TierSet, per_layer
 from .units import UnitLayout
 
 
+class PendingMove(NamedTuple):
+    """:meth:`CoupledStack.begin`'s masks (``[L, H, capacity]``; ``need[j]`` per quantized
+    tier; ``masks`` all of them stacked and flat) and their counts, on the device."""
+
+    new: Tensor
+    old: Tensor
+    changed: Tensor
+    up: Tensor
+    down: Tensor
+    need: dict[int, Tensor]
+    masks: Tensor
+    counts: Tensor
+
+
 @dataclass
 class Moves:
     """One step's transitions as device columns ``[n]``: flat positions ``index`` into a
-    ``shape`` ``(L, H, capacity)`` tier map, ``src``/``dst`` tiers (int64), ``wrote`` bool."""
+    ``shape`` ``(L, H, capacity)`` tier map, ``src``/``dst`` tiers (int64), ``wrote`` bool;
+    host counts of the promotions and ledger writes among them."""
 
     index: Tensor
     shape: tuple[int, int, int]
     src: Tensor
     dst: Tensor
     wrote: Tensor
+    promoted: int = 0
+    written: int = 0
 
 
 def _compact(mask: Tensor, n: int) -> Tensor:
@@ -182,7 +200,9 @@ class CoupledStack:
     # -- moving --------------------------------------------------------------------------------
     def apply(self, new: Tensor) -> Moves:
         """Move every layer's units to ``new[L, H, U]`` (engine tiers, ``U`` the most units
-        of any layer; units a layer lacks and partial windows keep their tier). One host sync.
+        of any layer; units a layer lacks and partial windows keep their tier). One host sync
+        (:meth:`begin`, then :meth:`finish` with its counts read; several stacks share one
+        read in :meth:`~.store.TierStore.route_many`).
 
         Masks span the whole ``[L, H, capacity]`` tier map, so a flat position is also the
         unit's row in the stores. A unit at quantized tier ``j`` always holds its copy there.
@@ -190,6 +210,13 @@ class CoupledStack:
         Raises:
             LedgerError: a write-once copy would be written twice (an engine bug).
         """
+        step = self.begin(new)
+        return self.finish(step, step.counts.tolist())
+
+    def begin(self, new: Tensor) -> PendingMove:
+        """The masks of :meth:`apply` and their counts (int64 ``[3 + Q + 1]`` on the device:
+        changed, promoted, demoted, ledger writes per quantized tier, invariant violations);
+        nothing moves yet and the host does not wait."""
         u, ev = new.shape[-1], -1 if self.tiers.evict is None else self.tiers.evict
         if u < self.capacity:
             new = torch.cat([new, self.tier[..., u:]], -1)
@@ -205,7 +232,12 @@ class CoupledStack:
             for j, m in need.items():
                 bad = bad | (m & (self.stores[j].write_count > 0))
         masks = torch.stack([changed, up, down, *need.values(), bad]).flatten(1)
-        counts = masks.sum(1).tolist()  # the host sync: how many units move, and how
+        return PendingMove(new, old, changed, up, down, need, masks, masks.sum(1))
+
+    def finish(self, step: PendingMove, counts: list[int]) -> Moves:
+        """:meth:`apply` after :meth:`begin`, with ``step.counts`` read by the host."""
+        new, old, changed, up, down, need, masks = step[:7]
+        ev = -1 if self.tiers.evict is None else self.tiers.evict
         (n_changed, n_up, n_down), n_need = counts[:3], counts[3:-1]
         if counts[-1]:
             twice = [m & (self.stores[j].write_count > 0) for j, m in need.items()]
@@ -228,7 +260,8 @@ class CoupledStack:
         wrote = masks[3:-1].any(0).view_as(changed)  # no quantized tier: none written
         idx = _compact(changed, n_changed)
         flat = [t.flatten()[idx] for t in (old, new, wrote)]
-        return Moves(idx, (self.n_layers, self.n_heads, self.capacity), *flat)
+        shape = (self.n_layers, self.n_heads, self.capacity)
+        return Moves(idx, shape, *flat, promoted=n_up, written=sum(n_need))
 
     def _rows(self, x: Tensor) -> Tensor:
         """Full rows ``[L, H, cap * W, d]`` as unit blocks ``[L * H * cap, W, d]`` (a view)."""

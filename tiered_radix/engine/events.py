@@ -61,6 +61,10 @@ class Transitions(Sequence):
         self._raw: tuple[Tensor, ...] | None = (layer, head, unit, src, dst, ledger_write)
         self._shape: tuple[int, int, int] | None = None
         self._cpu: dict[str, Tensor] = {}
+        # host counts of promotions and ledger writes where the routing knew them (None: not
+        # known without reading the columns); a rows' holder skips work that none needs
+        self.promoted: int | None = None
+        self.written: int | None = None
 
     @classmethod
     def from_flat(

@@ -39,6 +39,38 @@ from .signals import CacheState, Signals
 from .units import UnitLayout
 
 
+class PendingRoutes:
+    """Routings planned by :meth:`TierStore.begin_routes`, not yet moved: the plans of the
+    stores that route (``plans``: store index -> plan) and their stack masks, and all their
+    counts (int64 ``[planned, k]`` on the device), copied to pinned host memory as soon as
+    they are computed (CUDA), so :meth:`land` waits for the routing's own work at most, not
+    for what the device was given after it. ``done``: transitions already made (deferrals)."""
+
+    def __init__(self, stores, plans, reasons, steps, counts: Tensor | None, done) -> None:
+        self.stores, self.plans, self.reasons, self.steps = stores, plans, reasons, steps
+        self.done: dict[int, Transitions] = dict(done)
+        self.out: list[Transitions] | None = None
+        self.counts, self.event = counts, None
+        if counts is not None and counts.device.type == "cuda":
+            self.counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self.counts.copy_(counts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def land(self) -> list[Transitions]:
+        """Move every store's units as planned; their transitions in the stores' order (once;
+        later calls return the same)."""
+        if self.out is None:
+            if self.event is not None:
+                self.event.synchronize()
+            counts = [] if self.counts is None else self.counts.tolist()
+            for (i, plan), step, c in zip(self.plans.items(), self.steps, counts, strict=True):
+                s = self.stores[i]
+                self.done[i] = s._applied(plan, self.reasons[i], s.stack.finish(step, c))
+            self.out = [self.done[i] for i in range(len(self.stores))]
+        return self.out
+
+
 @dataclass
 class _Layer:
     v: CoupledLayer  # K and V for coupled policies, V alone for decoupled ones
@@ -211,8 +243,11 @@ class TierStore:
 
     def apply(self, plan: Plan, reason: str = "") -> Transitions:
         """Move the data to ``plan``'s tiers; record and return the step's transitions."""
+        return self._applied(plan, reason, self.stack.apply(plan.tiers))
+
+    def _applied(self, plan: Plan, reason: str, m) -> Transitions:
+        """The rest of :meth:`apply` once the stack moved its units (``m``: its ``Moves``)."""
         ev = self.tier_set.evict
-        m = self.stack.apply(plan.tiers)
         for li, u in enumerate(plan.units):
             self.stack.routed_units[li] = u
             k = self.layers[li].k
@@ -222,6 +257,7 @@ class TierStore:
         out = Transitions.from_flat(
             self.tier_set.names, ev, m.index, m.shape, m.src, m.dst, m.wrote
         )
+        out.promoted, out.written = m.promoted, m.written
         used, budget = self._bytes(), self.budget_bytes()
         if self.shard.world > 1:  # the record is the whole model's, the same on every rank
             used = self.shard.sum(used)
@@ -264,35 +300,61 @@ class TierStore:
         can), each policy's apart; the transitions in ``stores``' order. ``prefill``: they
         route after a prefill chunk (deferred under ``after_prefill(defer=true)``:
         :meth:`defer`)."""
+        return TierStore.begin_routes(stores, reasons, prefill=prefill).land()
+
+    @staticmethod
+    def begin_routes(
+        stores: list[TierStore], reasons: list[str], *, prefill: bool = False
+    ) -> PendingRoutes:
+        """The first half of :meth:`route_many`, without waiting for the device: the plans and
+        the masks of every store's moves, with their counts on their way to the host.
+        :meth:`PendingRoutes.land` moves the units (one host read of the counts); until then
+        the stores hold their tiers as before and take no other routing. Stores that defer
+        this routing (a prefill chunk under ``after_prefill(defer=true)``) are done at once."""
         groups: dict[int, list[int]] = {}
         for i, s in enumerate(stores):
             groups.setdefault(id(s.policy), []).append(i)
-        out: list[Transitions | None] = [None] * len(stores)
+        done: dict[int, Transitions] = {}
+        plans: dict[int, Plan] = {}
         for idx in groups.values():
             group = [stores[i] for i in idx]
             if prefill and group[0].policy.schedule.prefill_defers:
-                moves = [s.defer() for s in group]
-            else:
-                plans = plan_routes(group)
-                for s in group:
-                    s.deferred = False
-                moves = [s.apply(p, reasons[i]) for s, p, i in zip(group, plans, idx, strict=True)]
-            for i, m in zip(idx, moves, strict=True):
-                out[i] = m
-        return out
+                done.update((i, s.defer()) for i, s in zip(idx, group, strict=True))
+                continue
+            plans.update(zip(idx, plan_routes(group), strict=True))
+            for s in group:
+                s.deferred = False
+        steps = [stores[i].stack.begin(p.tiers) for i, p in plans.items()]
+        counts = torch.stack([st.counts for st in steps]) if steps else None
+        return PendingRoutes(stores, plans, reasons, steps, counts, done)
 
-    def settle(self, layer: Tensor, head: Tensor, unit: Tensor, tier: Tensor, copy: Tensor) -> None:
+    def settle(
+        self,
+        layer: Tensor,
+        head: Tensor,
+        unit: Tensor,
+        tier: Tensor,
+        copy: Tensor,
+        where: Tensor | None = None,
+    ) -> None:
         """Units ``(layer, head, unit)`` (int64 ``[m]`` each) that the holder of the rows
         (``reader=``) could not move as the last routing planned now sit at engine ``tier``
         (``[m]``), with a ledger copy where ``copy`` (bool ``[m]``): the store's tiers and
         bytes follow what is stored, and the next plan starts from there. The last step's
-        record is marked over budget where a unit stayed above its planned tier."""
+        record is marked over budget where a unit stayed above its planned tier. ``where``
+        (bool ``[m]``): only those units (the others keep theirs; no host sync to find them)."""
         st = self.stack
-        raised = tier < st.tier[layer, head, unit]  # a better (costlier) tier than planned
-        st.tier[layer, head, unit] = tier.to(st.tier.dtype)
+        cur = st.tier[layer, head, unit]
+        tier = tier.to(st.tier.dtype) if where is None else torch.where(where, tier, cur)
+        raised = tier < cur  # a better (costlier) tier than planned
+        st.tier[layer, head, unit] = tier
         for copies in st.stores.values():
-            copies.present[layer, head, unit] = copy
-            copies.write_count[layer, head, unit] = copy.int()
+            has, n = copy, copy.int()
+            if where is not None:
+                has = torch.where(where, copy, copies.present[layer, head, unit])
+                n = torch.where(where, n, copies.write_count[layer, head, unit])
+            copies.present[layer, head, unit] = has
+            copies.write_count[layer, head, unit] = n
         if self.events.steps:
             self.events.steps[-1].mark_over(raised.any())
 

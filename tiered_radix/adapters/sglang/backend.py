@@ -245,6 +245,7 @@ class TieredAttnBackend(AttentionBackend):
         self.graph: graph.GraphDecode | None = None  # init_cuda_graph_state's buffers
         self.graph_bs: int | None = None  # the captured batch size this step runs at, if any
         self.pending = False  # a captured step's observe/route waits for flush()
+        self.landing: tuple | None = None  # a routing planned, moving at the next flush()
         self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
         self.pool_of: dict[str, int] = {}  # rid -> req_pool_idx, for the same
         self.replay_rids: list[str] | None = None  # the next replay's, from the plugin's hook
@@ -423,6 +424,8 @@ class TieredAttnBackend(AttentionBackend):
         the side output to each request's engine, and routing where due. Runs before the next
         forward's metadata and before a request's view closes (:attr:`~.radix.TieredRadixCache.
         before_close`): routing happens before anything reads its result, as in eager mode."""
+        if self._land():  # blocks moved: the next step rebuilds its lists
+            self.graph_last = None
         if not self.pending:
             return
         self.pending = False
@@ -613,6 +616,11 @@ class TieredAttnBackend(AttentionBackend):
 
     # -- routing ---------------------------------------------------------------------------
     def _route_due(self) -> bool:
+        """Route the batch's requests whose schedule is due; whether blocks moved now. Under
+        ``--kv-overlap`` a decode step's routing is planned and its masks computed now, and it
+        lands (units and blocks move) at the next :meth:`flush`, so the host does not wait for
+        the device here: the next step still reads the old tiers (it lands one step late)."""
+        self._land()
         alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
         self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
         due = due_routings(self.batch, self.extend)
@@ -620,14 +628,30 @@ class TieredAttnBackend(AttentionBackend):
             self.fold_pending()  # scores up to date (replayed steps summed their attention)
         # planned together (one pass over their stacked layers), then one pool move for all
         stores = [r.session.store for r, _ in due]
-        moves = TierStore.route_many(stores, [why for _, why in due], prefill=self.extend)
+        pending = TierStore.begin_routes(stores, [why for _, why in due], prefill=self.extend)
+        if due and self.options.overlap and not self.extend:
+            self.landing = (due, pending)
+            return False
+        return self._moved(due, pending)
+
+    def _land(self) -> bool:
+        """A routing left pending by :meth:`_route_due` moves now; whether one did."""
+        if self.landing is None:
+            return False
+        (due, pending), self.landing = self.landing, None
+        with self._timed("route"):
+            return self._moved(due, pending)
+
+    def _moved(self, due, pending) -> bool:
+        """The engines' moves of ``pending`` (their routings, for ``due``), then the pool's."""
+        moves = pending.land()
         routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
         for settled in self.tree.route_many(routed):  # the pool was short of blocks
             self._settle(settled)
         if self.tp is not None:
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)
-        self.counters.routed(moves, self.pool.device, stores)
+        self.counters.routed(moves, self.pool.device, [r.session.store for r, _ in due])
         self.counters.publish(self.stats, bool(due))
         return bool(due)
 
@@ -639,7 +663,7 @@ class TieredAttnBackend(AttentionBackend):
         state = s.state.long()
         tier = torch.tensor(lay.state_tiers(), device=state.device)[state]
         copy = (state == S_Q) | ((state == S_R) & lay.write_once)
-        self.sessions[s.rid].store.settle(s.ly, s.h, s.u, tier, copy)
+        self.sessions[s.rid].store.settle(s.ly, s.h, s.u, tier, copy, where=s.off)
 
     def stats(self) -> dict:
         """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and

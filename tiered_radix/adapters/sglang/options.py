@@ -11,7 +11,8 @@ the environment.
 flag                   default                     what it selects
 =====================  ==========================  ===============================================
 ``--kv-overlap``       off                         keep SGLang's overlap scheduler on (GPU run 12:
-                                                   same tokens, slower decode; docs/sglang.md)
+                                                   same tokens, slower decode; docs/sglang.md);
+                                                   a decode routing lands one step late
 ``--kv-decode``        ``kernel``                  decode attention: the TriZone kernel, or
                                                    ``gather`` (PyTorch over gathered rows)
 ``--kv-extend``        ``kernel`` CUDA, ``exact`` CPU  extend attention: the TriZone extend kernel

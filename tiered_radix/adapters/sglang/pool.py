@@ -36,15 +36,16 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
 from tiered_radix.formats.layout import (
-    pack_uniform_pages,
     uniform_page_nbytes,
     unpack_uniform_pages,
 )
 from tiered_radix.policy.model import Budget, Policy
 
 from . import reps
+from .freelist import DeviceCounts, FreeStacks
 from .metrics import BLOCK_KINDS
 from .options import KVOptions
+from .pages import pack_pages
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R
 from .sizing import PoolBlocks, block_id_dtype, plan_blocks, pool_bytes, table_kinds
 
@@ -101,7 +102,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.gather_live = (options or KVOptions()).gather_on(device) == "live"  # --kv-gather
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
-        self.degraded = 0  # pairs a move could not bring to their planned state (see move)
+        self._warned_short = False  # the first degraded move is logged (see degraded)
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
         kwargs.pop("post_capture_active", None)
         super().__init__(
@@ -147,9 +148,11 @@ class TieredKVPool(MHATokenToKVPool):
         self.ref = list(self.ref_all.unbind(0))
         self.owner_all = torch.full((L, H, self.n_windows), -1, dtype=torch.int8, device=dev)
         self.owner = list(self.owner_all.unbind(0))
-        self.free_rows = [list(range(F, 0, -1)) for _ in range(L)]
-        self.free_q = [list(range(Qn, 0, -1)) for _ in range(L)]
-        self.restored_blocks = 0  # row blocks holding an R (the others taken hold a FULL)
+        self.row_stacks, self.q_stacks = FreeStacks(L, F, dev), FreeStacks(L, Qn, dev)
+        self.free_rows, self.free_q = self.row_stacks.views, self.q_stacks.views  # list-like
+        # row blocks holding an R (the others taken hold a FULL), and pairs a move could not
+        # bring to their planned state (see move)
+        self.tally = DeviceCounts([0, 0], dev)
         self.k_buffer = self.v_buffer = None  # no per-slot rows: stock backends cannot read us
         kinds = (FULL, Q, R)[:K]
         s = torch.tensor(
@@ -265,7 +268,7 @@ class TieredKVPool(MHATokenToKVPool):
             return
         n = self.head_num * new.numel()
         self._reclaim_rows(n, layers)
-        blocks = self._take(self.free_rows, {li: n for li in layers}, "row")
+        blocks = self._take(self.row_stacks, {li: n for li in layers}, "row")
         lt = torch.tensor(layers, device=self.device)[:, None, None]
         h = torch.arange(self.head_num, device=self.device)[None, :, None]
         self.block_all[lt, FULL, h, new] = blocks.view(len(layers), self.head_num, -1).to(
@@ -288,7 +291,7 @@ class TieredKVPool(MHATokenToKVPool):
     def windows_free(self) -> int:
         """Windows that can open now without evicting: the scarcest layer's free row blocks,
         ``H`` a window."""
-        return min(len(f) for f in self.free_rows) // self.head_num
+        return min(self.row_stacks.counts()) // self.head_num
 
     def _reclaim_rows(self, need: int, layers: list[int]) -> None:
         """Before opening windows: while a layer of ``layers`` has fewer than ``need`` free row
@@ -302,7 +305,8 @@ class TieredKVPool(MHATokenToKVPool):
 
         evicted = 0
         for _ in range(16):
-            short = max(need - len(self.free_rows[li]) for li in layers)
+            free = self.row_stacks.counts()
+            short = max(need - free[li] for li in layers)
             before = tree.evictable_size()
             if short <= 0 or before == 0:
                 break
@@ -313,18 +317,18 @@ class TieredKVPool(MHATokenToKVPool):
         if evicted:
             log.info("tiered-radix: evicted %d cached tokens for row blocks", evicted)
 
-    def _take(self, free: list[list[int]], counts: dict[int, int], what: str) -> Tensor:
-        """``counts[l]`` blocks off layer ``l``'s free list, in ``counts``' order: int64 ``[n]``
-        (one host-to-device copy)."""
+    def _take(self, free: FreeStacks, counts: dict[int, int], what: str) -> Tensor:
+        """``counts[l]`` blocks off layer ``l``'s free stack, in ``counts``' order: int64
+        ``[n]``."""
+        have = free.counts()
         for li, n in counts.items():
-            if n > len(free[li]):
+            if n > have[li]:
                 raise PoolFullError(
-                    f"tiered pool: {n} {what} blocks needed in layer {li}, {len(free[li])} free; "
+                    f"tiered pool: {n} {what} blocks needed in layer {li}, {have[li]} free; "
                     "lower the load, raise the budget, or let routing demote more before the "
                     "next prefill"
                 )
-        out = [free[li].pop() for li, n in counts.items() for _ in range(n)]
-        return torch.tensor(out, dtype=torch.long, device=self.device)
+        return free.take_counts(counts)
 
     def _layer_ids(self, li: int | Tensor, like: Tensor) -> Tensor:
         return li.long() if isinstance(li, Tensor) else torch.full_like(like, li, dtype=torch.long)
@@ -415,99 +419,102 @@ class TieredKVPool(MHATokenToKVPool):
         self.ref_all.index_put_(idx, hold.int(), accumulate=True)
 
     def release(self, li: int | Tensor, h: Tensor, w: Tensor, state: Tensor) -> None:
-        """One holder fewer; representations nobody holds are freed (rows NaN-poisoned). Two
-        host syncs (which blocks were freed, to give them back to the free lists)."""
+        """One holder fewer; representations nobody holds are freed (rows NaN-poisoned) and
+        their blocks go back to the free stacks, in (pair, kind) order. No host sync."""
         idx, hold = self._per_kind(li, h, w, state)
         self.ref_all.index_put_(idx, -hold.int(), accumulate=True)
         ref = self.ref_all[idx]
         _check((ref >= 0).all(), "refcount below zero")
-        gone = (hold & (ref == 0)).flatten().nonzero().squeeze(1)  # host sync
-        if not gone.numel():
-            return
-        ly, kind, hh, ww = (x.flatten()[gone] for x in idx)
-        b = self.block_all[ly, kind, hh, ww].long()
-        self.block_all[ly, kind, hh, ww] = 0
-        row = torch.where(kind == Q, 0, b)  # ledger pages are not poisoned: block 0 is the trap
-        self.rows_k_all[ly, row] = torch.nan
-        self.rows_v_all[ly, row] = torch.nan
-        for li_, k_, b_ in zip(*torch.stack([ly, kind, b]).tolist(), strict=True):  # host sync
-            (self.free_q if k_ == Q else self.free_rows)[li_].append(b_)
-            self.restored_blocks -= k_ == R
+        gone = hold & (ref == 0)  # [m, K]
+        b = self.block_all[idx].long()
+        self.block_all[idx] = torch.where(gone, 0, b).to(self.block_all.dtype)
+        ly, kind = idx[0], idx[1]
+        rows = gone & (kind != Q)  # a holder frees at most one row block (FULL or R) a pair
+        row = torch.where(rows, b, 0).amax(1)  # block 0, the NaN trap, where none is freed
+        self.rows_k_all[ly[:, 0], row] = torch.nan
+        self.rows_v_all[ly[:, 0], row] = torch.nan
+        self.row_stacks.give(ly.flatten(), b.flatten(), rows.flatten())
+        if self.layout.quant is not None:
+            self.q_stacks.give(ly.flatten(), b.flatten(), (gone & (kind == Q)).flatten())
+            self.tally.t[0] -= (gone & (kind == R)).sum()
+            self.tally.changed()
 
-    def move(self, li: int | Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor) -> Tensor:
+    def move(self, li: int | Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor,
+             make: dict[int, int] | None = None) -> Tensor:  # fmt: skip
         """One holder of pairs ``(h, w) [m]`` (unique) goes from state ``old`` to ``new``:
         missing representations are made (``Q`` from what the holder reads now, write-once;
         ``R`` from ``Q``), then the holder's references move. Pairs whose state stays are
-        no-ops. A few host syncs whatever the number of layers.
+        no-ops. Every layer at once, no host sync: blocks come off the device free stacks.
 
         A layer short of free blocks for the representations its pairs need makes the first
-        pairs (in order) and degrades the rest instead of failing (:meth:`_degrade`: a ``Q``
-        that finds no ledger block goes to the next tier down, evicted, or stays where the
-        layout has no evicted tier; an ``R`` that finds no row block stays quantized), counted
-        in :attr:`degraded`. Returns the states reached (int64 ``[m]``: ``new`` unless
-        degraded), which the caller records as the holder's."""
+        pairs (in order) and degrades the rest instead of failing (a ``Q`` that finds no ledger
+        block goes to the next tier down, evicted, or stays where the layout has no evicted
+        tier; an ``R`` that finds no row block stays quantized), counted in :attr:`degraded`.
+        Returns the states reached (int64 ``[m]``: ``new`` unless degraded), which the caller
+        records as the holder's. ``make[kind]``: a host bound of the pairs that need a new
+        representation of that kind (``Q``, ``R``); none is looked for where it is 0."""
         ly = self._layer_ids(li, h)
         old, new = old.long(), new.long()
         _check(((old != S_EVICT) | (new == S_EVICT)).all(), "an evicted window cannot come back")
         for kind in (Q, R) if self.layout.quant is not None else ():  # Q first: R is from Q
+            bound = ly.numel() if make is None else min(make.get(kind, ly.numel()), ly.numel())
+            if not bound:
+                continue
             need = self._holds[new, kind] & (self.block_all[ly, kind, h, w] == 0)
-            per_layer = torch.bincount(ly[need], minlength=self.layer_num).tolist()  # host sync
-            free = self.free_q if kind == Q else self.free_rows
-            if any(n > len(f) for n, f in zip(per_layer, free, strict=True)):
-                need, new = self._degrade(kind, need, ly, old, new, [len(f) for f in free])
-                per_layer = [min(n, len(f)) for n, f in zip(per_layer, free, strict=True)]
-            if any(per_layer):
-                i = need.nonzero().squeeze(1)
-                i = i[torch.sort(ly[i], stable=True).indices]  # blocks are taken layer by layer
-                self._make(kind, ly[i], h[i], w[i], old[i], per_layer)
+            got, block = (self.q_stacks if kind == Q else self.row_stacks).take(ly, need, bound)
+            short = need & ~got
+            evicts = kind == Q and self.layout.evict_index is not None
+            new = torch.where(short, S_EVICT if evicts else old, new)
+            self.tally.t[1] += short.sum()
+            self._make(kind, ly, h, w, old, block, got)
+        self.tally.changed()
         self.acquire(ly, h, w, new)
         self.release(ly, h, w, old)
         return new
 
-    def _degrade(self, kind: int, need: Tensor, ly: Tensor, old: Tensor, new: Tensor,
-                 free: list[int]) -> tuple[Tensor, Tensor]:  # fmt: skip
-        """Of the pairs that ``need`` a block of ``kind`` (bool ``[m]``), each layer's first
-        ``free[l]`` keep it; the others get another state: for ``Q`` evicted (the tier below
-        the quantized one) where the layout evicts, else their old state; for ``R`` their old
-        state (quantized). Returns the new ``need`` and ``new``. One host sync."""
-        i = need.nonzero().squeeze(1)
-        i = i[torch.sort(ly[i], stable=True).indices]
-        layer = ly[i]
-        first = torch.searchsorted(layer, layer, right=False)  # first pair of its layer
-        cap = torch.tensor(free, device=ly.device)[layer]
-        over = i[(torch.arange(i.numel(), device=ly.device) - first) >= cap]
-        evicts = kind == Q and self.layout.evict_index is not None
-        new = new.clone()
-        new[over] = S_EVICT if evicts else old[over]
-        need = need.clone()
-        need[over] = False
-        n = int(over.numel())  # host sync
-        if n and not self.degraded:
+    @property
+    def degraded(self) -> int:
+        """Pairs that moves could not bring to their planned state so far (the pool was short of
+        blocks; host read of a device counter). The first time it is non-zero it is logged."""
+        n = self.tally.host()[1]
+        if n and not self._warned_short:
+            self._warned_short = True
             log.warning(
-                "tiered-radix: %d %s blocks short in a routing; those windows went %s "
-                "(counted in the pool's degraded moves)", n, "ledger" if kind == Q else "row",
-                "to the next tier down" if kind == Q else "unrestored",
+                "tiered-radix: %d blocks short in routings; those windows went to the next tier "
+                "down (ledger) or stayed quantized (rows): the pool's degraded moves", n,
             )  # fmt: skip
-        self.degraded += n
-        return need, new
+        return n
 
-    def _make(self, kind: int, ly: Tensor, h: Tensor, w: Tensor, src: Tensor, per_layer) -> None:
-        """Write representation ``kind`` of pairs sorted by layer (``per_layer[l]`` of each)."""
-        counts = {li: n for li, n in enumerate(per_layer) if n}
-        if kind == Q:
-            k, v = self._rows_of(ly, h, w, src)
-            b = self._take(self.free_q, counts, "ledger")
+    def short_possible(self, make: dict[int, int]) -> bool:
+        """Whether a move that makes at most ``make[kind]`` new representations of ``Q``/``R``
+        might find a layer short of blocks, from host lower bounds of the free counts
+        (:meth:`.freelist.FreeStacks.floor`, no wait). Where not, the states it reaches are
+        those planned, and nobody needs to compare them."""
+        if self.layout.quant is None:
+            return False
+        return self.q_stacks.floor() < make[Q] or self.row_stacks.floor() < make[R]
+
+    def _make(self, kind: int, ly: Tensor, h: Tensor, w: Tensor, src: Tensor, block: Tensor,
+              got: Tensor) -> None:  # fmt: skip
+        """Write representation ``kind`` of the pairs with ``got`` into their new ``block``
+        (int64 ``[m]``). Every pair is computed, those without a block write zeros or NaN into
+        block 0 (the traps: zeros and NaN already), so the work needs no host sync."""
+        if kind == Q:  # a pair without its ledger copy reads rows: FULL, or R (restored)
+            blk = self.block_all[ly, :, h, w].long()
+            b = torch.where(src == S_R, blk[:, R], blk[:, FULL])
+            k, v = self.rows_k_all[ly, b].float(), self.rows_v_all[ly, b].float()
             bits, g = self.layout.quant.bits, self.v_group
-            self.pages_all[ly, b] = pack_uniform_pages(k, v, bits, g)
+            self.pages_all[ly, block] = torch.where(got[:, None], pack_pages(k, v, bits, g), 0)
         else:  # R: dequantize(Q), which the holder has or is about to acquire
             qb = self.block_all[ly, Q, h, w]
-            _check((qb > 0).all(), "restoring a window without a ledger copy")
-            b = self._take(self.free_rows, counts, "row")
-            self.restored_blocks += b.numel()
+            _check(((qb > 0) | ~got).all(), "restoring a window without a ledger copy")
             k, v = self._unpage(ly, qb)
-            self.rows_k_all[ly, b] = k.to(self.dtype)
-            self.rows_v_all[ly, b] = v.to(self.dtype)
-        self.block_all[ly, kind, h, w] = b.to(self.block_all.dtype)
+            keep = got[:, None, None]
+            self.rows_k_all[ly, block] = torch.where(keep, k, torch.nan).to(self.dtype)
+            self.rows_v_all[ly, block] = torch.where(keep, v, torch.nan).to(self.dtype)
+            self.tally.t[0] += got.sum()
+        cur = self.block_all[ly, kind, h, w]
+        self.block_all[ly, kind, h, w] = torch.where(got, block.to(cur.dtype), cur)
 
     def release_pages(self, pages: Tensor) -> None:
         """The allocator freed ``pages`` (= windows): their owner lets go in every layer."""
@@ -525,11 +532,12 @@ class TieredKVPool(MHATokenToKVPool):
         """Blocks held per representation kind (``FULL``, ``R``, ``Q``), over layers and heads,
         from the free lists (no device work: every taken block is one entry of ``block_all``)."""
         F, Qn = self.blocks.full, self.blocks.quant
-        rows = sum(F - len(f) for f in self.free_rows)
+        rows = sum(F - n for n in self.row_stacks.counts())
+        restored = self.tally.host()[0]
         return {
-            FULL: rows - self.restored_blocks,
-            R: self.restored_blocks,
-            Q: sum(Qn - len(f) for f in self.free_q),
+            FULL: rows - restored,
+            R: restored,
+            Q: sum(Qn - n for n in self.q_stacks.counts()),
         }
 
     def bytes_used(self) -> int:
@@ -552,4 +560,4 @@ class TieredKVPool(MHATokenToKVPool):
 
     def blocks_free(self) -> tuple[int, int]:
         """Free row blocks and free ledger blocks, over layers."""
-        return sum(len(f) for f in self.free_rows), sum(len(f) for f in self.free_q)
+        return sum(self.row_stacks.counts()), sum(self.q_stacks.counts())

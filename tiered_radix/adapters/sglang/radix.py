@@ -43,7 +43,7 @@ from tiered_radix.policy.model import Policy
 from . import usage
 from .config import KVConfig
 from .pool import TieredKVPool
-from .reps import Layout, PoolConfigError
+from .reps import Layout, PoolConfigError, Q, R
 from .request_kv import RequestError, RequestKV, resolve
 
 log = logging.getLogger(__name__)
@@ -53,13 +53,15 @@ log = logging.getLogger(__name__)
 class RequestView:
     """One request's windows: ``windows`` int64 ``[n]`` in sequence order, ``borrowed`` bool
     ``[n]`` (read through the request's own references), ``state`` int8 ``[L, H, n]`` (the
-    request's state of borrowed windows; owned windows read ``pool.owner_all``); ``moved``
-    int64 ``[3]`` the moves its routings made (:func:`.usage.moves_of`), ``routes`` their
-    count."""
+    request's state of borrowed windows; owned windows read ``pool.owner_all``);
+    ``n_borrowed`` how many are borrowed (a host count: routing needs no read of ``borrowed``
+    to know that the request shares no window); ``moved`` int64 ``[3]`` the moves its
+    routings made (:func:`.usage.moves_of`), ``routes`` their count."""
 
     windows: Tensor
     borrowed: Tensor
     state: Tensor
+    n_borrowed: int = 0
     moved: Tensor | None = None
     routes: int = 0
 
@@ -80,15 +82,16 @@ class _Moves(NamedTuple):
 
 
 class Settled(NamedTuple):
-    """Units of request ``rid`` that a routing left in another holder state than planned
-    (the pool was short of blocks, :meth:`~.pool.TieredKVPool.move`): ``(ly, h, u)`` int64
-    ``[m]`` each, and the state each reached."""
+    """Units of request ``rid`` that a routing may have left in another holder state than
+    planned (the pool was short of blocks, :meth:`~.pool.TieredKVPool.move`): ``(ly, h, u)``
+    int64 ``[m]`` each, the state each reached, and ``off`` (bool ``[m]``) those that did."""
 
     rid: str
     ly: Tensor
     h: Tensor
     u: Tensor
     state: Tensor
+    off: Tensor
 
 
 class TieredRadixCache(RadixCache):
@@ -200,7 +203,7 @@ class TieredRadixCache(RadixCache):
         st = self.pool.owner_all[:, :, w]  # [L, H, n]
         torch._assert_async((st >= 0).all(), "borrowing a window nobody owns")
         self.pool.acquire(*self._triples(w), st.flatten())
-        view = RequestView(w, torch.ones_like(w, dtype=torch.bool), st)
+        view = RequestView(w, torch.ones_like(w, dtype=torch.bool), st, w.numel())
         self.views[req.rid] = view
         return view
 
@@ -258,7 +261,9 @@ class TieredRadixCache(RadixCache):
         pairs of one move are unique: repeats go to later rounds; one host sync to count
         them). Holders take the states the pool reached: where it was short of blocks and
         degraded a move, the returned :class:`Settled` list says which units of which request
-        ended elsewhere than planned (empty otherwise: no host sync), so their engines learn."""
+        ended elsewhere than planned (as masks: no host sync), so their engines learn. It is
+        empty where the host's bounds of the free blocks show that no layer can be short
+        (:meth:`~.pool.TieredKVPool.short_possible`)."""
         dev, parts = self.pool.device, []
         for rid, t in routed:
             view = self.views[rid]
@@ -275,21 +280,24 @@ class TieredRadixCache(RadixCache):
         ly, h, w, old, new = (
             torch.cat([getattr(p, f) for p in parts]) for f in "ly h w old new".split()
         )
-        degraded = self.pool.degraded
+        # a ledger copy is made only where the engine writes one, restored rows only where it
+        # promotes (host counts, the pairs' number where unknown): at most that many blocks
+        m, ts = ly.numel(), [t for _, t in routed]
+        make = {Q: sum(m if t.written is None else t.written for t in ts),
+                R: sum(m if t.promoted is None else t.promoted for t in ts)}  # fmt: skip
+        short = self.pool.short_possible(make)  # host bounds: no wait
         got = new.long()
         for sel in self._rounds(parts, ly, h, w):
             if sel is None:
-                got = self.pool.move(ly, h, w, old, new)
+                got = self.pool.move(ly, h, w, old, new, make=make)
             else:
-                got[sel] = self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel])
-        short = self.pool.degraded != degraded
-        owner, settled, at = self.pool.owner_all, [], 0
-        for p in parts:  # in request order, like route after route
-            reached = got[at : at + p.new.numel()].to(p.new.dtype)
-            at += p.new.numel()
-            if short and bool((reached != p.new).any()):  # host sync only after a shortage
-                off = (reached != p.new).nonzero().squeeze(1)
-                settled.append(Settled(p.rid, p.ly[off], p.h[off], p.u[off], reached[off]))
+                got[sel] = self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel], make=make)
+        owner, settled = self.pool.owner_all, []
+        each = list(got.to(new.dtype).split([p.new.numel() for p in parts]))
+        if short:  # the pool may have been short of blocks: masks of where, no host sync
+            for p, r in zip(parts, each, strict=True):
+                settled.append(Settled(p.rid, p.ly, p.h, p.u, r, r != p.new))
+        for p, reached in zip(parts, each, strict=True):  # in request order
             moved = usage.moves_of(p.old, reached)
             p.view.moved = moved if p.view.moved is None else p.view.moved + moved
             p.view.state[p.ly, p.h, p.u] = torch.where(p.b, reached, p.view.state[p.ly, p.h, p.u])
@@ -298,8 +306,9 @@ class TieredRadixCache(RadixCache):
 
     def _rounds(self, parts: list, ly: Tensor, h: Tensor, w: Tensor) -> list[Tensor | None]:
         """Index sets of the concatenated pairs with no pair twice, each pair's holders in
-        request order; ``[None]`` (all at once) for one request, whose pairs are unique."""
-        if len(parts) == 1:
+        request order; ``[None]`` (all at once) where no request borrows a window (a window
+        has one holder among them then; the host knows it without a sync)."""
+        if len(parts) == 1 or not any(p.view.n_borrowed for p in parts):
             return [None]
         key = (ly * self.pool.head_num + h) * self.pool.owner_all.shape[2] + w
         sk, order = torch.sort(key, stable=True)
@@ -341,6 +350,7 @@ class TieredRadixCache(RadixCache):
             self.pool.acquire(*self._triples(now[moved]), st.flatten())
             view.state[:, :, moved] = st
             view.windows, view.borrowed = now, view.borrowed | moved
+            view.n_borrowed = int(view.borrowed.sum())
 
     def reset(self) -> None:
         """Empty the tree (SGLang's ``flush_cache``, and ``__init__``). SGLang then clears the
