@@ -251,8 +251,10 @@ class TieredAttnBackend(AttentionBackend):
         return runs and trizone.supported(self.pool)
 
     def _use_kernel(self) -> bool:
-        """Decode with the TriZone kernel (``--kv-decode kernel``) where it can serve."""
-        return self.options.decode == "kernel" and self._kernels_run()
+        """Decode with the TriZone kernel (``--kv-decode kernel``) where it can serve: a
+        coupled pool (a decoupled one's Zone A pages have no decode lists yet)."""
+        coupled = self.pool.zones is None
+        return self.options.decode == "kernel" and coupled and self._kernels_run()
 
     def _use_extend_kernel(self) -> bool:
         """Extend through the TriZone extend kernel (``--kv-extend kernel``, the default on CUDA)
@@ -325,7 +327,8 @@ class TieredAttnBackend(AttentionBackend):
             raise PoolConfigError(
                 "tiered_triton decodes under CUDA graphs through the TriZone kernel, which cannot "
                 f"read this pool (window {self.pool.layout.window}, head dim {self.pool.head_dim}"
-                f", --kv-decode {self.options.decode}): relaunch with "
+                f", --kv-decode {self.options.decode}, decoupled: {self.pool.zones is not None})"
+                ": relaunch with "
                 "--disable-cuda-graph"
             )
         tokens = graph.capacity(self.context_len, self.options.graph_tokens)
@@ -449,8 +452,9 @@ class TieredAttnBackend(AttentionBackend):
         )  # fmt: skip
         n = view.windows.numel()
         if n:
-            lay, st = self.pool.layout, store.stack
             store.append_tokens(None, prefix_len)
+        if n and self.pool.zones is None:  # decoupled windows are full rows: nothing to seed
+            lay, st = self.pool.layout, store.stack
             states = view.state.long()  # [L, H, n]
             tier = torch.tensor(lay.state_tiers(), dtype=torch.long, device=store.device)
             st.tier[:, :, :n] = tier[states]
@@ -462,8 +466,11 @@ class TieredAttnBackend(AttentionBackend):
         return Session(store)
 
     def _read(self, rid: str, li: int):
-        k, v, kept = self.tree.read(rid, li + self.pool.start_layer)
         t = self.sessions[rid].store.n_tokens(li)
+        if self.pool.zones is not None:  # decoupled: its Zone A pages, and rows
+            windows = self.tree.views[rid].windows
+            return self.pool.read_request(rid, li + self.pool.start_layer, windows, t)
+        k, v, kept = self.tree.read(rid, li + self.pool.start_layer)
         return k[:, :t], v[:, :t], kept[:, :t]
 
     # -- per layer -------------------------------------------------------------------------
@@ -497,7 +504,7 @@ class TieredAttnBackend(AttentionBackend):
                 out = self._gather(q3, layer, li, dv)
             else:
                 self.counters.kernel_steps += li == 0
-        elif self.extend and self.extend_kernel and all(r.tq for r in self.batch):
+        elif self.extend and self.extend_kernel and self._rows_only():
             try:
                 with self._timed("extend_attend"):
                     out = self._extend_kernel(q3, layer, li)
@@ -532,7 +539,11 @@ class TieredAttnBackend(AttentionBackend):
         elems = CHUNK_ELEMS.get(q3.device.type, 1 << 22)
         for r in self.batch:
             t = r.session.store.n_tokens(li)
-            kk, vv, kept, pos = self.tree.read_live(r.rid, li + self.pool.start_layer, t)
+            if self.pool.zones is not None:
+                kk, vv, kept = self._read(r.rid, li)
+                pos = torch.arange(t, device=kk.device)
+            else:
+                kk, vv, kept, pos = self.tree.read_live(r.rid, li + self.pool.start_layer, t)
             qi = q3[r.start : r.start + r.tq].transpose(0, 1)
             o, signals = fn(qi, kk, vv, kept, float(layer.scaling), need=need, chunk_elems=elems)
             out[r.start : r.start + r.tq] = o.transpose(0, 1).to(out.dtype)
@@ -605,16 +616,40 @@ class TieredAttnBackend(AttentionBackend):
             self.fold_pending()  # scores up to date (replayed steps summed their attention)
         # planned together (one pass over their stacked layers), then one pool move for all
         stores = [r.session.store for r, _ in due]
+        steps = [s.step for s in stores]
         moves = TierStore.route_many(stores, [why for _, why in due], prefill=self.extend)
-        routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
-        for settled in self.tree.route_many(routed):  # the pool was short of blocks
-            self._settle(settled)
+        if self.pool.zones is not None:  # decoupled: the routed requests repack
+            for (r, _), step in zip(due, steps, strict=True):
+                if r.session.store.step != step:
+                    self._repack(r)
+        else:
+            routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
+            for settled in self.tree.route_many(routed):  # the pool was short of blocks
+                self._settle(settled)
         if self.tp is not None:
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)
         self.counters.routed(moves, self.pool.device)
         self.counters.publish(self.stats, bool(due))
         return bool(due)
+
+    def _rows_only(self) -> bool:
+        """Whether every request of the extend batch has new tokens and reads window rows only
+        (the extend kernel's input; a routed decoupled request reads Zone A pages too)."""
+        zones = self.pool.zones
+        return all(r.tq and (zones is None or not zones.holds(r.rid)) for r in self.batch)
+
+    def _repack(self, r: _Req) -> None:
+        """A decoupled request's routing, as the pool stores it: V widths per token and K
+        widths per channel from its engine's tiers, every layer repacked into Zone A pages."""
+        store = r.session.store
+        bits = torch.tensor(store.tier_bits(), device=store.device)
+        decided = []
+        for li in range(self.layers):
+            k_tier, in_set = store.channel_tiers(li)
+            decided.append((bits[store.tiers(li)], bits[k_tier], in_set))
+        windows = self.tree.views[r.rid].windows
+        self.pool.repack(r.rid, windows, store.n_tokens(0), decided)
 
     def _settle(self, s) -> None:
         """Units whose move the pool degraded (:class:`~.radix.Settled`) take the engine tier

@@ -1,11 +1,13 @@
-"""RDKV under SGLang (``.arena``) on CPU. Each request's K/V live in its own tier engine.
+"""RDKV on the shared stack (pool, radix cache, backend) on CPU: decoupled requests read full
+window rows until their routing, then their Zone A pages (``.zones``).
 
-- A request served through the backend reads what a TierStore fed the same tokens reads: chunked
-  prefill, two requests in one batch, routing, and decode.
+- A request served through the backend reads what a TierStore fed the same tokens reads, and
+  decides the same tiers: chunked prefill, two requests in one batch, routing, and decode.
 - Before any routing, the output is exact causal attention over the model's own K/V.
-- RDKV compresses the prompt to its budget.
-- Every way a request leaves drops its store and gives back every slot.
-- The plugin selects the arena's pool, cache and backend.
+- RDKV compresses the prompt to its budget, and the pool counts its pages.
+- A second turn and a second conversation with the same system prompt hit the radix cache.
+- Every way a request leaves frees its pages and gives back every slot.
+- The plugin selects the shared pool, cache and backend.
 """
 
 from __future__ import annotations
@@ -17,19 +19,21 @@ import pytest
 import torch
 from sglang_sim import require
 
-require("sglang.srt.mem_cache.chunk_cache")
+require("sglang.srt.mem_cache.radix_cache")
 
 from test_backend import Mode  # noqa: E402
 
 from tiered_radix.adapters.sglang import config, plugin, sizing  # noqa: E402
-from tiered_radix.adapters.sglang.arena import ArenaAttnBackend, ArenaCache, ArenaKVPool  # noqa: E402
-from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
+from tiered_radix.adapters.sglang.backend import TieredAttnBackend  # noqa: E402
+from tiered_radix.adapters.sglang.pool import TieredKVPool  # noqa: E402
+from tiered_radix.adapters.sglang.radix import TieredRadixCache  # noqa: E402
 from tiered_radix.engine.attention import attend  # noqa: E402
 from tiered_radix.engine.store import TierStore  # noqa: E402
 from tiered_radix.policy import compile_text, load_policy  # noqa: E402
 
 L, H, HQ, D, VOCAB = 2, 2, 4, 32, 100
 RDKV = load_policy("rdkv")
+W = RDKV.allocate.group  # the pool's window: a Zone A page
 # RDKV re-planned every 2 decode steps as well: routing between decode steps
 RDKV_EVERY = compile_text(
     (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
@@ -39,24 +43,26 @@ PREFILL_NEEDS = frozenset({"colmass", "qnorm"})  # what RDKV's weights read on p
 
 
 class Server:
-    """The arena's pool, SGLang's token allocator and request slots, the chunk cache and the
-    backend, driven the way SGLang's scheduler drives them."""
+    """The shared pool, SGLang's paged allocator and request slots, the tiered radix cache and
+    the backend, driven the way SGLang's scheduler drives them."""
 
     def __init__(self, slots: int = 4096, policy=RDKV, kv_heads=slice(0, H), tp_group=None):
         """``kv_heads`` of the model's ``H`` (a tensor-parallel rank's, with SGLang's
         ``tp_group`` stand-in), and their share of the ``HQ`` query heads."""
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         q_heads = slice(kv_heads.start * HQ // H, kv_heads.stop * HQ // H)
         self.h, self.hq = kv_heads.stop - kv_heads.start, q_heads.stop - q_heads.start
-        self.pool = ArenaKVPool(slots, 1, torch.bfloat16, self.h, D, L, "cpu", policy=policy)
-        self.alloc = TokenToKVPoolAllocator(slots, torch.bfloat16, "cpu", self.pool, False)
+        self.pool = TieredKVPool(slots, W, torch.bfloat16, self.h, D, L, "cpu", policy=policy)
+        self.alloc = PagedTokenToKVPoolAllocator(slots, W, torch.bfloat16, "cpu", self.pool,
+                                                 need_sort=False)  # fmt: skip
         self.r2t = ReqToTokenPool(8, 1024, "cpu", False)
-        self.cache = ArenaCache(CacheInitParams(True, self.r2t, self.alloc, 1))
+        self.cache = TieredRadixCache(CacheInitParams(False, self.r2t, self.alloc, W),
+                                      policy=policy)  # fmt: skip
         runner = SimpleNamespace(token_to_kv_pool=self.pool, tp_group=tp_group)
-        self.backend = ArenaAttnBackend(runner)
+        self.backend = TieredAttnBackend(runner)
         g = torch.Generator().manual_seed(3)
         wk, wv = (torch.randn(L, VOCAB, H, D, generator=g) for _ in range(2))
         self.wk, self.wv = wk[:, :, kv_heads], wv[:, :, kv_heads]
@@ -69,25 +75,46 @@ class Server:
 
     def qkv(self, li: int, toks: list[int], start: int) -> tuple[torch.Tensor, ...]:
         """bf16-valued ``q [n, hq, D]``, ``k, v [n, h, D]`` of ``toks`` at positions ``start...``
-        (the position shifts every row, so each request's rows are its own)."""
+        (the same tokens at the same positions: the same rows, as a model writes them)."""
         t, p = torch.tensor(toks), 0.01 * torch.arange(start, start + len(toks))[:, None, None]
         return tuple((w[li, t] + p).bfloat16().float() for w in (self.wq, self.wk, self.wv))
 
-    def admit(self, rid: str) -> SimpleNamespace:
-        return SimpleNamespace(rid=rid, req_pool_idx=self.r2t.free_slots.pop(), tokens=[],
-                               cache_protected_len=0)  # fmt: skip
+    def admit(self, rid: str, tokens: list[int] | None = None) -> SimpleNamespace:
+        """A request; with ``tokens``, its prompt's longest prefix in the radix tree is matched
+        and locked (``req.tokens``: those tokens, held before its first forward)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        idx = self.r2t.free_slots.pop()
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens or []))))
+        n = len(m.device_indices)
+        self.cache.inc_lock_ref(m.last_device_node)
+        self.r2t.req_to_token[idx, :n] = m.device_indices.int()
+        return SimpleNamespace(
+            rid=rid, req_pool_idx=idx, tokens=list(tokens or [])[:n], origin_input_ids=[],
+            output_ids=[], cache_protected_len=n, last_node=m.last_device_node, extra_key=None,
+            priority=0, prefix_indices=m.device_indices,
+        )  # fmt: skip
 
     def forward(self, reqs, new: list[list[int]], extend: bool) -> list[list[torch.Tensor]]:
         """One forward; per request and layer its float32 output ``[n, HQ, D]``."""
         pre = [len(r.tokens) for r in reqs]
+        locs = []
         for r, toks, p in zip(reqs, new, pre, strict=True):  # slots, as SGLang allocates them
-            loc = self.alloc.alloc(len(toks))
-            self.r2t.req_to_token[r.req_pool_idx, p : p + len(toks)] = loc.int()
+            row = self.r2t.req_to_token[r.req_pool_idx]
+            have, end = -(-p // W) * W, p + len(toks)
+            if end > have:
+                got = self.alloc.alloc(-(-(end - have) // W) * W)
+                row[have : have + got.numel()] = got.int()
+            locs.append(row[p:end].long())
             r.tokens = r.tokens + toks
+            r.origin_input_ids = list(r.tokens)
         fb = SimpleNamespace(
             forward_mode=Mode(extend), rids=[r.rid for r in reqs],
             seq_lens_cpu=torch.tensor([len(r.tokens) for r in reqs]),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs]),
             extend_prefix_lens_cpu=pre, extend_seq_lens_cpu=[len(t) for t in new],
+            out_cache_loc=torch.cat(locs),
         )  # fmt: skip
         self.backend.init_forward_metadata(fb)
         outs = [[] for _ in reqs]
@@ -106,6 +133,9 @@ class Server:
         ``release_kv_cache`` does."""
         self.cache.cache_finished_req(req, insert, kv_len_to_handle=len(req.tokens))
         self.r2t.free_slots.append(req.req_pool_idx)
+
+    def session(self, rid: str):
+        return self.backend.sessions[rid]
 
 
 class Reference:
@@ -164,7 +194,7 @@ def test_a_request_reads_what_its_tier_engine_reads(policy):
             for li in range(L):
                 torch.testing.assert_close(out[li], want[li], rtol=0, atol=0)
     for rid, ref in refs.items():
-        store = srv.pool.sessions[rid].store
+        store = srv.session(rid).store
         for li in range(L):
             assert torch.equal(store.tiers(li), ref.store.tiers(li))
         assert store.bytes_used() == ref.store.bytes_used()
@@ -190,7 +220,7 @@ def test_rdkv_compresses_the_prompt_to_its_budget_and_the_pool_counts_it():
     srv = Server()
     req = srv.admit("a")
     srv.forward([req], [_prompt(6, 256)], extend=True)
-    store = srv.pool.sessions["a"].store
+    store = srv.session("a").store
     full = 2 * 2 * L * H * D * 256  # bf16 K and V of the prompt
     assert store.bytes_used() <= store.budget_bytes() == pytest.approx(0.1 * full, abs=1)
     assert srv.pool.bytes_used() == store.bytes_used()
@@ -216,7 +246,7 @@ def test_leaving_drops_the_store_and_gives_every_slot_back(insert):
     if not insert:  # retracted: scheduled again, it prefills its whole sequence anew
         again = srv.admit("a")
         srv.forward([again], [a.tokens], extend=True)
-        assert srv.pool.sessions["a"].store.n_tokens(0) == len(a.tokens)
+        assert srv.session("a").store.n_tokens(0) == len(a.tokens)
         srv.leave(again)
     srv.leave(b)
     assert srv.pool.sessions == {} and srv.pool.bytes_used() == 0
@@ -301,7 +331,7 @@ def _serve(rank: int | None = None, tp_group=None) -> dict:
     for new, extend in steps:
         rec["out"].append(srv.forward([a, b], new, extend))
         rec["tiers"].append(
-            [[srv.pool.sessions[r].store.tiers(li).clone() for li in range(L)] for r in "ab"]
+            [[srv.session(r).store.tiers(li).clone() for li in range(L)] for r in "ab"]
         )
     stats = srv.backend.stats()
     rec["tp"], rec["evict"] = stats.get("tp"), stats["evict"]
