@@ -27,6 +27,7 @@ from tiered_radix.adapters.sglang import config, plugin, sizing  # noqa: E402
 from tiered_radix.adapters.sglang.backend import TieredAttnBackend  # noqa: E402
 from tiered_radix.adapters.sglang.pool import TieredKVPool  # noqa: E402
 from tiered_radix.adapters.sglang.radix import TieredRadixCache  # noqa: E402
+from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.engine.attention import attend  # noqa: E402
 from tiered_radix.engine.store import TierStore  # noqa: E402
 from tiered_radix.policy import compile_text, load_policy  # noqa: E402
@@ -217,63 +218,116 @@ def test_before_routing_the_output_is_exact_attention_over_the_model_rows():
 
 
 def test_rdkv_compresses_the_prompt_to_its_budget_and_the_pool_counts_it():
+    """After its routing a request's pages hold exactly the tokens the engine kept in its
+    channel set, at the engine's widths; the pool counts their bytes (pages pad each section to
+    16 bytes and each V width's last page to W tokens: at least the engine's count, within the
+    Zone A store's slack)."""
     srv = Server()
     req = srv.admit("a")
     srv.forward([req], [_prompt(6, 256)], extend=True)
     store = srv.session("a").store
     full = 2 * 2 * L * H * D * 256  # bf16 K and V of the prompt
     assert store.bytes_used() <= store.budget_bytes() == pytest.approx(0.1 * full, abs=1)
-    assert srv.pool.bytes_used() == store.bytes_used()
-    assert srv.backend.counters.peak_bytes == full  # the chunk is held in full before routing
-    units, blocks = srv.pool.occupancy()
-    assert units["full"] + units["quantized"] + units["evicted"] == L * H * 256
-    assert units["quantized"] > 0 and units["evicted"] > 0 and blocks == {}
+    zone = srv.pool.zones.bytes_used()
+    assert store.bytes_used() <= zone <= sizing.ZONE_SLACK * store.budget_bytes()
+    rows = (256 // W) * L * H * 2 * W * D * 2  # the prompt's windows keep their rows
+    assert srv.pool.bytes_used() == rows + zone
+    bits = torch.tensor(store.tier_bits())
+    for li in range(L):
+        k_tier, in_set = store.channel_tiers(li)
+        placed = srv.pool.zones.placed_layer("a", li)
+        listed = torch.zeros_like(in_set)
+        tok = placed.zone.page_tok
+        for h in range(H):  # pages are head-major: this head's pages, then the next head's
+            first = int(placed.zone.pages[:h].sum())
+            mine = tok[first : first + int(placed.zone.pages[h].sum())].flatten()
+            listed[h, mine[mine >= 0]] = True
+        assert torch.equal(listed, in_set) and in_set.any() and not in_set.all()
+        assert torch.equal(placed.kept, bits[store.tiers(li)] > 0)
+        assert [sum(c) for c in placed.zone.k_counts] == [int((bits[k] > 0).sum()) for k in k_tier]
     snap = srv.backend.stats()
-    assert snap["pool_bytes_used"] == store.bytes_used() and snap["routes"] == 1
+    assert snap["pool_bytes_used"] == rows + zone and snap["routes"] == 1
     assert snap["demote"] + snap["evict"] > 0
 
 
 @pytest.mark.parametrize("insert", [True, False], ids=["finish", "retract"])
-def test_leaving_drops_the_store_and_gives_every_slot_back(insert):
+def test_leaving_frees_the_pages_and_gives_every_slot_back(insert):
     srv = Server()
     free = srv.alloc.available_size()
     a, b = srv.admit("a"), srv.admit("b")
     srv.forward([a, b], [_prompt(7, 64), _prompt(8, 40)], extend=True)
     srv.forward([a, b], [[1], [2]], extend=False)
+    held = srv.pool.zones.bytes_used()
     srv.leave(a, insert)
-    assert set(srv.pool.sessions) == {"b"}
+    assert not srv.pool.zones.holds("a") and 0 < srv.pool.zones.bytes_used() < held
     srv.forward([b], [[3]], extend=False)  # the other request goes on
+    assert set(srv.backend.sessions) == {"b"}
     if not insert:  # retracted: scheduled again, it prefills its whole sequence anew
         again = srv.admit("a")
         srv.forward([again], [a.tokens], extend=True)
         assert srv.session("a").store.n_tokens(0) == len(a.tokens)
         srv.leave(again)
     srv.leave(b)
-    assert srv.pool.sessions == {} and srv.pool.bytes_used() == 0
-    assert srv.alloc.available_size() == free
+    assert srv.pool.zones.bytes_used() == 0 and srv.pool.zones.placed == {}
+    # what the tree caches (whole windows of finished requests) can be evicted: every slot back
+    assert srv.alloc.available_size() + srv.cache.evictable_size() == free
+    srv.cache.reset()
+    assert srv.pool.bytes_used() == 0
 
 
-def test_a_step_that_does_not_continue_the_store_is_refused():
+def test_turn_two_and_a_shared_system_prompt_hit_the_radix_cache():
+    """The tree keeps a finished request's windows at full precision (its routing repacked a
+    private copy). Turn 2 matches turn 1's prompt and answer; another conversation with the same
+    system prompt matches it too. A matched prefix reads the model's rows, so the new tokens'
+    first outputs equal those of a server that prefills everything, and each request then
+    routes and repacks its own pages."""
+    system, q1, q2, q3 = _prompt(20, 64), _prompt(21, 40), _prompt(22, 24), _prompt(23, 50)
+    srv = Server()
+    a = srv.admit("a")
+    srv.forward([a], [system + q1], extend=True)
+    for t in range(3):
+        srv.forward([a], [[t + 5]], extend=False)
+    turn1 = list(a.tokens)
+    srv.leave(a)
+
+    def cold(tokens: list[int], new: list[int]) -> list[torch.Tensor]:
+        ref = Server()
+        r = ref.admit("r")
+        return ref.forward([r], [tokens + new], extend=True)[0]
+
+    for rid, prefix, new in (("turn2", turn1, q2), ("other", system, q3)):
+        req = srv.admit(rid, prefix + new)
+        hit = len(req.tokens)
+        assert hit == len(prefix) // W * W and hit >= 64  # whole windows of the prefix
+        out = srv.forward([req], [(prefix + new)[hit:]], extend=True)[0]
+        want = cold(prefix[:hit], (prefix + new)[hit:])
+        for li in range(L):
+            torch.testing.assert_close(out[li], want[li][hit:], rtol=1e-5, atol=1e-5)
+        assert srv.pool.zones.holds(rid) and srv.backend.stats()["routes"] >= 2
+        srv.forward([req], [[9]], extend=False)
+        srv.leave(req)
+    assert srv.pool.zones.bytes_used() == 0
+
+
+def test_a_decode_step_of_an_unknown_request_is_refused():
     srv = Server()
     req = srv.admit("a")
-    with pytest.raises(AssertionError, match="request a at position 0: its store holds None"):
+    with pytest.raises(AssertionError, match="decode of request a without a view"):
         srv.forward([req], [[1]], extend=False)  # a decode step with no prefill
-    srv.r2t.free_slots.append(req.req_pool_idx)
 
 
-def test_stock_backends_cannot_read_the_arena():
+def test_stock_backends_cannot_read_the_pool():
     srv = Server()
     with pytest.raises(PoolConfigError, match="tiered_triton"):
         srv.pool.get_key_buffer(0)
-    with pytest.raises(PoolConfigError, match="coupled units"):
-        ArenaKVPool(64, 1, torch.bfloat16, H, D, L, "cpu", policy=load_policy("qevict"))
-    with pytest.raises(PoolConfigError, match="--page-size 1"):
-        ArenaKVPool(64, 32, torch.bfloat16, H, D, L, "cpu", policy=RDKV)
+    with pytest.raises(PoolConfigError, match=f"--page-size {W}"):
+        TieredKVPool(64, 1, torch.bfloat16, H, D, L, "cpu", policy=RDKV)
 
 
-def test_the_plugin_serves_rdkv_from_arenas(monkeypatch):
-    """``--kv-policy rdkv``: page size 1, decode graphs off, the arena's pool, cache and backend
-    (the budget's 10x slots, as for window policies)."""
+def test_the_plugin_serves_rdkv_from_the_shared_stack(monkeypatch):
+    """``--kv-policy rdkv``: page size W (a Zone A page), decode graphs off (the gather path
+    decodes), the tiered pool, radix cache and backend; a cell holds every slot's rows and the
+    Zone A store's share."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.server_args import prepare_server_args
@@ -282,9 +336,8 @@ def test_the_plugin_serves_rdkv_from_arenas(monkeypatch):
     HookRegistry.apply_hooks()
     try:
         args = prepare_server_args(["--model-path", "dummy", "--kv-policy", "rdkv"])
-        assert (args.radix_cache_backend, args.page_size) == ("tiered", 1)
+        assert (args.radix_cache_backend, args.page_size) == ("tiered", W)
         assert args.disable_decode_cuda_graph and args.attention_backend == "tiered_triton"
-        # arenas: the budget's 10% of a full token and the stores' engine state a slot
         monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
         kvc = SimpleNamespace(
             kv_cache_dtype=torch.bfloat16,
@@ -292,17 +345,18 @@ def test_the_plugin_serves_rdkv_from_arenas(monkeypatch):
         )
         full = 2 * 24 * 2 * 64 * 2
         want = sizing.cell_bytes(RDKV, RDKV.budget, 24, 2, 64, 2)
-        assert plugin.cell_size(full, None, kvc, 24) == want and 0.1 * full < want < full
+        assert plugin.cell_size(full, None, kvc, 24) == want
+        assert (1 + sizing.ZONE_SLACK * 0.1) * full < want < 1.5 * full
         seen = {}
         plugin.build_mha_kv_pool(lambda self, **kw: seen.update(kw), None,
                                  max_total_num_tokens=64, mha_pool_class=int)  # fmt: skip
-        assert seen["mha_pool_class"].func is ArenaKVPool
+        assert seen["mha_pool_class"].func is TieredKVPool
         srv = Server()
-        ctx = SimpleNamespace(params=CacheInitParams(True, srv.r2t, srv.alloc, 1))
-        assert isinstance(plugin.tree_cache_factory(ctx), ArenaCache)
+        ctx = SimpleNamespace(params=CacheInitParams(False, srv.r2t, srv.alloc, W))
+        assert isinstance(plugin.tree_cache_factory(ctx), TieredRadixCache)
         runner = SimpleNamespace(server_args=SimpleNamespace(tp_size=1), tp_group=None,
                                  token_to_kv_pool=srv.pool)  # fmt: skip
-        assert isinstance(plugin.attention_backend_factory(runner), ArenaAttnBackend)
+        assert isinstance(plugin.attention_backend_factory(runner), TieredAttnBackend)
     finally:
         config.export(None)
 
@@ -351,9 +405,9 @@ def _same_tiers(part: dict, whole: dict, rank: int) -> bool:
     )
 
 
-def test_tensor_parallel_ranks_decide_and_attend_as_one_arena(tmp_path):
+def test_tensor_parallel_ranks_decide_and_attend_as_one_engine(tmp_path):
     """``--tp 2`` on CPU (two gloo ranks, one KV head each): each rank decides, for its head,
-    the V-token tiers one arena over both heads decides, and attends alike; both record the
+    the V-token tiers one engine over both heads decides, and attends alike; both record the
     same routings. A rank planning alone decides otherwise (the comparison can fail)."""
     from gloo_ranks import run_ranks
 
@@ -373,17 +427,15 @@ def test_tensor_parallel_ranks_decide_and_attend_as_one_arena(tmp_path):
     assert not _same_tiers(_serve(rank=1), whole, 1)
 
 
-def test_decode_retracts_before_the_arenas_outgrow_the_pool_bytes():
-    """The decode-memory hook over arenas: a step's tokens (full precision until the next
-    routing) must fit the bytes SGLang set aside for the pool, beside what the arenas hold;
-    otherwise SGLang retracts requests instead of the device running out of memory."""
-    srv = Server(slots=4096)  # 10%: 409 tokens' worth of full K/V set aside
-    per_token = srv.pool.full_bytes_per_token()
-    assert per_token == 2 * L * H * D * 2 and sum(srv.pool.get_kv_size_bytes()) == 409 * per_token
+def test_decode_retracts_when_the_rows_run_out():
+    """The decode-memory hook over a decoupled pool: a step's new windows need row blocks (a
+    routed request keeps its rows); when they are short, SGLang retracts requests instead of
+    the forward failing."""
+    srv = Server(slots=16 * W)
     req = srv.admit("a")
     srv.forward([req], [_prompt(9, 256)], extend=True)
-    room = (409 * per_token - srv.pool.bytes_used()) // per_token
-    assert 0 < room < 409 - 20  # the prompt's arena holds ~10% of its 256 tokens' bytes
+    room = srv.pool.windows_free() * W
+    assert room == (16 - 256 // W) * W
 
     def batch(tokens: int) -> SimpleNamespace:
         return SimpleNamespace(token_to_kv_pool_allocator=srv.alloc,

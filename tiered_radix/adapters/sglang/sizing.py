@@ -196,8 +196,10 @@ def plan_blocks(
     W = lay.window
     row_bytes = 2 * W * head_dim * itemsize
     if lay.tier_bits is not None:  # every slot's rows; Zone A: the budget's bytes, with slack
+        fixed = 2 * row_bytes + head_num * window_table_bytes(lay)  # traps, padding window
         zone = ZONE_SLACK * _fraction(budget) * size * head_num * head_dim * 2 * itemsize
-        return PoolBlocks((size // W + 1) * head_num, 0, int(zone))
+        # window 0 (padding) never opens: a row block for every other window
+        return PoolBlocks(size // W * head_num, 0, max(16, int(zone - fixed) // 16 * 16))
     q_bytes = (
         uniform_page_nbytes(lay.quant.bits, W, head_dim, min(lay.v_group, head_dim))
         if lay.quant is not None
