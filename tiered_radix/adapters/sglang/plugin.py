@@ -287,8 +287,9 @@ def graph_execute(original, self, forward_batch, *args, **kwargs):
 
 def check_decode_mem(original, self, selected_indices=None) -> bool:
     """SGLang's answer (logical slots for the next decode step) and, over a tiered pool, whether
-    its row blocks hold the step's new windows. When they do not, SGLang retracts requests (its answer to a full pool) instead of the forward raising
-    ``PoolFullError`` or the device running out of memory."""
+    its row blocks hold the step's new windows. When they do not, SGLang retracts requests (its
+    answer to a full pool) instead of the forward raising ``PoolFullError`` or the device
+    running out of memory."""
     ok = original(self, selected_indices=selected_indices)
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     if not ok or not hasattr(pool, "holds_decode_tokens"):
