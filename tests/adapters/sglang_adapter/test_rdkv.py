@@ -47,30 +47,33 @@ class Server:
     """The shared pool, SGLang's paged allocator and request slots, the tiered radix cache and
     the backend, driven the way SGLang's scheduler drives them."""
 
-    def __init__(self, slots: int = 4096, policy=RDKV, kv_heads=slice(0, H), tp_group=None):
+    def __init__(self, slots: int = 4096, policy=RDKV, kv_heads=slice(0, H), tp_group=None,
+                 d: int = D, options=None):  # fmt: skip
         """``kv_heads`` of the model's ``H`` (a tensor-parallel rank's, with SGLang's
-        ``tp_group`` stand-in), and their share of the ``HQ`` query heads."""
+        ``tp_group`` stand-in), and their share of the ``HQ`` query heads; head dim ``d``;
+        ``options`` the launch's ``--kv-*`` flags."""
+        self.d = d
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
         q_heads = slice(kv_heads.start * HQ // H, kv_heads.stop * HQ // H)
         self.h, self.hq = kv_heads.stop - kv_heads.start, q_heads.stop - q_heads.start
-        self.pool = TieredKVPool(slots, W, torch.bfloat16, self.h, D, L, "cpu", policy=policy)
+        self.pool = TieredKVPool(slots, W, torch.bfloat16, self.h, d, L, "cpu", policy=policy)
         self.alloc = PagedTokenToKVPoolAllocator(slots, W, torch.bfloat16, "cpu", self.pool,
                                                  need_sort=False)  # fmt: skip
         self.r2t = ReqToTokenPool(8, 1024, "cpu", False)
         self.cache = TieredRadixCache(CacheInitParams(False, self.r2t, self.alloc, W),
                                       policy=policy)  # fmt: skip
         runner = SimpleNamespace(token_to_kv_pool=self.pool, tp_group=tp_group)
-        self.backend = TieredAttnBackend(runner)
+        self.backend = TieredAttnBackend(runner, options)
         g = torch.Generator().manual_seed(3)
-        wk, wv = (torch.randn(L, VOCAB, H, D, generator=g) for _ in range(2))
+        wk, wv = (torch.randn(L, VOCAB, H, d, generator=g) for _ in range(2))
         self.wk, self.wv = wk[:, :, kv_heads], wv[:, :, kv_heads]
-        self.wq = torch.randn(L, VOCAB, HQ, D, generator=g)[:, :, q_heads]
+        self.wq = torch.randn(L, VOCAB, HQ, d, generator=g)[:, :, q_heads]
         self.layers = [
-            SimpleNamespace(layer_id=li, tp_q_head_num=self.hq, qk_head_dim=D, v_head_dim=D,
-                            scaling=D**-0.5, logit_cap=0, sliding_window_size=-1)
+            SimpleNamespace(layer_id=li, tp_q_head_num=self.hq, qk_head_dim=d, v_head_dim=d,
+                            scaling=d**-0.5, logit_cap=0, sliding_window_size=-1)
             for li in range(L)
         ]  # fmt: skip
 
@@ -123,7 +126,8 @@ class Server:
             parts = [self.qkv(li, t, p) for t, p in zip(new, pre, strict=True)]
             q, k, v = (torch.cat([x[i] for x in parts]) for i in range(3))
             call = self.backend.forward_extend if extend else self.backend.forward_decode
-            o = call(q.reshape(-1, self.hq * D), k, v, layer, fb).reshape(-1, self.hq, D)
+            o = call(q.reshape(-1, self.hq * self.d), k, v, layer, fb)
+            o = o.reshape(-1, self.hq, self.d)
             for b, (t, _) in enumerate(zip(new, pre, strict=True)):
                 start = sum(len(x) for x in new[:b])
                 outs[b].append(o[start : start + len(t)].float())
@@ -248,6 +252,44 @@ def test_rdkv_compresses_the_prompt_to_its_budget_and_the_pool_counts_it():
     snap = srv.backend.stats()
     assert snap["pool_bytes_used"] == rows + zone and snap["routes"] == 1
     assert snap["demote"] + snap["evict"] > 0
+
+
+def test_decode_through_the_trizone_kernel_reads_the_pages_and_rows(monkeypatch):
+    """Decode with the TriZone kernel (interpreted; head dim 64, which it reads) over a batch of
+    a routed request (its Zone A pages of every V width, K channels grouped by width, and the
+    rows of its decoded tokens) and one that has not routed yet (rows only: a prefill chunk
+    that does not end its prompt, under a policy that routes at the first decode step)."""
+    pytest.importorskip("triton")
+    from tiered_radix.adapters.sglang.options import KVOptions
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    defer = compile_text(
+        (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+        .replace("schedule: after_prefill", "schedule: after_prefill(defer=true)")
+        .replace("budget: 10%", "budget: 40%")  # K channels of several widths
+    )  # fmt: skip
+    runs = {}
+    for mode in ("kernel", "gather"):
+        srv = Server(d=64, options=KVOptions(decode=mode), policy=defer)
+        a, b = srv.admit("a"), srv.admit("b")
+        srv.forward([a], [_prompt(30, 160)], extend=True)
+        srv.forward([a], [[3]], extend=False)  # a routes (deferred to its first decode step)
+        srv.forward([b], [_prompt(31, 96)], extend=True)  # b has not routed
+        assert srv.pool.zones.holds("a") and not srv.pool.zones.holds("b")
+        runs[mode] = [srv.forward([a, b], [[t], [t + 1]], extend=False) for t in (4, 5)]
+        assert srv.backend.stats()["decode"] == mode
+        if mode == "kernel":  # a's pages: more than one V width, K channels of mixed widths
+            store = srv.session("a").store
+            bits = torch.tensor(store.tier_bits())
+            v_widths = {int(x) for li in range(L) for x in bits[store.tiers(li)].unique()}
+            k_widths = {int(x) for li in range(L) for x in bits[store.channel_tiers(li)[0]]
+                        .unique()}  # fmt: skip
+            assert len(v_widths - {0}) >= 2 and len(k_widths - {0}) >= 2, (v_widths, k_widths)
+            assert srv.backend.stats()["kernel_steps"] == 3
+    for k_step, g_step in zip(runs["kernel"], runs["gather"], strict=True):
+        for k_req, g_req in zip(k_step, g_step, strict=True):
+            for x, y in zip(k_req, g_req, strict=True):
+                torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("insert", [True, False], ids=["finish", "retract"])

@@ -70,7 +70,7 @@ from tiered_radix.engine.signals import PREFILL_SIGNALS, Signals, at_positions, 
 from tiered_radix.engine.store import TierStore
 from tiered_radix.kernels import decode
 
-from . import graph, trizone
+from . import graph, trizone, zone_decode
 from .options import KVOptions
 from .pool import TieredKVPool
 from .profile import StepTimer
@@ -251,10 +251,8 @@ class TieredAttnBackend(AttentionBackend):
         return runs and trizone.supported(self.pool)
 
     def _use_kernel(self) -> bool:
-        """Decode with the TriZone kernel (``--kv-decode kernel``) where it can serve: a
-        coupled pool (a decoupled one's Zone A pages have no decode lists yet)."""
-        coupled = self.pool.zones is None
-        return self.options.decode == "kernel" and coupled and self._kernels_run()
+        """Decode with the TriZone kernel (``--kv-decode kernel``) where it can serve."""
+        return self.options.decode == "kernel" and self._kernels_run()
 
     def _use_extend_kernel(self) -> bool:
         """Extend through the TriZone extend kernel (``--kv-extend kernel``, the default on CUDA)
@@ -323,12 +321,12 @@ class TieredAttnBackend(AttentionBackend):
             PoolConfigError: decode cannot run the TriZone kernel here (the gather path is not
                 capturable).
         """
-        if not self.kernel:
+        if not self.kernel or self.pool.zones is not None:
             raise PoolConfigError(
                 "tiered_triton decodes under CUDA graphs through the TriZone kernel, which cannot "
                 f"read this pool (window {self.pool.layout.window}, head dim {self.pool.head_dim}"
-                f", --kv-decode {self.options.decode}, decoupled: {self.pool.zones is not None})"
-                ": relaunch with "
+                f", --kv-decode {self.options.decode}; a decoupled policy's Zone A lists have "
+                "no graph buffers yet): relaunch with "
                 "--disable-cuda-graph"
             )
         tokens = graph.capacity(self.context_len, self.options.graph_tokens)
@@ -588,11 +586,18 @@ class TieredAttnBackend(AttentionBackend):
             self.dbatch = self.graph.batch(self.graph_bs, q3.shape[1])
         if self.dbatch is None:
             views = [self.tree.views[r.rid] for r in self.batch]
+            seqs = [r.seq for r in self.batch]
             with self._timed("decode_lists"):
-                self.dbatch = trizone.build(
-                    self.pool, views, [r.seq for r in self.batch], q3.shape[1],
-                    side_output=self.decode_attn, splits=self.options.graph_splits,
-                )  # fmt: skip
+                if self.pool.zones is not None:  # decoupled: Zone A pages and window rows
+                    self.dbatch = zone_decode.build(
+                        self.pool, [r.rid for r in self.batch], views, seqs, q3.shape[1],
+                        side_output=self.decode_attn, splits=self.options.graph_splits,
+                    )  # fmt: skip
+                else:
+                    self.dbatch = trizone.build(
+                        self.pool, views, seqs, q3.shape[1], side_output=self.decode_attn,
+                        splits=self.options.graph_splits,
+                    )  # fmt: skip
         db = self.dbatch
         out = decode.run(
             q3.to(self.pool.dtype).contiguous(), db.layouts[li], db.plan,
@@ -603,7 +608,8 @@ class TieredAttnBackend(AttentionBackend):
 
     def _observe_decode(self) -> None:
         """After the last layer: every layer's per-window mass to each request's engine."""
-        attn = trizone.window_attn(self.dbatch, self.pool.layout.window)
+        unit = 1 if self.pool.zones is not None else self.pool.layout.window  # tokens: decoupled
+        attn = trizone.window_attn(self.dbatch, unit)
         for b, r in enumerate(self.batch):
             r.session.store.observe_attn(attn[:, b, :, : r.seq])
 

@@ -62,15 +62,47 @@ class Extents:
 
 
 @dataclass(frozen=True)
+class PageLists:
+    """A placed layer's pages as the decode kernel lists them (device tensors): ``off`` int64
+    ``[n]`` byte offsets in the layer's store, ``ntok`` int32 ``[n]`` valid tokens, ``tok``
+    int64 ``[n, P]`` token positions (-1 padding), ``counts`` int64 ``[H * 4]`` pages per
+    (head, V width), ``k_table`` int32 ``[H * 4, 12]``, ``perm`` int32 ``[H, d]``, and
+    ``rows`` bool ``[H, n_tokens]``: kept tokens in no page (read from the window rows)."""
+
+    off: Tensor
+    ntok: Tensor
+    tok: Tensor
+    counts: Tensor
+    k_table: Tensor
+    perm: Tensor
+    rows: Tensor
+
+
+@dataclass(frozen=True)
 class Placed:
     """One request's repacked layer: its pages (``zone``, offsets relative to ``base``), where
-    they start in the layer's store, and the tokens it covered (``n_tokens``; ``kept [H, n]``:
-    those not evicted)."""
+    they start in the layer's store, the tokens it covered (``n_tokens``; ``kept [H, n]``:
+    those not evicted) and its decode lists."""
 
     zone: zone_a.ZoneA
     base: int
     n_tokens: int
     kept: Tensor
+    lists: PageLists
+
+
+def _lists(z: zone_a.ZoneA, base: int, n_tokens: int, kept: Tensor, dev) -> PageLists:
+    H = z.perm.shape[0]
+    tok = z.page_tok.to(dev)
+    in_page = torch.zeros(H, n_tokens, dtype=torch.bool, device=dev)
+    head = torch.repeat_interleave(torch.arange(H), z.pages.sum(1)).to(dev)  # page -> head
+    valid = tok >= 0
+    in_page[head[:, None].expand_as(tok)[valid], tok[valid]] = True
+    return PageLists(
+        off=(z.page_off + base).to(dev), ntok=valid.sum(1).to(torch.int32), tok=tok,
+        counts=z.pages.flatten().to(dev), k_table=z.k_table.to(dev),
+        perm=z.perm.to(device=dev, dtype=torch.int32), rows=kept.to(dev) & ~in_page,
+    )  # fmt: skip
 
 
 class ZoneStore:
@@ -118,8 +150,10 @@ class ZoneStore:
         for li, (z, off) in enumerate(zip(zones, offs, strict=True)):
             if z.nbytes:
                 self.bytes_all[li, off : off + z.nbytes] = z.img.to(self.bytes_all.device)
+        dev = self.bytes_all.device
         self.placed[rid] = [
-            Placed(z, off, n_tokens, k) for z, off, k in zip(zones, offs, kept, strict=True)
+            Placed(z, off, n_tokens, k, _lists(z, off, n_tokens, k, dev))
+            for z, off, k in zip(zones, offs, kept, strict=True)
         ]
 
     def drop(self, rid: str) -> None:
