@@ -292,6 +292,63 @@ def test_decode_through_the_trizone_kernel_reads_the_pages_and_rows(monkeypatch)
                 torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
 
 
+def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch):
+    """RDKV re-planned every 2 decode steps, decoded as SGLang's graph runner drives it (capture
+    with all-padding batches, replays without rids, padded batches): every real row equals
+    eager decode's through the kernel, the tiers are the same, the kernels read the buffers
+    they were captured with (each layer's Zone A lists copied in), and between routings and new
+    windows the lists grow in place."""
+    from test_backend import Harness
+
+    from tiered_radix.adapters.sglang.options import KVOptions
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    text = (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+    text = text.replace("schedule: after_prefill", "schedule: after_prefill, every(4)")
+    text = text.replace("budget: 10%", "budget: 40%")
+    kw = dict(policy=text, head_dim=64, pages=12, blocks=PoolBlocks(24, 0, 1 << 20),
+              options=KVOptions(decode="kernel"))  # fmt: skip
+    eager, graphed = Harness(**kw), Harness(**kw)
+    graphed.backend.init_cuda_graph_state(4, 4)
+    for bs in (4, 2):
+        graphed.capture(bs)
+    where = {bs: _addresses(graphed.backend.graph.batches[bs]) for bs in (4, 2)}
+    reqs = {}
+    for name, h in (("eager", eager), ("graphed", graphed)):
+        a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
+        h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
+        reqs[name] = a, b
+    for t in range(10):
+        bs = 4 if 3 <= t < 6 else 2  # both captured sizes; at 4, two padded requests
+        new = [[60 + t], [80 + t]]
+        want = eager.step(list(reqs["eager"]), new, extend=False)
+        got = graphed.replay(list(reqs["graphed"]), new, bs)
+        for x, y in zip(want, got, strict=True):
+            err = (x.float() - y.float()).abs()
+            assert err.max() < 2e-2, (t, err.max())
+    graphed.backend.flush()
+    for r in "ab":
+        for li in range(2):
+            x = eager.backend.sessions[r].store.tiers(li)
+            assert torch.equal(x, graphed.backend.sessions[r].store.tiers(li))
+    es, gs = eager.backend.stats(), graphed.backend.stats()
+    assert gs["routes"] == es["routes"] > 2 and gs["demote"] == es["demote"] > 0
+    assert es["kernel_steps"] == 10 and gs["host_s"]["graph_steps"] == 10
+    assert gs["host_s"]["steady_steps"] > 0  # lists grown in place between routings
+    assert {bs: _addresses(graphed.backend.graph.batches[bs]) for bs in (4, 2)} == where
+
+
+def _addresses(db) -> list[int]:
+    """Where every tensor a captured decode step reads lives."""
+    out = [db.plan.part_acc.data_ptr(), db.plan.score.data_ptr()]
+    for lay in db.layouts:
+        out += [getattr(lay, f).data_ptr() for f in lay.__dataclass_fields__
+                if isinstance(getattr(lay, f), torch.Tensor)]  # fmt: skip
+    return out
+
+
 @pytest.mark.parametrize("insert", [True, False], ids=["finish", "retract"])
 def test_leaving_frees_the_pages_and_gives_every_slot_back(insert):
     srv = Server()
@@ -367,7 +424,7 @@ def test_stock_backends_cannot_read_the_pool():
 
 
 def test_the_plugin_serves_rdkv_from_the_shared_stack(monkeypatch):
-    """``--kv-policy rdkv``: page size W (a Zone A page), decode graphs off (the gather path
+    """``--kv-policy rdkv``: page size W (a Zone A page), decode graphs on (the TriZone kernel
     decodes), the tiered pool, radix cache and backend; a cell holds every slot's rows and the
     Zone A store's share."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -379,7 +436,7 @@ def test_the_plugin_serves_rdkv_from_the_shared_stack(monkeypatch):
     try:
         args = prepare_server_args(["--model-path", "dummy", "--kv-policy", "rdkv"])
         assert (args.radix_cache_backend, args.page_size) == ("tiered", W)
-        assert args.disable_decode_cuda_graph and args.attention_backend == "tiered_triton"
+        assert not args.disable_decode_cuda_graph and args.attention_backend == "tiered_triton"
         monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
         kvc = SimpleNamespace(
             kv_cache_dtype=torch.bfloat16,

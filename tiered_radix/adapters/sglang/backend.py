@@ -321,22 +321,18 @@ class TieredAttnBackend(AttentionBackend):
             PoolConfigError: decode cannot run the TriZone kernel here (the gather path is not
                 capturable).
         """
-        if not self.kernel or self.pool.zones is not None:
+        if not self.kernel:
             raise PoolConfigError(
                 "tiered_triton decodes under CUDA graphs through the TriZone kernel, which cannot "
                 f"read this pool (window {self.pool.layout.window}, head dim {self.pool.head_dim}"
-                f", --kv-decode {self.options.decode}; a decoupled policy's Zone A lists have "
-                "no graph buffers yet): relaunch with "
+                f", --kv-decode {self.options.decode}): relaunch with "
                 "--disable-cuda-graph"
             )
         tokens = graph.capacity(self.context_len, self.options.graph_tokens)
         self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
                                        self.decode_attn, self.fold_decay,
                                        splits=self.options.graph_splits)  # fmt: skip
-        pool = self.pool
-        nbytes = graph.buffer_bytes(pool.layer_num, pool.head_num, pool.head_dim,
-                                    pool.layout.window, max_bs, tokens, self.context_len,
-                                    self.decode_attn)  # fmt: skip
+        nbytes = self.graph.nbytes()
         log.info("tiered-radix: decode CUDA graphs up to batch %d, %d tokens, %.1f MiB of "
                  "buffers", max_bs, tokens, nbytes / (1 << 20))  # fmt: skip
 
@@ -386,7 +382,12 @@ class TieredAttnBackend(AttentionBackend):
                 self.timer.count("steady_steps")
             else:
                 views = [self.tree.views[r.rid] for r in self.batch]
-                g.load(bs, trizone.lists(self.pool, views, seqs, g.n_max, ahead=True))
+                if self.pool.zones is not None:  # decoupled: Zone A pages and window rows
+                    rids = [r.rid for r in self.batch]
+                    ls = zone_decode.lists(self.pool, rids, views, seqs, g.n_max, ahead=True)
+                else:
+                    ls = trizone.lists(self.pool, views, seqs, g.n_max, ahead=True)
+                g.load(bs, ls)
         self.graph_last = (bs, pools, seqs)
         self.pending = True
         self.timer.count("decode_steps")
@@ -434,7 +435,7 @@ class TieredAttnBackend(AttentionBackend):
         if db is None:
             return
         with self._timed("observe"):
-            attn = trizone.window_attn(db, self.pool.layout.window)
+            attn = trizone.window_attn(db, self._unit_tokens())
             for b, r in enumerate(self.batch):
                 r.session.store.fold_attn(attn[:, b, :, : r.seq], g.steps)
             g.folded()
@@ -608,8 +609,7 @@ class TieredAttnBackend(AttentionBackend):
 
     def _observe_decode(self) -> None:
         """After the last layer: every layer's per-window mass to each request's engine."""
-        unit = 1 if self.pool.zones is not None else self.pool.layout.window  # tokens: decoupled
-        attn = trizone.window_attn(self.dbatch, unit)
+        attn = trizone.window_attn(self.dbatch, self._unit_tokens())
         for b, r in enumerate(self.batch):
             r.session.store.observe_attn(attn[:, b, :, : r.seq])
 
@@ -638,6 +638,10 @@ class TieredAttnBackend(AttentionBackend):
         self.counters.routed(moves, self.pool.device)
         self.counters.publish(self.stats, bool(due))
         return bool(due)
+
+    def _unit_tokens(self) -> int:
+        """Tokens of a side-output unit: a window, a token for a decoupled pool."""
+        return 1 if self.pool.zones is not None else self.pool.layout.window
 
     def _rows_only(self) -> bool:
         """Whether every request of the extend batch has new tokens and reads window rows only

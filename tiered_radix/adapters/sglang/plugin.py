@@ -95,9 +95,7 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
         check_tensor_parallel(cfg, given)
     from .trizone import PAGE_SIZES
 
-    # decode gathers in PyTorch, not capturable: windows the kernel is not compiled for, and
-    # decoupled policies (their Zone A pages have no decode lists yet)
-    if want["page_size"] not in PAGE_SIZES or Layout.of(cfg.policy).tier_bits is not None:
+    if want["page_size"] not in PAGE_SIZES:  # decode gathers in PyTorch: not capturable
         want["disable_decode_cuda_graph"] = True
     return want | forced(cfg.options)
 
