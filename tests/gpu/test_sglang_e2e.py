@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 from multiturn_chat import chat  # noqa: E402
 from needle_text import question  # noqa: E402
 
-
 SHIPPED = sorted(p.stem for p in (ROOT / "policies").glob("*.yaml"))
 POLICIES = [p for p in os.environ.get("TR_E2E_POLICIES", ",".join(SHIPPED)).split(",") if p]
 OUT = Path(os.environ.get("TR_E2E_OUT", "e2e-results"))

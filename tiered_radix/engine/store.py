@@ -111,7 +111,13 @@ class TierStore:
             bits = [0] * self.tier_set.offset + list(a.bits)
             for layer in self.layers:
                 layer.k = ChannelK(
-                    self.tier_set, bits, a.group, n_heads, head_dim, dtype, self.device,
+                    self.tier_set,
+                    bits,
+                    a.group,
+                    n_heads,
+                    head_dim,
+                    dtype,
+                    self.device,
                     keep_data=reader is None,
                 )
         self.shares = (  # float64 [L, H] budget shares, fixed unless proportional to scores

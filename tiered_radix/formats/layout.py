@@ -383,7 +383,12 @@ def unpack_uniform_pages(
 
 
 def unpack_pages(
-    img: torch.Tensor, n: Sequence[int], vb: int, page_size: int, d: int, v_group: int,
+    img: torch.Tensor,
+    n: Sequence[int],
+    vb: int,
+    page_size: int,
+    d: int,
+    v_group: int,
     raw_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`pack_pages`: float32 ``k, v [m, P, d]`` of pages ``img [m, bytes]``,

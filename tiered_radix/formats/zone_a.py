@@ -108,7 +108,12 @@ def pack(
 
 
 def unpack(
-    zone: ZoneA, img: Tensor, n_tokens: int, *, page_size: int, v_group: int,
+    zone: ZoneA,
+    img: Tensor,
+    n_tokens: int,
+    *,
+    page_size: int,
+    v_group: int,
     raw_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """What the pages hold (``img``: ``zone``'s bytes, wherever they now live): float32

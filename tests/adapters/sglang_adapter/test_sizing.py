@@ -138,8 +138,12 @@ def test_the_engine_share_bounds_a_store_holding_every_slot(policy):
     held = store.stack.tier.nbytes
     held += sum(s.present.nbytes + s.write_count.nbytes for s in store.stack.stores.values())
     held += sum(t.nbytes for t in store.scores._state.values())
-    held += sum(t.nbytes for obs in store.scores._observed for t in obs.values()
-                if t.dim() and t.shape[-1] != d)  # per token (qnorm is per channel: [H, d])
+    held += sum(
+        t.nbytes
+        for obs in store.scores._observed
+        for t in obs.values()
+        if t.dim() and t.shape[-1] != d
+    )  # per token (qnorm is per channel: [H, d])
     if not p.coupled:  # the channel set (tiers per channel and counts do not grow)
         held += sum(store.channel_tiers(li)[1].nbytes for li in range(L))
     bound = sizing.engine_bytes_per_token(p) * L * H * (T + 40)

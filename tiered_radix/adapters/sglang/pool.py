@@ -531,8 +531,8 @@ class TieredKVPool(MHATokenToKVPool):
         k = torch.cat([torch.where(on, kz, k[:, :m]), k[:, m:]], 1)
         v = torch.cat([torch.where(on, vz, v[:, :m]), v[:, m:]], 1)
         kept = torch.cat([kz_kept, kept[:, m:]], 1)
-        return torch.where(kept[..., None], k, torch.nan), torch.where(kept[..., None], v,
-                                                                        torch.nan), kept
+        on = kept[..., None]
+        return torch.where(on, k, torch.nan), torch.where(on, v, torch.nan), kept
 
     def repack(self, rid: str, windows: Tensor, n_tokens: int, decided: list[tuple]) -> None:
         """A decoupled request's routing: every layer's tokens, as the request reads them now

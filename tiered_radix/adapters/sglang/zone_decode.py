@@ -83,10 +83,12 @@ def _pages(pool, li: int, placed, T: int) -> dict[str, Tensor]:
     return dict(
         page_off=torch.cat(off) if off else torch.zeros(0, dtype=torch.long, device=dev),
         page_ntok=torch.cat(ntok) if ntok else torch.zeros(0, dtype=torch.int32, device=dev),
-        page_units=units, page_unit=torch.where(lo == hi, lo, -1).to(torch.int32),
+        page_units=units,
+        page_unit=torch.where(lo == hi, lo, -1).to(torch.int32),
         page_indptr=_indptr(torch.cat(counts)),
         page_ids=torch.arange(n, dtype=torch.int32, device=dev),
-        k_table=torch.cat(table), perm=torch.cat(perm).contiguous(),
+        k_table=torch.cat(table),
+        perm=torch.cat(perm).contiguous(),
     )
 
 
