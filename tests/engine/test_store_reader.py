@@ -1,5 +1,6 @@
 """A TierStore without its own rows (``reader=``, as the SGLang pool uses it) decides exactly
-what a store holding the rows decides, for every coupled shipped policy."""
+what a store holding the rows decides, for every shipped policy (RDKV's too: its channel set
+and K tiers without codes)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ import torch
 from test_store import FILES, signals
 
 from tiered_radix import load_policy
-from tiered_radix.engine.routing import EngineConfigError
 from tiered_radix.engine.signals import Signals
 from tiered_radix.engine.store import TierStore
 
 COUPLED = [p for p in FILES if load_policy(str(p)).coupled]
 
 
-@pytest.mark.parametrize("path", COUPLED, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_reader_store_routes_like_the_data_store(path):
     policy = load_policy(str(path))
     L, H, d, T, steps = 2, 2, 16, 150, 40
@@ -29,6 +29,7 @@ def test_reader_store_routes_like_the_data_store(path):
         policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32, reader=full.view
     )
     assert bare.stack.full == {} and all(not s.data for s in bare.stack.stores.values())
+    assert all(lay.k is None or lay.k.k_full.numel() == 0 for lay in bare.layers)
     # counts every layer's new tokens in one call (the SGLang backend's way)
     every = TierStore(
         policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32, reader=full.view
@@ -45,14 +46,18 @@ def test_reader_store_routes_like_the_data_store(path):
             bare.observe(li, sig)
             every.observe(li, sig)
 
+    # the stores without rows plan first: they read the rows as they are before this routing
+    # (a decoupled plan reads them: K norms, spreads), as the pool holds them
     feed(0, T, True)
     every.after_prefill()
-    pairs = [(full.after_prefill(), bare.after_prefill())]
+    b = bare.after_prefill()
+    pairs = [(full.after_prefill(), b)]
     for step in range(steps):
         feed(T + step, T + step + 1, False)
         if full.schedule_due(step):
             every.route(f"step {step}")
-            pairs.append((full.route(f"step {step}"), bare.route(f"step {step}")))
+            b = bare.route(f"step {step}")
+            pairs.append((full.route(f"step {step}"), b))
     for a, b in pairs:
         if a is None:
             assert b is None
@@ -62,15 +67,14 @@ def test_reader_store_routes_like_the_data_store(path):
     for li in range(L):
         assert torch.equal(full.tiers(li), bare.tiers(li))
         assert torch.equal(full.tiers(li), every.tiers(li))
+        if not policy.coupled:  # the channel tiers and set, and no codes
+            for x, y in zip(full.channel_tiers(li), bare.channel_tiers(li), strict=True):
+                assert torch.equal(x, y)
+            assert not bare.layers[li].k.codes
     assert full.bytes_used() == bare.bytes_used() and full.occupancy() == bare.occupancy()
     assert every.stack.n_tokens == bare.stack.n_tokens == [T + steps] * L
     if len(policy.tiers) > 1:  # something moved
         assert sum(len(a) for a, _ in pairs if a is not None) > 0
-
-
-def test_reader_store_refuses_separate_k_and_v_units():
-    with pytest.raises(EngineConfigError, match="coupled"):
-        TierStore(load_policy("rdkv"), n_layers=1, n_heads=1, head_dim=16, reader=lambda li: None)
 
 
 def prefilled_pair(policy, L: int, H: int, d: int, T: int, steps: int, seed: int):

@@ -14,8 +14,14 @@ write-once ledger applies to them). K is held here:
 
 K channel copies are not ledger entries: the set changes between routings, so each routing
 re-encodes K from what the layer holds (full rows, or the previous codes; a dropped channel stays
-0). Bytes per channel of a head with ``n`` set tokens: ``2 n`` at 16 bits,
-``quantized_nbytes(ceil(n / group) * group, bits, group)`` when quantized, 0 when dropped.
+0). K groups follow Zone A (:func:`zone_a_order`): the set's tokens by V tier, then position,
+each V tier's run padded to ``group``, so a group is one TriZone page's K part and the SGLang
+pool's pages (:mod:`tiered_radix.formats.zone_a`) hold these codes bit for bit. Bytes per channel
+of a head with ``n_j`` set tokens at V tier ``j``: ``2 sum n_j`` at 16 bits,
+``quantized_nbytes(sum ceil(n_j / group) * group, bits, group)`` when quantized, 0 when dropped.
+
+Without data (``keep_data=False``, a store whose rows live in the SGLang pool) the layer keeps
+the tiers, the set and its counts: what the byte counts need.
 """
 
 from __future__ import annotations
@@ -29,14 +35,43 @@ from .routing import TierSet
 
 
 def channel_cost(n_set: Tensor, bits: list[int], group: int) -> Tensor:
-    """float64 ``[H, len(bits)]``: bytes of one channel over ``n_set[H]`` tokens per width."""
+    """float64 ``[H, len(bits)]``: bytes of one channel over the set's tokens per width, with
+    ``n_set [H, J]`` the set's tokens per V tier (each V tier's run padded to ``group``)."""
     n = n_set.double()
-    padded = torch.ceil(n / group) * group
+    padded = (torch.ceil(n / group) * group).sum(-1)
+    n = n.sum(-1)
     cols = [
         torch.zeros_like(n) if b == 0 else 2 * n if b == 16 else padded * b / 8 + 4 * padded / group
         for b in bits
     ]
     return torch.stack(cols, -1)
+
+
+def zone_a_order(v_tier: Tensor, in_set: Tensor, n_tiers: int, group: int):
+    """The set's tokens as K groups are made of them: per head, by V tier then position, each
+    tier's run padded to a multiple of ``group`` with its last token (Zone A's pages,
+    :mod:`tiered_radix.formats.zone_a`). Returns ``index`` int64 ``[H, N]`` (token of each slot),
+    ``valid`` bool ``[H, N]`` (slots that are not padding) and ``counts`` int64 ``[H, J]`` (set
+    tokens per V tier)."""
+    H, T = in_set.shape
+    dev = in_set.device
+    vt = v_tier.clamp(0, n_tiers - 1)
+    counts = torch.zeros(H, n_tiers, dtype=torch.long, device=dev)
+    counts.scatter_add_(1, vt, in_set.long())
+    pos = torch.arange(T, device=dev)
+    key = torch.where(in_set, vt * T + pos, n_tiers * T)
+    order = torch.sort(key, dim=1).indices  # set tokens by (tier, position), then the rest
+    padded = -(-counts // group) * group
+    pend = padded.cumsum(1)
+    n = int(pend[:, -1].max()) if H else 0
+    slot = torch.arange(n, device=dev).expand(H, -1)
+    tier = torch.searchsorted(pend, slot.contiguous(), right=True).clamp(max=n_tiers - 1)
+    within = slot - (pend - padded).gather(1, tier)
+    c = counts.gather(1, tier)
+    src = (counts.cumsum(1) - counts).gather(1, tier) + within.clamp(max=(c - 1).clamp(min=0))
+    valid = (within < c) & (slot < pend[:, -1:])
+    index = order.gather(1, src.clamp(0, max(T - 1, 0)))
+    return index, valid, counts
 
 
 class ChannelK:
@@ -49,30 +84,35 @@ class ChannelK:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        keep_data: bool = True,
     ) -> None:
         self.tiers, self.bits, self.group = tiers, bits, group  # bits[j]: width of engine tier j
         self.n_heads, self.head_dim, self.dtype, self.device = n_heads, head_dim, dtype, device
+        self.keep_data = keep_data  # False: tiers, set and byte counts only (rows live elsewhere)
         self.k_full = torch.empty(n_heads, 0, head_dim, dtype=dtype, device=device)
         self.in_set = torch.zeros(n_heads, 0, dtype=torch.bool, device=device)
         self.tier = torch.zeros(n_heads, head_dim, dtype=torch.long, device=device)
         self.index = torch.zeros(n_heads, 0, dtype=torch.long, device=device)
-        self.n_set = torch.zeros(n_heads, dtype=torch.long, device=device)
+        self.valid = torch.zeros(n_heads, 0, dtype=torch.bool, device=device)
+        self.n_set = torch.zeros(n_heads, len(tiers.names), dtype=torch.long, device=device)
         self.codes: dict[int, codecs.QuantizedTensor] = {}
 
     @property
     def n_tokens(self) -> int:
         return self.in_set.shape[1]
 
-    def append(self, k: Tensor) -> None:
-        t = self.n_tokens + k.shape[1]
-        if t > self.k_full.shape[1]:
-            pad = max(t, 2 * self.k_full.shape[1]) - self.k_full.shape[1]
-            self.k_full = torch.cat(
-                [self.k_full, self.k_full.new_full((self.n_heads, pad, self.head_dim), torch.nan)],
-                1,
-            )
-        self.k_full[:, self.n_tokens : t] = k.to(self.dtype)
-        self.in_set = torch.cat([self.in_set, self.in_set.new_zeros(self.n_heads, k.shape[1])], 1)
+    def append(self, k: Tensor | None, n: int | None = None) -> None:
+        """``k [H, t, d]`` new tokens (outside the set until the next routing); without data
+        (``keep_data=False``) ``k`` is None and ``n`` counts them."""
+        n = k.shape[1] if k is not None else n
+        t = self.n_tokens + n
+        if self.keep_data:
+            if t > self.k_full.shape[1]:
+                pad = max(t, 2 * self.k_full.shape[1]) - self.k_full.shape[1]
+                fill = self.k_full.new_full((self.n_heads, pad, self.head_dim), torch.nan)
+                self.k_full = torch.cat([self.k_full, fill], 1)
+            self.k_full[:, self.n_tokens : t] = k.to(self.dtype)
+        self.in_set = torch.cat([self.in_set, self.in_set.new_zeros(self.n_heads, n)], 1)
 
     def view(self, kept: Tensor) -> Tensor:
         """float32 ``[H, T, d]`` K as attention reads it; NaN where ``kept[H, T]`` is False."""
@@ -85,34 +125,31 @@ class ChannelK:
             for j, q in self.codes.items():
                 on = (self.tier == j)[:, None, :]
                 vals = torch.where(on, codecs.dequantize(q)[..., :n].transpose(1, 2), vals)
-            valid = torch.arange(n, device=self.device) < self.n_set[:, None]
-            idx = torch.where(valid, self.index, t)[..., None].expand(-1, -1, d)
+            idx = torch.where(self.valid, self.index, t)[..., None].expand(-1, -1, d)
             dense = torch.zeros(self.n_heads, t + 1, d, device=self.device)
             dense = dense.scatter(1, idx, vals)[:, :t]
             from_set = torch.where((self.tier == 0)[:, None, :], k, dense)
             k = torch.where(in_set[..., None], from_set, k)
         return torch.where(kept[..., None], k, torch.nan)
 
-    def apply(self, new_tier: Tensor, new_set: Tensor, kept: Tensor) -> None:
-        """Re-encode K for channel tiers ``new_tier[H, d]`` over ``new_set[H, T]``; tokens not
+    def apply(self, new_tier: Tensor, new_set: Tensor, kept: Tensor, v_tier: Tensor) -> None:
+        """Re-encode K for channel tiers ``new_tier[H, d]`` over ``new_set[H, T]``, grouped as
+        :func:`zone_a_order` says from the tokens' V tiers ``v_tier[H, T]``; tokens not
         ``kept[H, T]`` are evicted (their rows poisoned)."""
+        J = len(self.tiers.names)
+        index, valid, counts = zone_a_order(v_tier[:, : self.n_tokens], new_set, J, self.group)
+        if not self.keep_data:
+            self.n_set, self.tier, self.in_set = counts, new_tier, new_set
+            return
         cur = self.view(kept)  # what the layer holds now, before anything is freed
-        n_set = new_set.sum(1)
-        n = int(n_set.max()) if new_set.numel() else 0
-        padded = -(-n // self.group) * self.group
-        pos = torch.arange(self.n_tokens, device=self.device).expand(self.n_heads, -1)
-        order = torch.sort(torch.where(new_set, pos, self.n_tokens), dim=1).values
-        order = torch.nn.functional.pad(order, (0, max(padded - order.shape[1], 0)))[:, :padded]
-        slot = torch.arange(padded, device=self.device)
-        last = order.gather(1, (n_set - 1).clamp(min=0)[:, None]) if padded else order
-        index = torch.where(slot < n_set[:, None], order, last).clamp(max=self.n_tokens - 1)
         self.codes = {}
-        if padded:
+        if index.shape[1]:
             x = torch.nan_to_num(cur.gather(1, index[..., None].expand(-1, -1, self.head_dim)))
             for j in self.tiers.quantized:
                 if bool((new_tier == j).any()):
                     self.codes[j] = codecs.quantize(x.transpose(1, 2), self.bits[j], self.group)
-        self.index, self.n_set, self.tier, self.in_set = index[:, :n], n_set, new_tier, new_set
+        self.index, self.valid, self.n_set = index, valid, counts
+        self.tier, self.in_set = new_tier, new_set
         keep_row = kept & ~new_set
         full_chan = new_set[..., None] & (new_tier == 0)[:, None, :]
         rows = torch.where(keep_row[..., None] | full_chan, cur, torch.nan)

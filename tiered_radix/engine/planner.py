@@ -384,7 +384,8 @@ def _rd_decoupled(store, li: int, c: Constraints, cost: Tensor, budgets: list[fl
     v_tier = _rd_coupled(store, li, c, cost, [a.v_share * b for b in budgets])
     ev = -1 if ts.evict is None else ts.evict
     k_set = (v_tier != ev) & ~c.full
-    n_set = k_set.sum(1)
+    n_set = torch.zeros(store.n_heads, len(ts.names), dtype=torch.long, device=store.device)
+    n_set.scatter_add_(1, v_tier.clamp(min=0), k_set.long())  # set tokens per V tier
     chan = UnitLayout("channel", 1, store.head_dim)
     kw, ks = _weights(store, li, a.k_weight, chan), _weights(store, li, a.sigma, chan)
     k_cost = channel_cost(n_set, lay.k.bits, a.group)[:, ts.offset :]

@@ -123,8 +123,6 @@ class TierStore:
                 "for both otherwise"
             )
         parts = ("k", "v") if self.coupled else ("v",)
-        if reader is not None and not self.coupled:
-            raise EngineConfigError("a store without its own rows (reader=) needs coupled units")
         self.reader = reader
         self.stack = CoupledStack(
             self.tier_set,
@@ -145,7 +143,14 @@ class TierStore:
             bits = [0] * self.tier_set.offset + list(a.bits)
             for layer in self.layers:
                 layer.k = ChannelK(
-                    self.tier_set, bits, a.group, n_heads, head_dim, dtype, self.device
+                    self.tier_set,
+                    bits,
+                    a.group,
+                    n_heads,
+                    head_dim,
+                    dtype,
+                    self.device,
+                    keep_data=reader is None,
                 )
         self.shares = (  # float64 [L, H] budget shares, fixed unless proportional to scores
             None
@@ -181,6 +186,9 @@ class TierStore:
             self.stack.count(n)
         else:
             self.stack.append(layer, {}, n)
+        for li, lay in enumerate(self.layers):
+            if lay.k is not None and (layer is None or layer == li):
+                lay.k.append(None, n)
 
     def observe(self, layer: int, signals: Signals) -> None:
         """Record one layer's signals and advance cumulative scores (once per step)."""
@@ -253,7 +261,7 @@ class TierStore:
             k = self.layers[li].k
             if k is not None:
                 kept = plan.v[li] != (-1 if ev is None else ev)
-                k.apply(plan.k[li], plan.k_set[li], kept)
+                k.apply(plan.k[li], plan.k_set[li], kept, plan.tiers[li])
         out = Transitions.from_flat(
             self.tier_set.names, ev, m.index, m.shape, m.src, m.dst, m.wrote
         )
@@ -398,6 +406,19 @@ class TierStore:
     def budget_bytes(self) -> int:
         """The whole model's budget (all ranks' heads when sharded)."""
         return total_budget(self.budget, self.stack.n_tokens, self.shard.heads_total, self.head_dim)
+
+    def channel_tiers(self, layer: int) -> tuple[Tensor, Tensor]:
+        """A decoupled policy's K after the last routing: int64 ``[H, d]`` engine tier per
+        channel and bool ``[H, T]`` the channel set (tokens whose K is held per channel)."""
+        k = self.layers[layer].k
+        assert k is not None, "channel tiers are a decoupled policy's"
+        return k.tier, k.in_set
+
+    def tier_bits(self) -> list[int]:
+        """A decoupled policy's width of each engine tier (0: evicted, 16: full precision)."""
+        k = self.layers[0].k
+        assert k is not None, "tier widths are a decoupled policy's"
+        return list(k.bits)
 
     def tiers(self, layer: int) -> Tensor:
         """int64 ``[H, U]`` engine tier index per unit (V tokens for decoupled policies)."""

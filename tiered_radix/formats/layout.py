@@ -142,9 +142,20 @@ def _perm_and_counts(kb: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return perm, [int((kb == b).sum()) for b in K_BITS]
 
 
-def _page_bytes(x_k: torch.Tensor, x_v: torch.Tensor, n: list[int], vb: int, v_group: int):
-    """Byte image [pages, page_bytes] of permuted K x_k [pages, P, d] and V x_v [pages, P, d]."""
+def pack_pages(
+    x_k: torch.Tensor,
+    x_v: torch.Tensor,
+    n: Sequence[int],
+    vb: int,
+    v_group: int,
+    raw_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Byte image uint8 ``[pages, page_bytes]`` of permuted K ``x_k [pages, P, d]`` (channel
+    counts ``n`` per width of :data:`K_BITS`, in that order) and V ``x_v [pages, P, d]`` at
+    ``vb`` bits. Quantized sections take any float input; raw (16-bit) sections are stored in
+    ``raw_dtype`` (default: the input's dtype)."""
     pages, p, d = x_k.shape
+    raw_dtype = raw_dtype or x_k.dtype
     ks = k_sections(n, p)
     vs = v_sections(vb, p, d, v_group)
     out = torch.zeros(pages, ks[6] + vs[3], dtype=torch.uint8, device=x_k.device)
@@ -156,7 +167,7 @@ def _page_bytes(x_k: torch.Tensor, x_v: torch.Tensor, n: list[int], vb: int, v_g
         if cnt == 0:
             continue
         if b == 16:
-            raw = seg.contiguous().view(torch.uint8).reshape(pages, -1)
+            raw = seg.to(raw_dtype).contiguous().view(torch.uint8).reshape(pages, -1)
         else:
             q = codecs.quantize(seg, b, p)
             raw = q.codes.reshape(pages, -1)
@@ -169,7 +180,7 @@ def _page_bytes(x_k: torch.Tensor, x_v: torch.Tensor, n: list[int], vb: int, v_g
             out[:, o : o + raw.shape[1]] = raw
     vo = ks[6]
     if vb == 16:
-        raw = x_v.contiguous().view(torch.uint8).reshape(pages, -1)
+        raw = x_v.to(raw_dtype).contiguous().view(torch.uint8).reshape(pages, -1)
         out[:, vo : vo + raw.shape[1]] = raw
     else:
         q = codecs.quantize(x_v, vb, v_group)
@@ -265,7 +276,7 @@ def build_trizone(
                     idx = torch.cat([tp, tp[-1:].expand(npg * page_size - len(tp))])
                     xk = kr[idx.to(dev), h][:, perm.to(dev)].reshape(npg, page_size, d)
                     xv = vr[idx.to(dev), h].reshape(npg, page_size, d)
-                    img = _page_bytes(xk, xv, n, vb, v_group)
+                    img = pack_pages(xk, xv, n, vb, v_group)
                     pages.append(img.reshape(-1))
                     ids = torch.arange(npg) + len(page_off)
                     page_off += [off + i * img.shape[1] for i in range(npg)]
@@ -343,7 +354,7 @@ def pack_uniform_pages(k: torch.Tensor, v: torch.Tensor, bits: int, v_group: int
     """uint8 ``[n, uniform_page_nbytes]``: K/V ``[n, P, d]`` as TriZone pages at ``bits``
     (K per channel over the page's P tokens, V per token in groups of ``v_group``)."""
     n = [k.shape[2] if b == bits else 0 for b in K_BITS]
-    return _page_bytes(k, v, n, bits, v_group)
+    return pack_pages(k, v, n, bits, v_group)
 
 
 def unpack_uniform_pages(
@@ -369,3 +380,51 @@ def unpack_uniform_pages(
         bits, v_group, d,
     )  # fmt: skip
     return codecs.dequantize(kq).transpose(1, 2), codecs.dequantize(vq)
+
+
+def unpack_pages(
+    img: torch.Tensor,
+    n: Sequence[int],
+    vb: int,
+    page_size: int,
+    d: int,
+    v_group: int,
+    raw_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_pages`: float32 ``k, v [m, P, d]`` of pages ``img [m, bytes]``,
+    K in the pages' permuted channel order (channels past ``sum(n)``, dropped, read 0)."""
+    m, p = img.shape[0], page_size
+    ks, vs = k_sections(n, p), v_sections(vb, p, d, v_group)
+    k = torch.zeros(m, d, p, dtype=torch.float32, device=img.device)  # [m, channel, token]
+
+    def f16(at: int, count: int) -> torch.Tensor:
+        return img[:, at : at + 2 * count].contiguous().view(torch.float16)
+
+    c0, nq = 0, 0
+    for i, (cnt, b) in enumerate(zip(n, K_BITS, strict=True)):
+        if cnt and b == 16:
+            size = cnt * p * torch.empty(0, dtype=raw_dtype).element_size()
+            raw = img[:, ks[i] : ks[i] + size].contiguous().view(raw_dtype)
+            k[:, c0 : c0 + cnt] = raw.reshape(m, cnt, p).float()
+        elif cnt:
+            q = codecs.QuantizedTensor(
+                img[:, ks[i] : ks[i] + cnt * p * b // 8].reshape(m, cnt, p * b // 8),
+                f16(ks[4] + 2 * nq, cnt).reshape(m, cnt, 1),
+                f16(ks[5] + 2 * nq, cnt).reshape(m, cnt, 1), b, p, p,
+            )  # fmt: skip
+            k[:, c0 : c0 + cnt] = codecs.dequantize(q)
+            nq += cnt
+        c0 += cnt
+    vo = ks[6]
+    if vb == 16:
+        size = p * d * torch.empty(0, dtype=raw_dtype).element_size()
+        v = img[:, vo : vo + size].contiguous().view(raw_dtype).reshape(m, p, d).float()
+    else:
+        ng = d // v_group
+        vq = codecs.QuantizedTensor(
+            img[:, vo : vo + p * d * vb // 8].reshape(m, p, d * vb // 8),
+            f16(vo + vs[1], p * ng).reshape(m, p, ng), f16(vo + vs[2], p * ng).reshape(m, p, ng),
+            vb, v_group, d,
+        )  # fmt: skip
+        v = codecs.dequantize(vq)
+    return k.transpose(1, 2), v

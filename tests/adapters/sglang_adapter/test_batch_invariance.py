@@ -1,6 +1,6 @@
 """Batch invariance on CPU: a request's outputs and tiers are the same served alone and inside a
-batch, for every shipped policy (RDKV through the arena backend, the others through
-``TieredAttnBackend``).
+batch, for every shipped policy, through ``TieredAttnBackend`` over the tiered pool and radix
+cache (RDKV's requests repacked into Zone A pages at each routing).
 
 SGLang's scheduler is played by :class:`Scheduler`: each round SGLang's own ``PrefillAdder``
 with a fresh budget of ``--chunked-prefill-size`` tokens takes the chunked request first
@@ -23,7 +23,6 @@ require("sglang.srt.managers.schedule_policy")
 
 from sglang.srt.managers import schedule_policy  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
-from test_arena import Server  # noqa: E402
 from test_backend import Harness, Mode  # noqa: E402
 
 from tiered_radix.adapters.sglang import plugin  # noqa: E402
@@ -54,34 +53,16 @@ def prefill_adder(rig, running: list):
     return PrefillAdder(rig.page, rig.cache, rig.alloc, batch, 0.5, 1 << 20, STRIDE)
 
 
-class ArenaRig:
-    """RDKV's arena backend (:class:`test_arena.Server`)."""
-
-    page = 1
-
-    def __init__(self, text: str) -> None:
-        self.srv = Server(policy=compile_text(text))
-        self.alloc, self.cache = self.srv.alloc, self.srv.cache
-
-    def start(self, rid: str, prompt: list[int]):
-        return self.srv.admit(rid)
-
-    def forward(self, reqs, new: list[list[int]], extend: bool) -> list[list[torch.Tensor]]:
-        return self.srv.forward(reqs, new, extend)
-
-    def store(self, rid: str):
-        return self.srv.pool.sessions[rid].store
-
-
-class CoupledRig:
+class PoolRig:
     """``TieredAttnBackend`` over the pool and radix cache (:class:`test_backend.Harness`)."""
 
     def __init__(self, text: str, head_dim: int = HEAD_DIM, options: KVOptions | None = None):
         W = Layout.of(compile_text(text)).window
         pages = 2 * (-(-sum(PROMPTS.values()) // W) + len(PROMPTS) * (2 + max(DECODES.values())))
         blocks = 4 * pages  # row and ledger blocks for every window of every head: no cuts
+        zone = 1 << 22  # a decoupled policy's Zone A bytes a layer: room for every request
         self.h = Harness(policy=text, head_dim=head_dim, pages=pages,
-                         blocks=PoolBlocks(blocks, blocks), options=options)  # fmt: skip
+                         blocks=PoolBlocks(blocks, blocks, zone), options=options)  # fmt: skip
         self.alloc, self.cache, self.page = self.h.sim.alloc, self.h.sim.cache, W
 
     def start(self, rid: str, prompt: list[int]):
@@ -121,10 +102,7 @@ class CoupledRig:
 
 
 def rig(name: str, head_dim: int = HEAD_DIM, options: KVOptions | None = None):
-    text = policy_text(name)
-    if not compile_text(text).coupled:
-        return ArenaRig(text)
-    return CoupledRig(text, head_dim, options)
+    return PoolRig(policy_text(name), head_dim, options)
 
 
 def prompt(rid: str) -> list[int]:

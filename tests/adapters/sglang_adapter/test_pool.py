@@ -198,8 +198,16 @@ ledger: write_once
 
 
 def test_unsupported_layouts_are_typed_errors():
+    import dataclasses
+
+    from tiered_radix.policy.model import Granularity
+
+    rdkv = load_policy("rdkv")
+    with pytest.raises(PoolConfigError, match="--page-size 32"):  # RDKV: a Zone A page
+        TieredKVPool(64, 1, torch.bfloat16, 2, 8, 1, "cpu", policy=rdkv)
+    other = dataclasses.replace(rdkv, v=Granularity("window", 32))  # separate, not RDKV's
     with pytest.raises(PoolConfigError, match="separate K and V"):
-        TieredKVPool(64, 1, torch.bfloat16, 2, 8, 1, "cpu", policy=load_policy("rdkv"))
+        TieredKVPool(64, 32, torch.bfloat16, 2, 8, 1, "cpu", policy=other)
     with pytest.raises(PoolConfigError, match="--page-size 32"):
         TieredKVPool(64, 1, torch.bfloat16, 2, 8, 1, "cpu", policy=load_policy("qevict"))
 

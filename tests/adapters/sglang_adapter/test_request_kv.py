@@ -297,7 +297,7 @@ def test_native_sampling_params_are_moved_and_checked(exported):
 def test_an_arena_launch_refuses_per_request_fields_and_an_untiered_one_ignores_them():
     try:
         config.export(config.resolve("rdkv"))
-        with pytest.raises(RequestError, match="not served by --kv-policy rdkv.*arenas"):
+        with pytest.raises(RequestError, match="not served by --kv-policy rdkv.*Zone A pages"):
             serving.check({"kv_budget": "10%"})
         serving.check({"thinking_budget": 3})  # other custom params: not ours
         config.export(None)

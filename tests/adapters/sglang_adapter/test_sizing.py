@@ -14,7 +14,6 @@ from sglang_sim import require
 require("sglang.srt.mem_cache.memory_pool")
 
 from tiered_radix.adapters.sglang import plugin, sizing  # noqa: E402
-from tiered_radix.adapters.sglang.arena import ArenaKVPool  # noqa: E402
 from tiered_radix.adapters.sglang.pool import TieredKVPool  # noqa: E402
 from tiered_radix.adapters.sglang.reps import Layout, PoolConfigError  # noqa: E402
 from tiered_radix.engine.store import TierStore  # noqa: E402
@@ -42,7 +41,7 @@ def slots(policy_name: str, available: int, L: int, H: int, d: int, itemsize: in
     mp.setattr(plugin.config, "current", lambda: current)
     dtype = {2: torch.bfloat16, 1: torch.float8_e4m3fn}[itemsize]
     cell = plugin.cell_size(2 * L * H * d * itemsize, None, kvc(H, dtype), L)
-    W = Layout.of(policy).window if policy.coupled else 1
+    W = Layout.of(policy).window
     return available // cell // W * W
 
 
@@ -51,7 +50,8 @@ def slots(policy_name: str, available: int, L: int, H: int, d: int, itemsize: in
 def test_every_policy_fits_the_bytes_sglang_set_aside(policy, model, monkeypatch):
     """On an H200 at mem_fraction_static 0.3-0.9 and contexts 4K-128K (SGLang's request table,
     ``max_running_requests x context`` int32, comes off first): the slots fit rows, codes and
-    metadata; fraction budgets hold more tokens than SGLang's own pool, 100% nearly as many."""
+    metadata; fraction budgets hold more tokens than SGLang's own pool, 100% nearly as many;
+    a decoupled policy (every slot's rows and its Zone A share) fewer, by that share."""
     L, H, d, isz, weights = MODELS[model]
     p = load_policy(policy)
     for frac in (0.3, 0.5, 0.7, 0.9):
@@ -63,11 +63,15 @@ def test_every_policy_fits_the_bytes_sglang_set_aside(policy, model, monkeypatch
             stock = available // (2 * L * H * d * isz)
             f = p.budget.value if p.budget.kind == "fraction" else 1.0
             assert n > context
-            assert n > stock if f < 1 else n > 0.8 * stock, (n, stock)
+            if not p.coupled:
+                zone = 1 + sizing.ZONE_SLACK * f
+                assert 0.8 * stock / zone < n < stock / zone, (n, stock)  # engine state too
+            else:
+                assert n > stock if f < 1 else n > 0.8 * stock, (n, stock)
             assert split.total > 0.9 * available  # the cell is not padded either
 
 
-@pytest.mark.parametrize("policy", [p for p in POLICIES if load_policy(p).coupled])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_the_built_pool_allocates_what_the_sizing_says(policy, monkeypatch):
     """A pool built on the CPU from the hook's slots (2 layers, 2 KV heads, d 64, 8 MiB set
     aside): its tensors' bytes are exactly rows + codes + tables of :func:`pool_bytes`, and
@@ -79,6 +83,7 @@ def test_the_built_pool_allocates_what_the_sizing_says(policy, monkeypatch):
     pool = TieredKVPool(n, W, torch.bfloat16, H, d, L, "cpu", policy=p)
     tensors = [pool.rows_k_all, pool.rows_v_all, pool.block_all, pool.ref_all, pool.owner_all]
     tensors += [pool.pages_all] if pool.pages_all is not None else []
+    tensors += [pool.zones.bytes_all] if pool.zones is not None else []  # decoupled: Zone A
     built = sum(t.nbytes for t in tensors)
     split = sizing.pool_bytes(n, H, d, L, 2, p, p.budget)
     assert built + split.engine <= available
@@ -86,17 +91,20 @@ def test_the_built_pool_allocates_what_the_sizing_says(policy, monkeypatch):
     assert sum(pool.get_kv_size_bytes()) == split.rows + split.codes
 
 
-def test_an_arena_pool_leaves_its_bytes_to_the_stores(monkeypatch):
-    """RDKV's arenas: the budget's bytes and the stores' engine state fit what SGLang set
-    aside; the pool reports the budget's bytes."""
+def test_a_decoupled_pool_keeps_every_slots_rows_and_the_zone_share(monkeypatch):
+    """RDKV: a row block for every (layer, head, window) of the slots, and a Zone A store of
+    ``ZONE_SLACK`` times the budget's bytes a layer."""
     p, L, H, d, available = load_policy("rdkv"), 2, 2, 64, 8 << 20
     n = slots("rdkv", available, L, H, d, 2, monkeypatch)
-    pool = ArenaKVPool(n, 1, torch.bfloat16, H, d, L, "cpu", policy=p)
-    split = sizing.pool_bytes(n, H, d, L, 2, p, p.budget)
-    assert split.total <= available and sum(pool.get_kv_size_bytes()) <= split.rows
+    W = Layout.of(p).window
+    pool = TieredKVPool(n, W, torch.bfloat16, H, d, L, "cpu", policy=p)
+    assert pool.blocks.full == n // W * H and pool.windows_free() == n // W
+    share = sizing.ZONE_SLACK * 0.1 * n * H * d * 2 * 2
+    fixed = 2 * 2 * W * d * 2 + H * sizing.window_table_bytes(pool.layout)  # traps, window 0
+    assert pool.zones.bytes_all.shape == (L, pytest.approx(share - fixed, abs=16))
 
 
-@pytest.mark.parametrize("policy", ["qevict", "snapkv", "h2o", "streaming", "kivi"])
+@pytest.mark.parametrize("policy", ["qevict", "snapkv", "h2o", "streaming", "kivi", "rdkv"])
 def test_the_engine_share_bounds_a_store_holding_every_slot(policy):
     """A request's tier engine (rows held elsewhere, as in the SGLang pool) after a prefill of
     200 tokens and 40 decode steps with routing holds no more device bytes per (layer, head,
@@ -105,13 +113,21 @@ def test_the_engine_share_bounds_a_store_holding_every_slot(policy):
 
     p, L, H, d = load_policy(policy), 2, 2, 64
     T = 200
+    rows = torch.randn(2, H, T + 40, d, generator=torch.Generator().manual_seed(1))
+
+    def read(li: int):  # the pool's rows (a decoupled policy's plan reads K norms, spreads)
+        t = store.n_tokens(li)
+        return rows[0, :, :t], rows[1, :, :t], torch.ones(H, t, dtype=torch.bool)
+
     store = TierStore(p, n_layers=L, n_heads=H, head_dim=d, budget_override=p.budget,
-                      reader=lambda li: None)  # fmt: skip
+                      reader=read)  # fmt: skip
     store.append_tokens(None, T)
     g = torch.Generator().manual_seed(0)
     for li in range(L):
         a = torch.rand(H, T, generator=g)
         extra = {n: a for n in ("colmass", "obs_attn") if n in policy_reads(p)}
+        if "qnorm" in policy_reads(p):
+            extra["qnorm"] = torch.rand(H, d, generator=g)
         store.observe(li, Signals(attn=a, **extra))  # as the backend asks attention for them
     store.after_prefill()
     for step in range(40):
@@ -122,7 +138,14 @@ def test_the_engine_share_bounds_a_store_holding_every_slot(policy):
     held = store.stack.tier.nbytes
     held += sum(s.present.nbytes + s.write_count.nbytes for s in store.stack.stores.values())
     held += sum(t.nbytes for t in store.scores._state.values())
-    held += sum(t.nbytes for obs in store.scores._observed for t in obs.values())
+    held += sum(
+        t.nbytes
+        for obs in store.scores._observed
+        for t in obs.values()
+        if t.dim() and t.shape[-1] != d
+    )  # per token (qnorm is per channel: [H, d])
+    if not p.coupled:  # the channel set (tiers per channel and counts do not grow)
+        held += sum(store.channel_tiers(li)[1].nbytes for li in range(L))
     bound = sizing.engine_bytes_per_token(p) * L * H * (T + 40)
     assert 0 < held <= bound
 

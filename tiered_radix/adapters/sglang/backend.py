@@ -70,7 +70,7 @@ from tiered_radix.engine.signals import PREFILL_SIGNALS, Signals, at_positions, 
 from tiered_radix.engine.store import TierStore
 from tiered_radix.kernels import decode
 
-from . import graph, trizone
+from . import graph, trizone, zone_decode
 from .options import KVOptions
 from .pool import TieredKVPool
 from .profile import StepTimer
@@ -345,10 +345,7 @@ class TieredAttnBackend(AttentionBackend):
         self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
                                        self.decode_attn, self.fold_decay,
                                        splits=self.options.graph_splits)  # fmt: skip
-        pool = self.pool
-        nbytes = graph.buffer_bytes(pool.layer_num, pool.head_num, pool.head_dim,
-                                    pool.layout.window, max_bs, tokens, self.context_len,
-                                    self.decode_attn)  # fmt: skip
+        nbytes = self.graph.nbytes()
         log.info("tiered-radix: decode CUDA graphs up to batch %d, %d tokens, %.1f MiB of "
                  "buffers", max_bs, tokens, nbytes / (1 << 20))  # fmt: skip
 
@@ -398,7 +395,12 @@ class TieredAttnBackend(AttentionBackend):
                 self.timer.count("steady_steps")
             else:
                 views = [self.tree.views[r.rid] for r in self.batch]
-                g.load(bs, trizone.lists(self.pool, views, seqs, g.n_max, ahead=True))
+                if self.pool.zones is not None:  # decoupled: Zone A pages and window rows
+                    rids = [r.rid for r in self.batch]
+                    ls = zone_decode.lists(self.pool, rids, views, seqs, g.n_max, ahead=True)
+                else:
+                    ls = trizone.lists(self.pool, views, seqs, g.n_max, ahead=True)
+                g.load(bs, ls)
         self.graph_last = (bs, pools, seqs)
         self.pending = True
         self.timer.count("decode_steps")
@@ -448,7 +450,7 @@ class TieredAttnBackend(AttentionBackend):
         if db is None:
             return
         with self._timed("observe"):
-            attn = trizone.window_attn(db, self.pool.layout.window)
+            attn = trizone.window_attn(db, self._unit_tokens())
             for b, r in enumerate(self.batch):
                 r.session.store.fold_attn(attn[:, b, :, : r.seq], g.steps)
             g.folded()
@@ -466,8 +468,9 @@ class TieredAttnBackend(AttentionBackend):
         )  # fmt: skip
         n = view.windows.numel()
         if n:
-            lay, st = self.pool.layout, store.stack
             store.append_tokens(None, prefix_len)
+        if n and self.pool.zones is None:  # decoupled windows are full rows: nothing to seed
+            lay, st = self.pool.layout, store.stack
             states = view.state.long()  # [L, H, n]
             tier = torch.tensor(lay.state_tiers(), dtype=torch.long, device=store.device)
             st.tier[:, :, :n] = tier[states]
@@ -480,8 +483,11 @@ class TieredAttnBackend(AttentionBackend):
         return Session(store)
 
     def _read(self, rid: str, li: int):
-        k, v, kept = self.tree.read(rid, li + self.pool.start_layer)
         t = self.sessions[rid].store.n_tokens(li)
+        if self.pool.zones is not None:  # decoupled: its Zone A pages, and rows
+            windows = self.tree.views[rid].windows
+            return self.pool.read_request(rid, li + self.pool.start_layer, windows, t)
+        k, v, kept = self.tree.read(rid, li + self.pool.start_layer)
         return k[:, :t], v[:, :t], kept[:, :t]
 
     # -- per layer -------------------------------------------------------------------------
@@ -515,7 +521,7 @@ class TieredAttnBackend(AttentionBackend):
                 out = self._gather(q3, layer, li, dv)
             else:
                 self.counters.kernel_steps += li == 0
-        elif self.extend and self.extend_kernel and all(r.tq for r in self.batch):
+        elif self.extend and self.extend_kernel and self._rows_only():
             try:
                 with self._timed("extend_attend"):
                     out = self._extend_kernel(q3, layer, li)
@@ -550,7 +556,11 @@ class TieredAttnBackend(AttentionBackend):
         elems = CHUNK_ELEMS.get(q3.device.type, 1 << 22)
         for r in self.batch:
             t = r.session.store.n_tokens(li)
-            kk, vv, kept, pos = self.tree.read_live(r.rid, li + self.pool.start_layer, t)
+            if self.pool.zones is not None:
+                kk, vv, kept = self._read(r.rid, li)
+                pos = torch.arange(t, device=kk.device)
+            else:
+                kk, vv, kept, pos = self.tree.read_live(r.rid, li + self.pool.start_layer, t)
             qi = q3[r.start : r.start + r.tq].transpose(0, 1)
             o, signals = fn(qi, kk, vv, kept, float(layer.scaling), need=need, chunk_elems=elems)
             out[r.start : r.start + r.tq] = o.transpose(0, 1).to(out.dtype)
@@ -595,11 +605,18 @@ class TieredAttnBackend(AttentionBackend):
             self.dbatch = self.graph.batch(self.graph_bs, q3.shape[1])
         if self.dbatch is None:
             views = [self.tree.views[r.rid] for r in self.batch]
+            seqs = [r.seq for r in self.batch]
             with self._timed("decode_lists"):
-                self.dbatch = trizone.build(
-                    self.pool, views, [r.seq for r in self.batch], q3.shape[1],
-                    side_output=self.decode_attn, splits=self.options.graph_splits,
-                )  # fmt: skip
+                if self.pool.zones is not None:  # decoupled: Zone A pages and window rows
+                    self.dbatch = zone_decode.build(
+                        self.pool, [r.rid for r in self.batch], views, seqs, q3.shape[1],
+                        side_output=self.decode_attn, splits=self.options.graph_splits,
+                    )  # fmt: skip
+                else:
+                    self.dbatch = trizone.build(
+                        self.pool, views, seqs, q3.shape[1], side_output=self.decode_attn,
+                        splits=self.options.graph_splits,
+                    )  # fmt: skip
         db = self.dbatch
         out = decode.run(
             q3.to(self.pool.dtype).contiguous(), db.layouts[li], db.plan,
@@ -610,7 +627,7 @@ class TieredAttnBackend(AttentionBackend):
 
     def _observe_decode(self) -> None:
         """After the last layer: every layer's per-window mass to each request's engine."""
-        attn = trizone.window_attn(self.dbatch, self.pool.layout.window)
+        attn = trizone.window_attn(self.dbatch, self._unit_tokens())
         for b, r in enumerate(self.batch):
             r.session.store.observe_attn(attn[:, b, :, : r.seq])
 
@@ -643,17 +660,46 @@ class TieredAttnBackend(AttentionBackend):
             return self._moved(due, pending)
 
     def _moved(self, due, pending) -> bool:
-        """The engines' moves of ``pending`` (their routings, for ``due``), then the pool's."""
+        """The engines' moves of ``pending`` (their routings, for ``due``), then the pool's: a
+        coupled pool moves windows; in a decoupled one each request that routed repacks."""
+        steps = [r.session.store.step for r, _ in due]
         moves = pending.land()
-        routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
-        for settled in self.tree.route_many(routed):  # the pool was short of blocks
-            self._settle(settled)
+        if self.pool.zones is not None:
+            for (r, _), step in zip(due, steps, strict=True):
+                if r.session.store.step != step:
+                    self._repack(r)
+        else:
+            routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
+            for settled in self.tree.route_many(routed):  # the pool was short of blocks
+                self._settle(settled)
         if self.tp is not None:
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)
         self.counters.routed(moves, self.pool.device, [r.session.store for r, _ in due])
         self.counters.publish(self.stats, bool(due))
         return bool(due)
+
+    def _unit_tokens(self) -> int:
+        """Tokens of a side-output unit: a window, a token for a decoupled pool."""
+        return 1 if self.pool.zones is not None else self.pool.layout.window
+
+    def _rows_only(self) -> bool:
+        """Whether every request of the extend batch has new tokens and reads window rows only
+        (the extend kernel's input; a routed decoupled request reads Zone A pages too)."""
+        zones = self.pool.zones
+        return all(r.tq and (zones is None or not zones.holds(r.rid)) for r in self.batch)
+
+    def _repack(self, r: _Req) -> None:
+        """A decoupled request's routing, as the pool stores it: V widths per token and K
+        widths per channel from its engine's tiers, every layer repacked into Zone A pages."""
+        store = r.session.store
+        bits = torch.tensor(store.tier_bits(), device=store.device)
+        decided = []
+        for li in range(self.layers):
+            k_tier, in_set = store.channel_tiers(li)
+            decided.append((bits[store.tiers(li)], bits[k_tier], in_set))
+        windows = self.tree.views[r.rid].windows
+        self.pool.repack(r.rid, windows, store.n_tokens(0), decided)
 
     def _settle(self, s) -> None:
         """Units whose move the pool degraded (:class:`~.radix.Settled`) take the engine tier

@@ -7,8 +7,8 @@ launch must agree on what the pool stores (:func:`pool_shape`): the window, the 
 evicted tiers sit among the engine's tiers (a holder's next state is read from them; a policy may
 lack the last ones, e.g. never evict). Scores,
 shares, protection, schedule and budget may differ. A decoupled policy (RDKV's K channels and V
-tokens) keeps each request's K/V in its own arena instead (:mod:`.arena`), a pool of another
-kind. A set that does not agree is refused when the launch is built (:class:`CatalogError`, with
+tokens) repacks each routed request's K/V into private Zone A pages (:mod:`.zones`), a pool of
+another kind. A set that does not agree is refused when the launch is built (:class:`CatalogError`, with
 each difference), before the model loads.
 """
 
@@ -96,7 +96,7 @@ def load(default: Policy, arg: str | None) -> Catalog:
 def pool_shape(policy: Policy) -> dict[str, object]:
     """What a pool stores for ``policy``: equal for policies one pool can serve."""
     if not policy.coupled:
-        return {"pool": "one arena per request (separate K and V units)"}
+        return {"pool": "Zone A pages per routed request (separate K and V units)"}
     lay = Layout.of(policy)
     codec = "none"
     if lay.quant is not None:

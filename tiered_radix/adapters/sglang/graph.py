@@ -33,7 +33,7 @@ from torch import Tensor
 
 from tiered_radix.kernels import decode
 
-from . import trizone
+from . import trizone, zone_decode
 
 
 def capacity(context_len: int, tokens: int) -> int:
@@ -78,8 +78,13 @@ class GraphDecode:
         self.steps = 0  # steps summed in mass (with decay) since load() or folded()
         self.bs = 0  # the batch size of the last load() or clear()
         self.context_len = context_len
-        self.n_max = -(-context_len // W)  # windows of a request: units are h * n_max + j
-        self.rows, self.pages = H * tokens, H * (-(-tokens // W) + max_bs)
+        # a decoupled pool's requests read Zone A pages of their own, per layer (.zone_decode):
+        # units are tokens, each (request, head) ends up to 4 pages short (one per V width),
+        # and pages, K sections and channel orders are per layer
+        self.decoupled = pool.zones is not None
+        self.n_max = context_len if self.decoupled else -(-context_len // W)  # units h*n_max+j
+        per_list = 4 if self.decoupled else 1
+        self.rows, self.pages = H * tokens, H * (-(-tokens // W) + per_list * max_bs)
         i32 = dict(dtype=torch.int32, device=dev)
         self.full_ptr = torch.zeros(L, max_bs * H + 1, **i32)
         self.full_end = torch.zeros(L, max_bs * H, **i32)
@@ -89,10 +94,15 @@ class GraphDecode:
         self.page_off = torch.zeros(L, self.pages, dtype=torch.long, device=dev)
         self.page_unit = torch.zeros(L, self.pages, **i32)
         self.page_units = torch.zeros(L, self.pages, W, **i32)
-        self.page_ntok = torch.full((self.pages,), W, **i32)
         self.page_ids = torch.arange(self.pages, **i32)
-        self.k_table = trizone.k_table(pool, max_bs * H)
-        self.perm = torch.arange(d, **i32).repeat(max_bs * H, 1)
+        if self.decoupled:
+            self.page_ntok = torch.full((L, self.pages), W, **i32)
+            self.k_table = torch.zeros(L, max_bs * H * 4, 12, **i32)
+            self.perm = torch.arange(d, **i32).repeat(L, max_bs * H, 1)
+        else:
+            self.page_ntok = torch.full((self.pages,), W, **i32)
+            self.k_table = trizone.k_table(pool, max_bs * H)
+            self.perm = torch.arange(d, **i32).repeat(max_bs * H, 1)
         self.mass = (
             torch.zeros(L, max_bs, H * self.n_max, dtype=torch.float32, device=dev)
             if side_output
@@ -114,6 +124,8 @@ class GraphDecode:
         or the ``splits`` it was made with)."""
         if bs in self.batches:
             return self.batches[bs]
+        if self.decoupled:
+            return self._batch_decoupled(bs, num_q_heads)
         pool, H = self.pool, self.pool.head_num
         lays = [
             trizone.layout(
@@ -143,6 +155,9 @@ class GraphDecode:
             lays[0], num_q_heads=num_q_heads, side_output=self.side_output, v_bits=bits,
             k_bits=bits, max_rows=self.context_len, num_splits=splits,
         )  # fmt: skip
+        return self._keep(bs, lays, plan)
+
+    def _keep(self, bs: int, lays, plan) -> trizone.DecodeBatch:
         if self.side_output:  # every batch size's plan needs the same rows: share one buffer
             if self.score is None or self.score.shape != plan.score.shape:
                 self.score = plan.score
@@ -151,6 +166,25 @@ class GraphDecode:
         out = trizone.DecodeBatch(lays, plan, mass, [0] * bs, self.n_max)
         self.batches[bs] = out
         return out
+
+    def _batch_decoupled(self, bs: int, num_q_heads: int) -> trizone.DecodeBatch:
+        """:meth:`batch` over a decoupled pool: every layer's own page buffers."""
+        pool, H = self.pool, self.pool.head_num
+        lays = [
+            zone_decode.layout(
+                pool, li, bs, full_indptr=self.full_ptr[li, : bs * H + 1],
+                full_end=self.full_end[li, : bs * H], full_slots=self.slots[li],
+                full_units=self.units[li], page_indptr=self.page_ptr[li, : bs * H * 4 + 1],
+                page_off=self.page_off[li], page_ntok=self.page_ntok[li],
+                page_units=self.page_units[li], page_unit=self.page_unit[li],
+                page_ids=self.page_ids, k_table=self.k_table[li, : bs * H * 4],
+                perm=self.perm[li, : bs * H], max_units=H * self.n_max,
+            )
+            for li in range(pool.layer_num)
+        ]  # fmt: skip
+        splits = self.splits or self._splits(bs)
+        plan = zone_decode.plan(lays[0], num_q_heads, self.side_output, self.context_len, splits)
+        return self._keep(bs, lays, plan)
 
     def _splits(self, bs: int) -> int:
         """Splits per list: ~2 programs per SM over the batch's lists, at most 128 and at least
@@ -173,7 +207,7 @@ class GraphDecode:
         self._zero_mass(bs)
         self.steps = 0
 
-    def load(self, bs: int, ls: trizone.Lists) -> None:
+    def load(self, bs: int, ls) -> None:
         """Copy one step's lists (``len(ls.n) <= bs`` requests, units numbered with ``n_max``,
         built with ``ahead``: each list ends in its last window's future rows) into the buffers
         of batch size ``bs``; the rest of ``bs`` lists nothing."""
@@ -186,6 +220,9 @@ class GraphDecode:
         _pad(self.full_ptr, local, bs * H + 1)
         self.full_end[:, :lists] = local[:, 1:] - ls.ahead.view(L, lists)
         self.full_end[:, lists : bs * H] = local[:, -1:]
+        if self.decoupled:
+            self._load_pages(bs, ls, lists)
+            return
         local, at = self._place(ls.page_ptr, lists * 4, self.pages, ls.pages.numel())
         self.page_off.view(-1).index_copy_(0, at, ls.pages * self.pool.page_bytes)
         self.page_unit.view(-1).index_copy_(0, at, ls.page_unit)
@@ -193,6 +230,28 @@ class GraphDecode:
         _pad(self.page_ptr, local, bs * H * 4 + 1)
         self._zero_mass(bs)
         self.steps = 1
+
+    def _load_pages(self, bs: int, ls: zone_decode.ZoneLists, lists: int) -> None:
+        """:meth:`load`'s zone A over a decoupled pool: every layer's pages, K sections and
+        channel orders (padded lists read no page: their K sections stay as they were)."""
+        W = self.pool.layout.window
+        local, at = self._place(ls.page_ptr, lists * 4, self.pages, ls.page_off.numel())
+        self.page_off.view(-1).index_copy_(0, at, ls.page_off)
+        self.page_ntok.view(-1).index_copy_(0, at, ls.page_ntok)
+        self.page_unit.view(-1).index_copy_(0, at, ls.page_unit)
+        self.page_units.view(-1, W).index_copy_(0, at, ls.page_units)
+        _pad(self.page_ptr, local, bs * self.pool.head_num * 4 + 1)
+        self.k_table[:, : lists * 4] = ls.k_table
+        self.perm[:, :lists] = ls.perm
+        self._zero_mass(bs)
+        self.steps = 1
+
+    def nbytes(self) -> int:
+        """Device bytes of the buffers."""
+        ts = [self.full_ptr, self.full_end, self.slots, self.units, self.page_ptr, self.page_off,
+              self.page_unit, self.page_units, self.page_ntok, self.page_ids, self.k_table,
+              self.perm, self.dest] + ([] if self.mass is None else [self.mass])  # fmt: skip
+        return sum(t.nbytes for t in ts)
 
     def advance(self, raw: int) -> None:
         """The next decode step of the same ``raw`` requests when none of them opens a window and

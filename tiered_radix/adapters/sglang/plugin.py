@@ -18,9 +18,9 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
 - ``DefaultPoolConfigurator._compute_cell_size`` (AFTER) and
   ``KVCacheConfigurator._build_mha_kv_pool`` (AROUND): SGLang's cell size is
   :func:`~.sizing.cell_bytes` (the budget's rows and pages plus every slot's metadata), so the
-  allocator gets the slots that fit, and the pool is a :class:`~.pool.TieredKVPool`
-  (decoupled policies, RDKV: an :class:`~.arena.ArenaKVPool`, whose requests keep their own
-  K/V);
+  allocator gets the slots that fit, and the pool is a :class:`~.pool.TieredKVPool` (for
+  every policy; a decoupled one, RDKV, repacks routed requests into its Zone A store,
+  :mod:`.zones`);
 - ``DecodeCudaGraphRunner.can_run_graph`` (AROUND): a decode batch over the backend's graph
   buffers (:mod:`.graph`) runs eagerly;
 - ``DecodeCudaGraphRunner.execute`` (AROUND): the step's request ids to the tiered backend (its
@@ -28,14 +28,13 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   with ``--kv-device-times``) and SGLang's coarse write-after-read barrier (see
   :func:`graph_execute`);
 - ``ScheduleBatch.check_decode_mem`` (AROUND): a decode step whose new windows find too few row
-  blocks (over arenas: whose tokens the pool's bytes cannot hold) makes SGLang retract
-  requests, as a full pool does;
+  blocks makes SGLang retract requests, as a full pool does;
 - ``PrefillAdder.add_one_req`` and ``add_chunked_req`` (AROUND): a prefill batch admits only the
   windows its pool's row blocks hold: a request's chunk is cut to them, or it waits (NO_TOKEN);
   and a chunk ends only at a routing point of its request (:func:`aligned_chunk`: batch
   invariance);
-- radix cache backend ``tiered`` (a :class:`~.radix.TieredRadixCache`; for decoupled policies
-  an :class:`~.arena.ArenaCache`, no prefix sharing) and attention backend ``tiered_triton``;
+- radix cache backend ``tiered`` (a :class:`~.radix.TieredRadixCache`) and attention backend
+  ``tiered_triton`` (:class:`~.backend.TieredAttnBackend`), one for every policy;
 - the request path (:mod:`.serving`): a request's ``kv_policy`` / ``kv_budget`` from the OpenAI
   API, native sampling parameters and ``Engine.generate``, checked (400 with the accepted
   values), and its KV usage in the response (``meta_info["kv_usage"]``, OpenAI ``usage.kv``).
@@ -96,8 +95,8 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
 
     want = {
         "radix_cache_backend": config.BACKEND,
-        # the policy's window; 1 for token units, and for decoupled policies (.arena: tokens)
-        "page_size": Layout.of(cfg.policy).window if cfg.policy.coupled else 1,
+        # the policy's window: 1 for token units; a decoupled policy's Zone A page (.zones)
+        "page_size": Layout.of(cfg.policy).window,
         "attention_backend": ATTENTION_BACKEND,
     }
     for key, value in want.items():
@@ -249,25 +248,18 @@ def build_mha_kv_pool(original, self, *, max_total_num_tokens: int, mha_pool_cla
         )
     from functools import partial
 
-    from .arena import ArenaKVPool
     from .pool import TieredKVPool
 
-    if cfg.policy.coupled:
-        tiered = partial(TieredKVPool, policy=cfg.policy, budget=cfg.budget, options=cfg.options)
-    else:
-        tiered = partial(ArenaKVPool, policy=cfg.policy, budget=cfg.budget)
+    tiered = partial(TieredKVPool, policy=cfg.policy, budget=cfg.budget, options=cfg.options)
     return original(self, max_total_num_tokens=max_total_num_tokens, mha_pool_class=tiered, **kw)
 
 
 def tree_cache_factory(ctx):
-    from .arena import ArenaCache
     from .radix import TieredRadixCache
 
     cfg = config.current()
     if cfg is None:
         raise ValueError("--radix-cache-backend tiered needs --kv-policy")
-    if not cfg.policy.coupled:  # each request's arena is its own: no prefix sharing
-        return ArenaCache(ctx.params)
     return TieredRadixCache(ctx.params, policy=cfg.policy, kv=cfg)
 
 
@@ -310,10 +302,9 @@ def graph_execute(original, self, forward_batch, *args, **kwargs):
 
 def check_decode_mem(original, self, selected_indices=None) -> bool:
     """SGLang's answer (logical slots for the next decode step) and, over a tiered pool, whether
-    its row blocks hold the step's new windows; over a decoupled policy's arenas, whether the
-    bytes SGLang set aside for the pool hold the step's tokens at full precision. When they do
-    not, SGLang retracts requests (its answer to a full pool) instead of the forward raising
-    ``PoolFullError`` or the device running out of memory."""
+    its row blocks hold the step's new windows. When they do not, SGLang retracts requests (its
+    answer to a full pool) instead of the forward raising ``PoolFullError`` or the device
+    running out of memory."""
     ok = original(self, selected_indices=selected_indices)
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     if not ok or not hasattr(pool, "holds_decode_tokens"):
@@ -347,11 +338,7 @@ def add_one_req(original, self, req, *args, **kwargs):
     pool, the chunk ends at a routing point (:func:`aligned_chunk`)."""
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     if not hasattr(pool, "rows_for_windows"):
-        from .arena import ArenaKVPool
-
-        if not isinstance(pool, ArenaKVPool):
-            return original(self, req, *args, **kwargs)
-        return aligned_chunk(original, self, req, *args, **kwargs)
+        return original(self, req, *args, **kwargs)
     call = lambda: aligned_chunk(original, self, req, *args, **kwargs)  # noqa: E731
     W, taken = pool.layout.window, getattr(self, _ADMITTED, 0)
     want = len(req.full_untruncated_fill_ids) - len(req.prefix_indices)
@@ -459,7 +446,6 @@ def add_chunked_req(original, self, req):
 
 
 def attention_backend_factory(runner):
-    from .arena import ArenaAttnBackend, ArenaKVPool
     from .backend import TieredAttnBackend
 
     tp = runner.server_args.tp_size
@@ -471,8 +457,6 @@ def attention_backend_factory(runner):
         )
     cfg = config.current()
     options = cfg.options if cfg is not None else KVOptions()
-    if isinstance(runner.token_to_kv_pool, ArenaKVPool):
-        return ArenaAttnBackend(runner, options)
     policies = cfg.served().policies if cfg is not None else None
     return TieredAttnBackend(runner, options, policies)
 

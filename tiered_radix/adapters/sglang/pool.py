@@ -35,6 +35,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
+from tiered_radix.formats import zone_a
 from tiered_radix.formats.layout import (
     uniform_page_nbytes,
     unpack_uniform_pages,
@@ -48,6 +49,7 @@ from .options import KVOptions
 from .pages import pack_pages
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R
 from .sizing import PoolBlocks, block_id_dtype, plan_blocks, pool_bytes, table_kinds
+from .zones import ZoneStore
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +138,9 @@ class TieredKVPool(MHATokenToKVPool):
         self.rows_v_all = torch.full_like(self.rows_k_all, torch.nan)
         self.rows_k, self.rows_v = list(self.rows_k_all.unbind(0)), list(self.rows_v_all.unbind(0))
         self.pages, self.page_bytes, self.pages_all = [], 0, None
+        self.zones = None  # a decoupled policy's repacked requests (.zones)
+        if self.layout.tier_bits is not None:
+            self.zones = ZoneStore(L, self.blocks.zone, W, self.v_group, self.dtype, dev)
         if self.layout.quant is not None:
             q = self.layout.quant
             self.page_bytes = uniform_page_nbytes(q.bits, W, d, self.v_group)
@@ -167,6 +172,7 @@ class TieredKVPool(MHATokenToKVPool):
     def get_kv_size_bytes(self) -> tuple[int, int]:
         """Bytes of the physical storage: row blocks, and ledger pages (counted with K)."""
         pages = 0 if self.pages_all is None else self.pages_all.nbytes
+        pages += 0 if self.zones is None else self.zones.bytes_all.nbytes
         return self.rows_k_all.nbytes + pages, self.rows_v_all.nbytes
 
     def _no_dense(self, *_args, **_kw):
@@ -516,6 +522,49 @@ class TieredKVPool(MHATokenToKVPool):
         cur = self.block_all[ly, kind, h, w]
         self.block_all[ly, kind, h, w] = torch.where(got, block.to(cur.dtype), cur)
 
+    # -- decoupled policies: repacking (.zones) -------------------------------------------------
+    def read_request(self, rid: str, layer_id: int, windows: Tensor, n_tokens: int):
+        """What decoupled request ``rid`` reads in ``layer_id`` over its ``windows [n]`` (its
+        first ``n_tokens`` tokens): float32 ``k, v [H, n_tokens, d]`` and ``kept`` (evicted rows
+        NaN): its Zone A pages after a routing, its window rows for tokens in no page."""
+        k, v, kept = self.read(layer_id, windows)
+        k, v, kept = k[:, :n_tokens], v[:, :n_tokens], kept[:, :n_tokens]
+        li = layer_id - self.start_layer
+        if self.zones is None or self.zones.placed_layer(rid, li) is None:
+            return k, v, kept
+        kz, vz, listed, kz_kept = self.zones.read(rid, li)
+        m = kz.shape[1]
+        on = listed[..., None]
+        k = torch.cat([torch.where(on, kz, k[:, :m]), k[:, m:]], 1)
+        v = torch.cat([torch.where(on, vz, v[:, :m]), v[:, m:]], 1)
+        kept = torch.cat([kz_kept, kept[:, m:]], 1)
+        on = kept[..., None]
+        return torch.where(on, k, torch.nan), torch.where(on, v, torch.nan), kept
+
+    def repack(self, rid: str, windows: Tensor, n_tokens: int, decided: list[tuple]) -> None:
+        """A decoupled request's routing: every layer's tokens, as the request reads them now
+        (:meth:`read_request`), repacked into Zone A pages (:mod:`.zones`) at the engine's
+        decisions ``decided[l] = (v_bits [H, T], k_bits [H, d], in_set [H, T])``; what it held
+        before is freed. Its windows keep their rows.
+
+        Raises:
+            ZoneFullError: no room in the Zone A store (the request keeps what it held).
+        """
+        packed, kept = [], []
+        for li, (vb, kb, in_set) in enumerate(decided):
+            k, v, _ = self.read_request(rid, li + self.start_layer, windows, n_tokens)
+            packed.append(zone_a.pack(
+                k, v, vb, kb, in_set, page_size=self.layout.window, v_group=self.v_group,
+                raw_dtype=self.dtype,
+            ))  # fmt: skip
+            kept.append(vb > 0)
+        self.zones.put(rid, packed, n_tokens, kept)
+
+    def drop_request(self, rid: str) -> None:
+        """Free decoupled request ``rid``'s Zone A pages (its view closed)."""
+        if self.zones is not None:
+            self.zones.drop(rid)
+
     def release_pages(self, pages: Tensor) -> None:
         """The allocator freed ``pages`` (= windows): their owner lets go in every layer."""
         pages = torch.unique(pages.long())
@@ -543,7 +592,9 @@ class TieredKVPool(MHATokenToKVPool):
     def bytes_used(self) -> int:
         """Bytes of allocated blocks (rows: K+V of one head-window; ledger: one page)."""
         held = self.blocks_in_use()
-        return (held[FULL] + held[R]) * 2 * self.rows_k[0][0].nbytes + held[Q] * self.page_bytes
+        zones = 0 if self.zones is None else self.zones.bytes_used()
+        rows = (held[FULL] + held[R]) * 2 * self.rows_k[0][0].nbytes
+        return rows + held[Q] * self.page_bytes + zones
 
     def occupancy(self) -> tuple[dict[str, int], dict[str, int]]:
         """Units per owner state (``reps.STATE_NAMES``; windows nobody owns are not counted) and

@@ -111,11 +111,13 @@ class TieredRadixCache(RadixCache):
         # the attention backend's pending work on the views (a replayed decode step's routing)
         self.before_close: Callable[[], None] | None = None
         n_tiers = len(self.layout.engine_tiers)
-        self._next = torch.tensor(  # [holder state, engine tier] -> the holder's next state
-            [[self.layout.next_state(st, t) for t in range(n_tiers)] for st in range(4)],
-            dtype=torch.long,
-            device=pool.device,
-        )
+        self._next = None  # decoupled windows never move: their requests repack (.zones)
+        if self.layout.tier_bits is None:  # [holder state, engine tier] -> the next state
+            self._next = torch.tensor(
+                [[self.layout.next_state(st, t) for t in range(n_tiers)] for st in range(4)],
+                dtype=torch.long,
+                device=pool.device,
+            )
         pool.tree = self  # the attention backend (same scheduler process) finds the views here
         self._attach(self.token_to_kv_pool_allocator)
 
@@ -321,8 +323,10 @@ class TieredRadixCache(RadixCache):
         return [None] if rounds == 1 else [(nth == r).nonzero().squeeze(1) for r in range(rounds)]
 
     def close_view(self, rid: str) -> None:
-        """Release the request's borrowed references (owned windows stay with their owner)."""
+        """Release the request's borrowed references (owned windows stay with their owner) and
+        a decoupled request's Zone A pages."""
         self.asked.pop(rid, None)
+        self.pool.drop_request(rid)
         view = self.views.pop(rid, None)
         if view is None:
             return

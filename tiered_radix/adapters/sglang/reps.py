@@ -45,15 +45,14 @@ class Layout:
     quant_index: int | None  # engine index of the quantized tier
     evict_index: int | None
     v_group: int  # V values per quantization group (along d); K's group is the window
+    # a decoupled (RDKV) policy's width per engine tier: its windows are full rows until a
+    # request's routing repacks it into Zone A pages (.zones); None for coupled policies
+    tier_bits: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, policy: Policy) -> Layout:
         if not policy.coupled:
-            raise PoolConfigError(
-                f"policy '{policy.name}' uses separate K and V units ({policy.k}, {policy.v}); "
-                "the tiered SGLang pool stores coupled window/token units only for now "
-                "(use a policy with one `units:` granularity)"
-            )
+            return cls._decoupled(policy)
         if policy.v.kind == "channel":
             raise PoolConfigError("channel units need separate K and V units; not supported")
         tiers = TierSet.of(policy)
@@ -76,6 +75,19 @@ class Layout:
                 )
             v_group = quant.group
         return cls(window, quant, policy.ledger.write_once, tiers.names, qi, tiers.evict, v_group)
+
+    @classmethod
+    def _decoupled(cls, policy: Policy) -> Layout:
+        """RDKV (``units: {k: channel, v: token}``): windows of ``allocate.group`` tokens (a
+        Zone A page, the K quantization group), V groups of as many values along ``d``."""
+        if policy.k.kind != "channel" or policy.v.kind != "token":
+            raise PoolConfigError(
+                f"policy '{policy.name}' uses separate K and V units ({policy.k}, {policy.v}); "
+                "the tiered SGLang pool stores them as RDKV's `units: {k: channel, v: token}`"
+            )
+        tiers, a = TierSet.of(policy), policy.allocate
+        bits = (0,) * tiers.offset + tuple(a.bits)
+        return cls(a.group, None, False, tiers.names, None, tiers.evict, a.group, bits)
 
     def reps(self, state: int) -> tuple[int, ...]:
         """Representations a holder in ``state`` keeps (write-once: ``R`` keeps its ``Q``)."""

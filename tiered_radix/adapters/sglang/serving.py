@@ -30,10 +30,10 @@ from . import config
 from .request_kv import KEYS, RequestError, into_custom, resolve
 from .usage import KEY
 
-ARENA_REFUSAL = (
-    "kv_budget / kv_policy per request are not served by --kv-policy {name}: its requests keep "
-    "their K/V in arenas sized by the launch's budget; launch with a window policy (e.g. "
-    "qevict) to set them per request"
+DECOUPLED_REFUSAL = (
+    "kv_budget / kv_policy per request are not served by --kv-policy {name}: its routed "
+    "requests repack their K/V into Zone A pages sized by the launch's budget; launch with a "
+    "window policy (e.g. qevict) to set them per request"
 )
 
 
@@ -44,7 +44,7 @@ def check(custom: dict | None) -> None:
     if cfg is None or not custom or not any(k in custom for k in KEYS):
         return
     if not cfg.policy.coupled:
-        raise RequestError(ARENA_REFUSAL.format(name=cfg.policy.name))
+        raise RequestError(DECOUPLED_REFUSAL.format(name=cfg.policy.name))
     resolve(custom, cfg)
 
 

@@ -10,8 +10,15 @@ ledger pages, and its per-slot metadata on top:
 - *engine*: what running requests' tier engines hold per (layer, head, token) in device memory
   (:func:`engine_bytes_per_token`: tier maps, ledger-copy masks, score states, the latest
   signals), counted for every slot: the worst case, a pool whose slots all belong to running
-  requests. These bytes are not allocated up front: like the arenas' rows (:mod:`.arena`),
-  they stay free in what SGLang set aside for the pool.
+  requests. These bytes are not allocated up front: they stay free in what SGLang set aside
+  for the pool.
+
+A decoupled policy (RDKV) keeps every slot's rows (its requests read them until their routing,
+and the radix tree caches them at full precision, :mod:`.zones`) and a Zone A store of
+``ZONE_SLACK * f * full`` bytes a slot for the repacked requests' pages (pages pad each section
+to 16 bytes and each V width's last page to ``P`` tokens: more than the engine's byte count for
+short requests). Its cell is ``full + ZONE_SLACK * f * full`` plus tables and engine state: the
+budget bounds what a routed request reads, not how many tokens the pool holds.
 
 A decode step's index lists and gathered rows, and the decode graphs' fixed buffers
 (:func:`.graph.buffer_bytes`), live only while a step runs or are sized by the graphs' batch
@@ -58,12 +65,15 @@ COPY_BYTES = 1 + 4  # per quantized tier and unit: present (bool) and write_coun
 STATE_BYTES = 4  # float32 per token of each cumulative(...) score state
 SIGNAL_BYTES = 4  # float32 per token of each token signal kept (attn, colmass, obs_attn)
 WINDOW_SUGGESTIONS = (16, 32, 64)  # window sizes a refused policy is pointed to
+SET_BYTES = 1  # bool per token: in a decoupled policy's K channel set (ChannelK.in_set)
+ZONE_SLACK = 2.0  # Zone A bytes per budget byte: pages pad sections to 16 bytes, V widths to P
 
 
 @dataclass(frozen=True)
 class PoolBlocks:
     full: int  # row blocks per layer ([W, d] K and V of one head)
     quant: int  # ledger blocks per layer
+    zone: int = 0  # bytes per layer of a decoupled policy's Zone A store (.zones)
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,7 @@ class PoolBytes:
 
     slots: int
     rows: int  # row blocks, K and V, with the NaN trap and scratch blocks
-    codes: int  # ledger pages, with the NaN trap page
+    codes: int  # ledger pages, with the NaN trap page (decoupled policies: the Zone A store)
     tables: int  # block ids, reference counts, owner states
     engine: int  # running requests' engine state, if every slot were theirs (not allocated)
 
@@ -131,6 +141,7 @@ def engine_bytes_per_token(policy: Policy) -> float:
     names = {getattr(n, "id", None) for n in nodes}
     signals = 1 + len(names & {"colmass", "obs_attn"})  # attn is always observed
     per_unit = TIER_BYTES + COPY_BYTES * len(tiers.quantized)
+    per_unit += 0 if policy.coupled else SET_BYTES
     return GROWTH * (per_unit / W + STATE_BYTES * cumulative) + SIGNAL_BYTES * signals
 
 
@@ -145,10 +156,12 @@ def slot_bytes(
     and pages, tables and engine state (see the module docstring)."""
     full = 2 * layers * heads * head_dim * itemsize
     lh = layers * heads
-    tables = (
-        lh * window_table_bytes(Layout.of(policy)) / _unit_size(policy) if policy.coupled else 0
-    )
-    return _fraction(budget) * full + tables + lh * engine_bytes_per_token(policy)
+    lay = Layout.of(policy)
+    tables = lh * window_table_bytes(lay) / lay.window
+    data = _fraction(budget) * full
+    if lay.tier_bits is not None:  # rows for every slot, and the Zone A store
+        data = full + ZONE_SLACK * data
+    return data + tables + lh * engine_bytes_per_token(policy)
 
 
 def check_metadata(
@@ -160,7 +173,7 @@ def check_metadata(
         PoolConfigError: metadata per slot >= what the budget saves per slot.
     """
     f = _fraction(budget)
-    if f >= 1:
+    if f >= 1 or not policy.coupled:  # decoupled: rows for every slot by design (.zones)
         return
     full = 2 * layers * heads * head_dim * itemsize
     meta = slot_bytes(policy, budget, layers, heads, head_dim, itemsize) - f * full
@@ -184,6 +197,11 @@ def plan_blocks(
     lay = Layout.of(policy)
     W = lay.window
     row_bytes = 2 * W * head_dim * itemsize
+    if lay.tier_bits is not None:  # every slot's rows; Zone A: the budget's bytes, with slack
+        fixed = 2 * row_bytes + head_num * window_table_bytes(lay)  # traps, padding window
+        zone = ZONE_SLACK * _fraction(budget) * size * head_num * head_dim * 2 * itemsize
+        # window 0 (padding) never opens: a row block for every other window
+        return PoolBlocks(size // W * head_num, 0, max(16, int(zone - fixed) // 16 * 16))
     q_bytes = (
         uniform_page_nbytes(lay.quant.bits, W, head_dim, min(lay.v_group, head_dim))
         if lay.quant is not None
@@ -216,14 +234,10 @@ def pool_bytes(
     blocks: PoolBlocks | None = None,
 ) -> PoolBytes:
     """The byte split of a pool of ``size`` slots: a :class:`~.pool.TieredKVPool` (``blocks``:
-    its own, default :func:`plan_blocks`) allocates ``rows + codes + tables`` exactly; for a
-    decoupled policy (:class:`~.arena.ArenaKVPool`) ``rows`` is the budget's bytes its arenas
-    take and there are no codes or tables."""
+    its own, default :func:`plan_blocks`) allocates ``rows + codes + tables`` exactly (a
+    decoupled policy's ``codes`` are its Zone A store)."""
     L, H, d = layer_num, head_num, head_dim
     engine = int(L * H * size * engine_bytes_per_token(policy))
-    if not policy.coupled:
-        full = int(_fraction(budget) * size) * 2 * L * H * d * itemsize
-        return PoolBytes(size, full, 0, 0, engine)
     lay = Layout.of(policy)
     blocks = blocks or plan_blocks(size, H, d, itemsize, policy, budget)
     W = lay.window
@@ -232,6 +246,8 @@ def pool_bytes(
     if lay.quant is not None:
         codes = L * (blocks.quant + 1) * uniform_page_nbytes(lay.quant.bits, W, d,
                                                              min(lay.v_group, d))  # fmt: skip
+    if lay.tier_bits is not None:
+        codes = L * (-(-max(blocks.zone, 16) // 16) * 16)  # .zones.ZoneStore's size
     tables = L * H * (size // W + 1) * window_table_bytes(lay, _id_bytes(blocks))
     return PoolBytes(size, rows, codes, tables, engine)
 

@@ -1,0 +1,546 @@
+"""RDKV on the shared stack (pool, radix cache, backend) on CPU: decoupled requests read full
+window rows until their routing, then their Zone A pages (``.zones``).
+
+- A request served through the backend reads what a TierStore fed the same tokens reads, and
+  decides the same tiers: chunked prefill, two requests in one batch, routing, and decode.
+- Before any routing, the output is exact causal attention over the model's own K/V.
+- RDKV compresses the prompt to its budget, and the pool counts its pages.
+- A second turn and a second conversation with the same system prompt hit the radix cache.
+- Every way a request leaves frees its pages and gives back every slot.
+- The plugin selects the shared pool, cache and backend.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang_sim import require
+
+require("sglang.srt.mem_cache.radix_cache")
+
+from test_backend import Mode  # noqa: E402
+
+from tiered_radix.adapters.sglang import config, plugin, sizing  # noqa: E402
+from tiered_radix.adapters.sglang.backend import TieredAttnBackend  # noqa: E402
+from tiered_radix.adapters.sglang.pool import TieredKVPool  # noqa: E402
+from tiered_radix.adapters.sglang.radix import TieredRadixCache  # noqa: E402
+from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
+from tiered_radix.engine.attention import attend  # noqa: E402
+from tiered_radix.engine.store import TierStore  # noqa: E402
+from tiered_radix.policy import compile_text, load_policy  # noqa: E402
+
+L, H, HQ, D, VOCAB = 2, 2, 4, 32, 100
+RDKV = load_policy("rdkv")
+W = RDKV.allocate.group  # the pool's window: a Zone A page
+# RDKV re-planned every 2 decode steps as well: routing between decode steps
+RDKV_EVERY = compile_text(
+    (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+    .replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
+)  # fmt: skip
+PREFILL_NEEDS = frozenset({"colmass", "qnorm"})  # what RDKV's weights read on prefill
+
+
+class Server:
+    """The shared pool, SGLang's paged allocator and request slots, the tiered radix cache and
+    the backend, driven the way SGLang's scheduler drives them."""
+
+    def __init__(self, slots: int = 4096, policy=RDKV, kv_heads=slice(0, H), tp_group=None,
+                 d: int = D, options=None):  # fmt: skip
+        """``kv_heads`` of the model's ``H`` (a tensor-parallel rank's, with SGLang's
+        ``tp_group`` stand-in), and their share of the ``HQ`` query heads; head dim ``d``;
+        ``options`` the launch's ``--kv-*`` flags."""
+        self.d = d
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        q_heads = slice(kv_heads.start * HQ // H, kv_heads.stop * HQ // H)
+        self.h, self.hq = kv_heads.stop - kv_heads.start, q_heads.stop - q_heads.start
+        self.pool = TieredKVPool(slots, W, torch.bfloat16, self.h, d, L, "cpu", policy=policy)
+        self.alloc = PagedTokenToKVPoolAllocator(slots, W, torch.bfloat16, "cpu", self.pool,
+                                                 need_sort=False)  # fmt: skip
+        self.r2t = ReqToTokenPool(8, 1024, "cpu", False)
+        self.cache = TieredRadixCache(CacheInitParams(False, self.r2t, self.alloc, W),
+                                      policy=policy)  # fmt: skip
+        runner = SimpleNamespace(token_to_kv_pool=self.pool, tp_group=tp_group)
+        self.backend = TieredAttnBackend(runner, options)
+        g = torch.Generator().manual_seed(3)
+        wk, wv = (torch.randn(L, VOCAB, H, d, generator=g) for _ in range(2))
+        self.wk, self.wv = wk[:, :, kv_heads], wv[:, :, kv_heads]
+        self.wq = torch.randn(L, VOCAB, HQ, d, generator=g)[:, :, q_heads]
+        self.layers = [
+            SimpleNamespace(layer_id=li, tp_q_head_num=self.hq, qk_head_dim=d, v_head_dim=d,
+                            scaling=d**-0.5, logit_cap=0, sliding_window_size=-1)
+            for li in range(L)
+        ]  # fmt: skip
+
+    def qkv(self, li: int, toks: list[int], start: int) -> tuple[torch.Tensor, ...]:
+        """bf16-valued ``q [n, hq, D]``, ``k, v [n, h, D]`` of ``toks`` at positions ``start...``
+        (the same tokens at the same positions: the same rows, as a model writes them)."""
+        t, p = torch.tensor(toks), 0.01 * torch.arange(start, start + len(toks))[:, None, None]
+        return tuple((w[li, t] + p).bfloat16().float() for w in (self.wq, self.wk, self.wv))
+
+    def admit(self, rid: str, tokens: list[int] | None = None) -> SimpleNamespace:
+        """A request; with ``tokens``, its prompt's longest prefix in the radix tree is matched
+        and locked (``req.tokens``: those tokens, held before its first forward)."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        idx = self.r2t.free_slots.pop()
+        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens or []))))
+        n = len(m.device_indices)
+        self.cache.inc_lock_ref(m.last_device_node)
+        self.r2t.req_to_token[idx, :n] = m.device_indices.int()
+        return SimpleNamespace(
+            rid=rid, req_pool_idx=idx, tokens=list(tokens or [])[:n], origin_input_ids=[],
+            output_ids=[], cache_protected_len=n, last_node=m.last_device_node, extra_key=None,
+            priority=0, prefix_indices=m.device_indices,
+        )  # fmt: skip
+
+    def forward(self, reqs, new: list[list[int]], extend: bool) -> list[list[torch.Tensor]]:
+        """One forward; per request and layer its float32 output ``[n, HQ, D]``."""
+        pre = [len(r.tokens) for r in reqs]
+        locs = []
+        for r, toks, p in zip(reqs, new, pre, strict=True):  # slots, as SGLang allocates them
+            row = self.r2t.req_to_token[r.req_pool_idx]
+            have, end = -(-p // W) * W, p + len(toks)
+            if end > have:
+                got = self.alloc.alloc(-(-(end - have) // W) * W)
+                row[have : have + got.numel()] = got.int()
+            locs.append(row[p:end].long())
+            r.tokens = r.tokens + toks
+            r.origin_input_ids = list(r.tokens)
+        fb = SimpleNamespace(
+            forward_mode=Mode(extend), rids=[r.rid for r in reqs],
+            seq_lens_cpu=torch.tensor([len(r.tokens) for r in reqs]),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs]),
+            extend_prefix_lens_cpu=pre, extend_seq_lens_cpu=[len(t) for t in new],
+            out_cache_loc=torch.cat(locs),
+        )  # fmt: skip
+        self.backend.init_forward_metadata(fb)
+        outs = [[] for _ in reqs]
+        for li, layer in enumerate(self.layers):
+            parts = [self.qkv(li, t, p) for t, p in zip(new, pre, strict=True)]
+            q, k, v = (torch.cat([x[i] for x in parts]) for i in range(3))
+            call = self.backend.forward_extend if extend else self.backend.forward_decode
+            o = call(q.reshape(-1, self.hq * self.d), k, v, layer, fb)
+            o = o.reshape(-1, self.hq, self.d)
+            for b, (t, _) in enumerate(zip(new, pre, strict=True)):
+                start = sum(len(x) for x in new[:b])
+                outs[b].append(o[start : start + len(t)].float())
+        return outs
+
+    def leave(self, req, insert: bool = True) -> None:
+        """Finish (or, ``insert=False``, retract or abort) a request, as SGLang's
+        ``release_kv_cache`` does."""
+        self.cache.cache_finished_req(req, insert, kv_len_to_handle=len(req.tokens))
+        self.r2t.free_slots.append(req.req_pool_idx)
+
+    def session(self, rid: str):
+        return self.backend.sessions[rid]
+
+
+class Reference:
+    """The tier engine fed the same tokens directly, as the transformers adapter feeds it."""
+
+    def __init__(self, server: Server, policy=RDKV) -> None:
+        self.s = server
+        self.store = TierStore(policy, n_layers=L, n_heads=H, head_dim=D, dtype=torch.bfloat16)
+        self.pos, self.prefills, self.steps = 0, 0, 0
+
+    def forward(self, toks: list[int], extend: bool) -> list[torch.Tensor]:
+        outs = []
+        need = PREFILL_NEEDS if extend else frozenset()
+        for li in range(L):
+            q, k, v = self.s.qkv(li, toks, self.pos)
+            self.store.append(li, k.transpose(0, 1), v.transpose(0, 1))
+            kk, vv, kept = self.store.view(li)
+            o, sig = attend(q.transpose(0, 1), kk, vv, kept, D**-0.5, need=need)
+            self.store.observe(li, sig)
+            outs.append(o.transpose(0, 1))
+        self.pos += len(toks)
+        if extend:
+            self.prefills += 1
+            self.store.route(f"after prefill {self.prefills}")
+        else:
+            if self.store.schedule_due(self.steps):
+                self.store.route(f"decode step {self.steps}")
+            self.steps += 1
+        return outs
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("policy", [RDKV, RDKV_EVERY], ids=["rdkv", "rdkv-every-2"])
+def test_a_request_reads_what_its_tier_engine_reads(policy):
+    """Two requests in each forward (chunked prefill of 96 + 64 tokens, then 5 decode steps):
+    every layer's output equals its own reference store's, bit for bit, and so do the tiers."""
+    srv = Server(policy=policy)
+    assert srv.backend.prefill_needs == PREFILL_NEEDS
+    a, b = srv.admit("a"), srv.admit("b")
+    refs = {"a": Reference(srv, policy), "b": Reference(srv, policy)}
+    chunks = {"a": [_prompt(1, 96), _prompt(2, 64)], "b": [_prompt(3, 96), _prompt(4, 64)]}
+    for c in range(2):
+        got = srv.forward([a, b], [chunks["a"][c], chunks["b"][c]], extend=True)
+        for r, out in zip((a, b), got, strict=True):
+            want = refs[r.rid].forward(chunks[r.rid][c], extend=True)
+            for li in range(L):
+                torch.testing.assert_close(out[li], want[li], rtol=0, atol=0)
+    for step in range(5):
+        toks = [[step + 7], [step + 11]]
+        got = srv.forward([a, b], toks, extend=False)
+        for r, out, t in zip((a, b), got, toks, strict=True):
+            want = refs[r.rid].forward(t, extend=False)
+            for li in range(L):
+                torch.testing.assert_close(out[li], want[li], rtol=0, atol=0)
+    for rid, ref in refs.items():
+        store = srv.session(rid).store
+        for li in range(L):
+            assert torch.equal(store.tiers(li), ref.store.tiers(li))
+        assert store.bytes_used() == ref.store.bytes_used()
+
+
+def test_before_routing_the_output_is_exact_attention_over_the_model_rows():
+    """A prompt's first forward reads every row at full precision: its output is causal GQA
+    attention over the K/V the model produced (a check that does not go through the engine)."""
+    srv = Server()
+    req = srv.admit("a")
+    toks = _prompt(5, 48)
+    out = srv.forward([req], [toks], extend=True)[0]
+    for li in range(L):
+        q, k, v = srv.qkv(li, toks, 0)
+        k, v = (x.bfloat16().float().repeat_interleave(HQ // H, 1) for x in (k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=D**-0.5
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[li], want, rtol=1e-5, atol=1e-5)
+
+
+def test_rdkv_compresses_the_prompt_to_its_budget_and_the_pool_counts_it():
+    """After its routing a request's pages hold exactly the tokens the engine kept in its
+    channel set, at the engine's widths; the pool counts their bytes (pages pad each section to
+    16 bytes and each V width's last page to W tokens: at least the engine's count, within the
+    Zone A store's slack)."""
+    srv = Server()
+    req = srv.admit("a")
+    srv.forward([req], [_prompt(6, 256)], extend=True)
+    store = srv.session("a").store
+    full = 2 * 2 * L * H * D * 256  # bf16 K and V of the prompt
+    assert store.bytes_used() <= store.budget_bytes() == pytest.approx(0.1 * full, abs=1)
+    zone = srv.pool.zones.bytes_used()
+    assert store.bytes_used() <= zone <= sizing.ZONE_SLACK * store.budget_bytes()
+    rows = (256 // W) * L * H * 2 * W * D * 2  # the prompt's windows keep their rows
+    assert srv.pool.bytes_used() == rows + zone
+    bits = torch.tensor(store.tier_bits())
+    for li in range(L):
+        k_tier, in_set = store.channel_tiers(li)
+        placed = srv.pool.zones.placed_layer("a", li)
+        listed = torch.zeros_like(in_set)
+        tok = placed.zone.page_tok
+        for h in range(H):  # pages are head-major: this head's pages, then the next head's
+            first = int(placed.zone.pages[:h].sum())
+            mine = tok[first : first + int(placed.zone.pages[h].sum())].flatten()
+            listed[h, mine[mine >= 0]] = True
+        assert torch.equal(listed, in_set) and in_set.any() and not in_set.all()
+        assert torch.equal(placed.kept, bits[store.tiers(li)] > 0)
+        assert [sum(c) for c in placed.zone.k_counts] == [int((bits[k] > 0).sum()) for k in k_tier]
+    snap = srv.backend.stats()
+    assert snap["pool_bytes_used"] == rows + zone and snap["routes"] == 1
+    assert snap["demote"] + snap["evict"] > 0
+
+
+def test_decode_through_the_trizone_kernel_reads_the_pages_and_rows(monkeypatch):
+    """Decode with the TriZone kernel (interpreted; head dim 64, which it reads) over a batch of
+    a routed request (its Zone A pages of every V width, K channels grouped by width, and the
+    rows of its decoded tokens) and one that has not routed yet (rows only: a prefill chunk
+    that does not end its prompt, under a policy that routes at the first decode step)."""
+    pytest.importorskip("triton")
+    from tiered_radix.adapters.sglang.options import KVOptions
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    defer = compile_text(
+        (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+        .replace("schedule: after_prefill", "schedule: after_prefill(defer=true)")
+        .replace("budget: 10%", "budget: 40%")  # K channels of several widths
+    )  # fmt: skip
+    runs = {}
+    for mode in ("kernel", "gather"):
+        srv = Server(d=64, options=KVOptions(decode=mode), policy=defer)
+        a, b = srv.admit("a"), srv.admit("b")
+        srv.forward([a], [_prompt(30, 160)], extend=True)
+        srv.forward([a], [[3]], extend=False)  # a routes (deferred to its first decode step)
+        srv.forward([b], [_prompt(31, 96)], extend=True)  # b has not routed
+        assert srv.pool.zones.holds("a") and not srv.pool.zones.holds("b")
+        runs[mode] = [srv.forward([a, b], [[t], [t + 1]], extend=False) for t in (4, 5)]
+        assert srv.backend.stats()["decode"] == mode
+        if mode == "kernel":  # a's pages: more than one V width, K channels of mixed widths
+            store = srv.session("a").store
+            bits = torch.tensor(store.tier_bits())
+            v_widths = {int(x) for li in range(L) for x in bits[store.tiers(li)].unique()}
+            k_widths = {int(x) for li in range(L) for x in bits[store.channel_tiers(li)[0]]
+                        .unique()}  # fmt: skip
+            assert len(v_widths - {0}) >= 2 and len(k_widths - {0}) >= 2, (v_widths, k_widths)
+            assert srv.backend.stats()["kernel_steps"] == 3
+    for k_step, g_step in zip(runs["kernel"], runs["gather"], strict=True):
+        for k_req, g_req in zip(k_step, g_step, strict=True):
+            for x, y in zip(k_req, g_req, strict=True):
+                torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
+
+
+def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch):
+    """RDKV re-planned every 2 decode steps, decoded as SGLang's graph runner drives it (capture
+    with all-padding batches, replays without rids, padded batches): every real row equals
+    eager decode's through the kernel, the tiers are the same, the kernels read the buffers
+    they were captured with (each layer's Zone A lists copied in), and between routings and new
+    windows the lists grow in place."""
+    from test_backend import Harness
+
+    from tiered_radix.adapters.sglang.options import KVOptions
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    text = (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+    text = text.replace("schedule: after_prefill", "schedule: after_prefill, every(4)")
+    text = text.replace("budget: 10%", "budget: 40%")
+    kw = dict(policy=text, head_dim=64, pages=12, blocks=PoolBlocks(24, 0, 1 << 20),
+              options=KVOptions(decode="kernel"))  # fmt: skip
+    eager, graphed = Harness(**kw), Harness(**kw)
+    graphed.backend.init_cuda_graph_state(4, 4)
+    for bs in (4, 2):
+        graphed.capture(bs)
+    where = {bs: _addresses(graphed.backend.graph.batches[bs]) for bs in (4, 2)}
+    reqs = {}
+    for name, h in (("eager", eager), ("graphed", graphed)):
+        a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
+        h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
+        reqs[name] = a, b
+    for t in range(10):
+        bs = 4 if 3 <= t < 6 else 2  # both captured sizes; at 4, two padded requests
+        new = [[60 + t], [80 + t]]
+        want = eager.step(list(reqs["eager"]), new, extend=False)
+        got = graphed.replay(list(reqs["graphed"]), new, bs)
+        for x, y in zip(want, got, strict=True):
+            err = (x.float() - y.float()).abs()
+            assert err.max() < 2e-2, (t, err.max())
+    graphed.backend.flush()
+    for r in "ab":
+        for li in range(2):
+            x = eager.backend.sessions[r].store.tiers(li)
+            assert torch.equal(x, graphed.backend.sessions[r].store.tiers(li))
+    es, gs = eager.backend.stats(), graphed.backend.stats()
+    assert gs["routes"] == es["routes"] > 2 and gs["demote"] == es["demote"] > 0
+    assert es["kernel_steps"] == 10 and gs["host_s"]["graph_steps"] == 10
+    assert gs["host_s"]["steady_steps"] > 0  # lists grown in place between routings
+    assert {bs: _addresses(graphed.backend.graph.batches[bs]) for bs in (4, 2)} == where
+
+
+def _addresses(db) -> list[int]:
+    """Where every tensor a captured decode step reads lives."""
+    out = [db.plan.part_acc.data_ptr(), db.plan.score.data_ptr()]
+    for lay in db.layouts:
+        out += [getattr(lay, f).data_ptr() for f in lay.__dataclass_fields__
+                if isinstance(getattr(lay, f), torch.Tensor)]  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("insert", [True, False], ids=["finish", "retract"])
+def test_leaving_frees_the_pages_and_gives_every_slot_back(insert):
+    srv = Server()
+    free = srv.alloc.available_size()
+    a, b = srv.admit("a"), srv.admit("b")
+    srv.forward([a, b], [_prompt(7, 64), _prompt(8, 40)], extend=True)
+    srv.forward([a, b], [[1], [2]], extend=False)
+    held = srv.pool.zones.bytes_used()
+    srv.leave(a, insert)
+    assert not srv.pool.zones.holds("a") and 0 < srv.pool.zones.bytes_used() < held
+    srv.forward([b], [[3]], extend=False)  # the other request goes on
+    assert set(srv.backend.sessions) == {"b"}
+    if not insert:  # retracted: scheduled again, it prefills its whole sequence anew
+        again = srv.admit("a")
+        srv.forward([again], [a.tokens], extend=True)
+        assert srv.session("a").store.n_tokens(0) == len(a.tokens)
+        srv.leave(again)
+    srv.leave(b)
+    assert srv.pool.zones.bytes_used() == 0 and srv.pool.zones.placed == {}
+    # what the tree caches (whole windows of finished requests) can be evicted: every slot back
+    assert srv.alloc.available_size() + srv.cache.evictable_size() == free
+    srv.cache.reset()
+    assert srv.pool.bytes_used() == 0
+
+
+def test_turn_two_and_a_shared_system_prompt_hit_the_radix_cache():
+    """The tree keeps a finished request's windows at full precision (its routing repacked a
+    private copy). Turn 2 matches turn 1's prompt and answer; another conversation with the same
+    system prompt matches it too. A matched prefix reads the model's rows, so the new tokens'
+    first outputs equal those of a server that prefills everything, and each request then
+    routes and repacks its own pages."""
+    system, q1, q2, q3 = _prompt(20, 64), _prompt(21, 40), _prompt(22, 24), _prompt(23, 50)
+    srv = Server()
+    a = srv.admit("a")
+    srv.forward([a], [system + q1], extend=True)
+    for t in range(3):
+        srv.forward([a], [[t + 5]], extend=False)
+    turn1 = list(a.tokens)
+    srv.leave(a)
+
+    def cold(tokens: list[int], new: list[int]) -> list[torch.Tensor]:
+        ref = Server()
+        r = ref.admit("r")
+        return ref.forward([r], [tokens + new], extend=True)[0]
+
+    for rid, prefix, new in (("turn2", turn1, q2), ("other", system, q3)):
+        req = srv.admit(rid, prefix + new)
+        hit = len(req.tokens)
+        assert hit == len(prefix) // W * W and hit >= 64  # whole windows of the prefix
+        out = srv.forward([req], [(prefix + new)[hit:]], extend=True)[0]
+        want = cold(prefix[:hit], (prefix + new)[hit:])
+        for li in range(L):
+            torch.testing.assert_close(out[li], want[li][hit:], rtol=1e-5, atol=1e-5)
+        assert srv.pool.zones.holds(rid) and srv.backend.stats()["routes"] >= 2
+        srv.forward([req], [[9]], extend=False)
+        srv.leave(req)
+    assert srv.pool.zones.bytes_used() == 0
+
+
+def test_a_decode_step_of_an_unknown_request_is_refused():
+    srv = Server()
+    req = srv.admit("a")
+    with pytest.raises(AssertionError, match="decode of request a without a view"):
+        srv.forward([req], [[1]], extend=False)  # a decode step with no prefill
+
+
+def test_stock_backends_cannot_read_the_pool():
+    srv = Server()
+    with pytest.raises(PoolConfigError, match="tiered_triton"):
+        srv.pool.get_key_buffer(0)
+    with pytest.raises(PoolConfigError, match=f"--page-size {W}"):
+        TieredKVPool(64, 1, torch.bfloat16, H, D, L, "cpu", policy=RDKV)
+
+
+def test_the_plugin_serves_rdkv_from_the_shared_stack(monkeypatch):
+    """``--kv-policy rdkv``: page size W (a Zone A page), decode graphs on (the TriZone kernel
+    decodes), the tiered pool, radix cache and backend; a cell holds every slot's rows and the
+    Zone A store's share."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import prepare_server_args
+
+    plugin.register()
+    HookRegistry.apply_hooks()
+    try:
+        args = prepare_server_args(["--model-path", "dummy", "--kv-policy", "rdkv"])
+        assert (args.radix_cache_backend, args.page_size) == ("tiered", W)
+        assert not args.disable_decode_cuda_graph and args.attention_backend == "tiered_triton"
+        monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
+        kvc = SimpleNamespace(
+            kv_cache_dtype=torch.bfloat16,
+            model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 2),
+        )
+        full = 2 * 24 * 2 * 64 * 2
+        want = sizing.cell_bytes(RDKV, RDKV.budget, 24, 2, 64, 2)
+        assert plugin.cell_size(full, None, kvc, 24) == want
+        assert (1 + sizing.ZONE_SLACK * 0.1) * full < want < 1.5 * full
+        seen = {}
+        plugin.build_mha_kv_pool(lambda self, **kw: seen.update(kw), None,
+                                 max_total_num_tokens=64, mha_pool_class=int)  # fmt: skip
+        assert seen["mha_pool_class"].func is TieredKVPool
+        srv = Server()
+        ctx = SimpleNamespace(params=CacheInitParams(False, srv.r2t, srv.alloc, W))
+        assert isinstance(plugin.tree_cache_factory(ctx), TieredRadixCache)
+        runner = SimpleNamespace(server_args=SimpleNamespace(tp_size=1), tp_group=None,
+                                 token_to_kv_pool=srv.pool)  # fmt: skip
+        assert isinstance(plugin.attention_backend_factory(runner), TieredAttnBackend)
+    finally:
+        config.export(None)
+
+
+# RDKV_EVERY with the budget spread over heads by their values' spread (sigma): a rank that
+# planned its head alone would give it another budget. RDKV's own spread is uniform, where each
+# head's budget is its own and ranks would agree without planning together; a spread by
+# attention would not do either (every head's attention mass sums to the same)
+RDKV_TP = compile_text(
+    (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+    .replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
+    .replace("allocate:", "spread: proportional(sigma)\nallocate:")
+)  # fmt: skip
+
+
+def _serve(rank: int | None = None, tp_group=None) -> dict:
+    """RDKV_TP over two requests: chunked prefill, 4 decode steps; every forward's outputs and
+    each request's tiers after it. ``rank``: hold that rank's KV head (``tp_group``: plan with
+    the other rank)."""
+    kv = slice(0, H) if rank is None else slice(rank, rank + 1)
+    srv = Server(policy=RDKV_TP, kv_heads=kv, tp_group=tp_group)
+    a, b = srv.admit("a"), srv.admit("b")
+    steps = [([_prompt(1, 96), _prompt(3, 96)], True), ([_prompt(2, 64), _prompt(4, 64)], True)]
+    steps += [([[t + 7], [t + 11]], False) for t in range(4)]
+    rec: dict = {"out": [], "tiers": []}
+    for new, extend in steps:
+        rec["out"].append(srv.forward([a, b], new, extend))
+        rec["tiers"].append(
+            [[srv.session(r).store.tiers(li).clone() for li in range(L)] for r in "ab"]
+        )
+    stats = srv.backend.stats()
+    rec["tp"], rec["evict"] = stats.get("tp"), stats["evict"]
+    return rec
+
+
+def _rank(rank: int) -> dict:
+    return _serve(rank, SimpleNamespace(world_size=2, rank_in_group=rank, device_group=None))
+
+
+def _same_tiers(part: dict, whole: dict, rank: int) -> bool:
+    return all(
+        torch.equal(mine, theirs[rank : rank + 1])
+        for p_step, w_step in zip(part["tiers"], whole["tiers"], strict=True)
+        for p_req, w_req in zip(p_step, w_step, strict=True)
+        for mine, theirs in zip(p_req, w_req, strict=True)
+    )
+
+
+def test_tensor_parallel_ranks_decide_and_attend_as_one_engine(tmp_path):
+    """``--tp 2`` on CPU (two gloo ranks, one KV head each): each rank decides, for its head,
+    the V-token tiers one engine over both heads decides, and attends alike; both record the
+    same routings. A rank planning alone decides otherwise (the comparison can fail)."""
+    from gloo_ranks import run_ranks
+
+    ranks, whole = run_ranks(_rank, 2, tmp_path), _serve()
+    assert whole["evict"] > 0 and whole["tp"] is None
+    tp = [part["tp"] for part in ranks]
+    assert [t["heads"] for t in tp] == [[0, 1], [1, 2]] and tp[0]["routes"] > 2
+    assert tp[0]["digest"] == tp[1]["digest"] and tp[0]["routes"] == tp[1]["routes"]
+    d = HQ // H
+    for rank, part in enumerate(ranks):
+        assert _same_tiers(part, whole, rank), f"rank {rank}'s tiers differ"
+        for p_step, w_step in zip(part["out"], whole["out"], strict=True):
+            for p_req, w_req in zip(p_step, w_step, strict=True):
+                for mine, theirs in zip(p_req, w_req, strict=True):
+                    want = theirs[:, rank * d : (rank + 1) * d]
+                    torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6)
+    assert not _same_tiers(_serve(rank=1), whole, 1)
+
+
+def test_decode_retracts_when_the_rows_run_out():
+    """The decode-memory hook over a decoupled pool: a step's new windows need row blocks (a
+    routed request keeps its rows); when they are short, SGLang retracts requests instead of
+    the forward failing."""
+    srv = Server(slots=16 * W)
+    req = srv.admit("a")
+    srv.forward([req], [_prompt(9, 256)], extend=True)
+    room = srv.pool.windows_free() * W
+    assert room == (16 - 256 // W) * W
+
+    def batch(tokens: int) -> SimpleNamespace:
+        return SimpleNamespace(token_to_kv_pool_allocator=srv.alloc,
+                               new_tokens_required_next_decode=lambda _idx: tokens)  # fmt: skip
+
+    yes = lambda _self, selected_indices=None: True  # noqa: E731
+    assert plugin.check_decode_mem(yes, batch(room)) is True
+    assert plugin.check_decode_mem(yes, batch(room + 1)) is False
+    assert plugin.check_decode_mem(lambda _s, selected_indices=None: False, batch(1)) is False
