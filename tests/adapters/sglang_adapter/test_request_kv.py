@@ -92,7 +92,7 @@ def test_policies_that_store_windows_alike_load_together_and_others_are_refused(
     qevict = load_policy("qevict")
     cat = load(qevict, "examples/qevict_full70.yaml, kivi")
     assert cat.names == ("qevict", "qevict-full70", "kivi")  # kivi never evicts: a prefix
-    with pytest.raises(CatalogError, match="'rdkv'.*pool shared windows .* vs one arena"):
+    with pytest.raises(CatalogError, match="'rdkv'.*pool shared windows .* vs Zone A pages"):
         load(qevict, "rdkv")
     with pytest.raises(CatalogError, match="'full'.*window 32 vs 1"):
         load(qevict, "rdkv,full".split(",")[1])
@@ -294,7 +294,7 @@ def test_native_sampling_params_are_moved_and_checked(exported):
         serving.create_tokenized_object(lambda self, o: None, None, bad)
 
 
-def test_an_arena_launch_refuses_per_request_fields_and_an_untiered_one_ignores_them():
+def test_a_decoupled_launch_refuses_per_request_fields_and_an_untiered_one_ignores_them():
     try:
         config.export(config.resolve("rdkv"))
         with pytest.raises(RequestError, match="not served by --kv-policy rdkv.*Zone A pages"):

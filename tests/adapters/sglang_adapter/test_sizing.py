@@ -201,13 +201,11 @@ def test_the_startup_log_prints_the_split_and_max_total_num_tokens(policy, monke
     L, H, d = 2, 2, 64
     n = slots(policy, 8 << 20, L, H, d, 2, monkeypatch)
     p = load_policy(policy)
-    pool_class, page = (TieredKVPool, Layout.of(p).window) if p.coupled else (ArenaKVPool, 1)
     with caplog.at_level("INFO", logger="tiered_radix.adapters.sglang"):
-        pool = pool_class(n, page, torch.bfloat16, H, d, L, "cpu", policy=p)
+        pool = TieredKVPool(n, Layout.of(p).window, torch.bfloat16, H, d, L, "cpu", policy=p)
     lines = [r.getMessage() for r in caplog.records if "tiered-radix pool" in r.getMessage()]
     assert len(lines) == 1, lines
-    blocks = pool.blocks if p.coupled else None
-    split = sizing.pool_bytes(n, H, d, L, 2, p, p.budget, blocks)
+    split = sizing.pool_bytes(n, H, d, L, 2, p, p.budget, pool.blocks)
     assert f"max_total_num_tokens={n}," in lines[0]
     assert lines[0].endswith(split.describe())
     assert all(w in lines[0] for w in ("rows", "codes", "metadata"))

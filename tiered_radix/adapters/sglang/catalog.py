@@ -8,8 +8,8 @@ evicted tiers sit among the engine's tiers (a holder's next state is read from t
 lack the last ones, e.g. never evict). Scores,
 shares, protection, schedule and budget may differ. A decoupled policy (RDKV's K channels and V
 tokens) repacks each routed request's K/V into private Zone A pages (:mod:`.zones`), a pool of
-another kind. A set that does not agree is refused when the launch is built (:class:`CatalogError`, with
-each difference), before the model loads.
+another kind. A set that does not agree is refused when the launch is built
+(:class:`CatalogError`, with each difference), before the model loads.
 """
 
 from __future__ import annotations
