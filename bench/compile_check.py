@@ -194,20 +194,20 @@ def configs() -> list[Config]:
         for il in (True, False):
             out += [_split(False, m, d, True, 1, None, 16, il) for m in ("u4", "rdkv")]
             out += [_split(True, m, d, True, 2, None, 16, il) for m in ("qevict2", "u4")]
-        # the variants bench/decode_attention.py --targets times beside the default
+        # the variants bench/decode_attention.py --targets times beside the default, and the
+        # neighbours that decided them (bench/decode_notes.md)
         gmin = 1 << (FAMILIES[d][0] - 1).bit_length()
         for side in (False, True):
             out += [_split(False, "rdkv", d, side, 1, w, kg=True) for w in (4, 8)]
-            out += [_split(True, "qevict2", d, side, 1, None, upipe=True, stages=st)
-                    for st in (2, 3, 4)]  # fmt: skip
-            out.append(_split(True, "qevict2", d, side, 1, None, gpad=gmin))
-        out.append(_split(True, "qevict2", d, False, 1, 2))
-        out.append(_split(True, "qevict2", d, False, 2, 4, upipe=True, stages=3))
-        out.append(_split(False, "rdkv", d, False, 1, 4, kg=True, gpad=gmin))
+            out += [_split(False, "rdkv", d, side, 1, 4, kg=True, upipe=True, stages=st)
+                    for st in (3, 8)]  # fmt: skip
+            out += [_split(True, "qevict2", d, side, 1, None, maxnreg=128)]
+            out += [_split(True, "qevict2", d, side, 1, None, upipe=True, stages=st, maxnreg=r)
+                    for st, r in ((3, None), (8, None), (8, 128), (11, None))]  # fmt: skip
+        out.append(_split(True, "qevict2", d, False, 1, None, gpad=gmin))
         out.append(_split(True, "qevict2", d, False, 1, None, upipe=True, stages=3, gpad=gmin))
-        out += [_split(True, "qevict2", d, False, 2, w, upipe=True, stages=st)
-                for w, st in ((8, 3), (4, 4))]  # fmt: skip
-        out += [_split(True, "qevict2", d, side, 1, None, maxnreg=128) for side in (False, True)]
+        out.append(_split(True, "qevict2", d, False, 1, 2))
+        out += [_split(True, "qevict2", d, False, 2, w, upipe=True, stages=3) for w in (4, 8)]
         out += [_split(False, "rdkv", d, False, 1, 4, kg=True, maxnreg=r) for r in (128, 168)]
         out += [_merge(d, s) for s in (4, 64)]
         out.append(_mass(d))

@@ -61,24 +61,24 @@ TUNE_CONFIGS = {("llama3-8b", 32768, 1), ("llama3-8b", 131072, 8), ("llama3-8b",
 V_DIST = {16: 0.1, 8: 0.2, 4: 0.3, 2: 0.4}  # rdkv: share of kept tokens / K channels per width
 TARGETS = [("llama3-8b", 131072, 8), ("qwen2.5-0.5b", 32768, 1), ("qwen2.5-0.5b", 32768, 8),
            ("qwen2.5-0.5b", 32768, 64)]  # fmt: skip
-# --targets: decode.plan options timed beside the default (first) per mix; "g_pad": "min" is
-# the query group padded to the next power of two instead of 16 (bench/decode_notes.md)
+# --targets: decode.plan options timed beside the default (first) per mix, with their sm_90
+# registers / page blocks in flight in bench/decode_notes.md; "g_pad": "min" (accepted) is the
+# query group padded to the next power of two instead of 16
 TARGET_VARIANTS = {
     "full": [("", {})],
     "qevict": [
         ("", {}),
         ("_r128", {"max_regs": 128}),
         ("_pipe3", {"prefetch": "pipeliner", "num_stages": 3}),
-        ("_pipe4", {"prefetch": "pipeliner", "num_stages": 4}),
-        ("_pipe3_ppi2", {"prefetch": "pipeliner", "num_stages": 3, "pages_per_iter": 2}),
-        ("_pipe3_ppi2_w8", {"prefetch": "pipeliner", "num_stages": 3, "pages_per_iter": 2,
-                            "num_warps": 8}),
-        ("_pipe3_gmin", {"prefetch": "pipeliner", "num_stages": 3, "g_pad": "min"}),
+        ("_pipe8", {"prefetch": "pipeliner", "num_stages": 8}),
+        ("_pipe8_r128", {"prefetch": "pipeliner", "num_stages": 8, "max_regs": 128}),
+        ("_pipe11", {"prefetch": "pipeliner", "num_stages": 11}),
     ],
     "rdkv": [
         ("", {}),
         ("_gather", {"k_path": "gather"}),
-        ("_gather_w8", {"k_path": "gather", "num_warps": 8}),
+        ("_gather_pipe3", {"k_path": "gather", "prefetch": "pipeliner", "num_stages": 3}),
+        ("_gather_pipe8", {"k_path": "gather", "prefetch": "pipeliner", "num_stages": 8}),
     ],
 }
 

@@ -130,9 +130,9 @@ def _v_page(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.conste
     """V [P, D] of the page whose V part starts at byte vbase (rows where tm), VB bits."""
     c = tl.arange(0, D)
     t = tl.arange(0, P)
-    if VB == 16:
-        v = tl.load(arenadt + vbase // 2 + t[:, None] * D + c[None, :], mask=tm[:, None],
-                    other=0.0)  # fmt: skip
+    if VB == 16:  # (the hint survives Triton's pipeliner, which needs >= 4-byte pieces)
+        vb2 = tl.multiple_of(vbase // 2, 8)
+        v = tl.load(arenadt + vb2 + t[:, None] * D + c[None, :], mask=tm[:, None], other=0.0)
     else:
         PER: tl.constexpr = 8 // VB
         NG: tl.constexpr = D // VG

@@ -167,10 +167,13 @@ def _pages_g(
     page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
     DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     P: tl.constexpr, MASS: tl.constexpr, RAW_BF16: tl.constexpr, IL: tl.constexpr = True,
+    PIPE: tl.constexpr = False,
 ):  # fmt: skip
     """General pages page_ids[ps:pe] of list li (V at VB bits, K channels at any widths) with K
     read as one gathered [D, P] tile (:func:`_k_gather`): the per-channel geometry and the
-    permuted query are computed once per list, not per page and width section; one dot a page."""
+    permuted query are computed once per list, not per page and width section; one dot a page.
+    The next page's id, offset and length are loaded one iteration ahead, or (PIPE) in the
+    iteration that uses them, for Triton's pipeliner to stage."""
     w, word, o_sc, o_lo, k_bytes, nq = _k_geometry(k_table_ptr, li, D, P)
     ch = tl.load(perm_ptr + (li // 4) * D + tl.arange(0, D))
     qp = tl.load(q_ptr + q_row[:, None] + ch[None, :], mask=gm[:, None] & (w > 0)[None, :],
@@ -181,13 +184,18 @@ def _pages_g(
     nbase = tl.load(page_off_ptr + nxt, mask=ps < pe, other=0)
     nntok = tl.load(page_ntok_ptr + nxt, mask=ps < pe, other=0)
     for i in range(ps, pe):
-        pid = nxt
-        base = tl.multiple_of(nbase, 16)
-        ntok = nntok
-        more = i + 1 < pe
-        nxt = tl.load(page_ids_ptr + i + 1, mask=more, other=0)
-        nbase = tl.load(page_off_ptr + nxt, mask=more, other=0)
-        nntok = tl.load(page_ntok_ptr + nxt, mask=more, other=0)
+        if PIPE:
+            pid = tl.load(page_ids_ptr + i)
+            base = tl.multiple_of(tl.load(page_off_ptr + pid), 16)
+            ntok = tl.load(page_ntok_ptr + pid)
+        else:
+            pid = nxt
+            base = tl.multiple_of(nbase, 16)
+            ntok = nntok
+            more = i + 1 < pe
+            nxt = tl.load(page_ids_ptr + i + 1, mask=more, other=0)
+            nbase = tl.load(page_off_ptr + nxt, mask=more, other=0)
+            nntok = tl.load(page_ntok_ptr + nxt, mask=more, other=0)
         tm = t < ntok
         k = _k_gather(arena32, arena16, base, w, word, o_sc, o_lo, nq, RAW_BF16, D, P)
         s = tl.dot(qp, k.to(DT)) * qk_scale

@@ -65,8 +65,8 @@ def _decode_split_kernel(
     """One (request, KV head) x split: partial (m, l_i, acc) of all query heads of the group.
     VBITS / KBITS: bit masks of the V / K widths compiled in (2 | 4 | 8 | 16).  UNIFORM: pages
     of k_uniform layouts, PPI pages an iteration; IL: sub-byte codes unpacked with
-    tl.interleave (else shift-and-reshape); UPIPE: uniform pages without the hand-written
-    prefetch (Triton's pipeliner stages them); KG: general pages with K gathered as one [D, P]
+    tl.interleave (else shift-and-reshape); UPIPE: uniform (and KG) pages without the
+    hand-written prefetch (Triton's pipeliner stages them); KG: general pages with K gathered as one [D, P]
     tile through arena32 (the arena as int32; RAW_BF16: 16-bit K is bf16, else fp16)."""
     rh = tl.program_id(0)
     j = tl.program_id(1)
@@ -105,6 +105,7 @@ def _decode_split_kernel(
                     m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt, arena32,
                     page_off_ptr, page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps,
                     pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, RAW_BF16, IL,
+                    UPIPE,
                 )  # fmt: skip
             else:
                 m, l_i, acc = _pages(

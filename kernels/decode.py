@@ -134,9 +134,11 @@ def plan(
     masked [D, P] pass per K width present, channel counts known at run time) or ``"gather"``
     (one [D, P] tile a page, each (channel, token) code gathered from its 32-bit word; the
     per-channel geometry and the permuted query hoisted out of the page loop).
-    prefetch: uniform pages' next block loaded by hand one iteration ahead (``"manual"``,
-    default) or left to Triton's software pipeliner (``"pipeliner"``: loads in the iteration
-    that uses them; with ``num_stages`` >= 3 they may be staged through shared memory).
+    prefetch: uniform pages' (and ``k_path="gather"`` pages') next block loaded by hand one
+    iteration ahead (``"manual"``, default) or left to Triton's software pipeliner
+    (``"pipeliner"``: loads in the iteration that uses them, staged through shared memory by
+    asynchronous copies; the page id -> offset -> bytes chain spreads ``num_stages`` over three
+    loads, so ``num_stages=8`` keeps two page blocks in flight, 11 three).
     num_stages: the split kernel's Triton ``num_stages`` (default 2).
     g_pad: rows the query group is padded to for ``tl.dot`` (default 16; a power of two >= the
     group; fewer rows, a smaller accumulator, where the Triton version accepts it).

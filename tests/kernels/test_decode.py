@@ -125,9 +125,11 @@ def test_decode_matches_twin_and_dense(case):
 VARIANTS = {
     "k_gather": dict(k_path="gather"),
     "k_gather_w8": dict(k_path="gather", num_warps=8),
-    "pipeliner": dict(prefetch="pipeliner", num_stages=3),
+    "k_gather_pipeliner_st8": dict(k_path="gather", prefetch="pipeliner", num_stages=8),
+    "pipeliner_st3": dict(prefetch="pipeliner", num_stages=3),
+    "pipeliner_st8_r128": dict(prefetch="pipeliner", num_stages=8, max_regs=128),
+    "pipeliner_st11": dict(prefetch="pipeliner", num_stages=11),
     "g_pad_min": dict(g_pad="min"),
-    "pipeliner_g_pad_min": dict(prefetch="pipeliner", num_stages=3, g_pad="min"),
     "max_regs": dict(max_regs=128),
 }
 
@@ -174,12 +176,14 @@ def test_k_gather_rdkv_pages(d, grp, page, dt):
                             [4, 0], 1)  # fmt: skip
     lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=1)
     assert not lay.k_uniform and set(lay.k_bits_present) == {2, 4, 8, 16}
-    pg = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2, k_path="gather")
-    poison(pg)
-    out = decode.run(q, lay, pg)
     ro, _ = decode_attention_ref(q, lay)
     tol = 2e-2 if dt == torch.bfloat16 else 4e-3
-    torch.testing.assert_close(out.float(), ro, atol=tol, rtol=tol)
+    for prefetch, stages in (("pipeliner", 8), ("manual", 2)):
+        pg = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2, k_path="gather",
+                         prefetch=prefetch, num_stages=stages)  # fmt: skip
+        poison(pg)
+        out = decode.run(q, lay, pg)
+        torch.testing.assert_close(out.float(), ro, atol=tol, rtol=tol)
     ps = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2)
     assert ps.k_path == "sections"
     torch.testing.assert_close(decode.run(q, lay, ps), out, atol=tol, rtol=tol)
