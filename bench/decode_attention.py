@@ -69,7 +69,6 @@ TARGET_VARIANTS = {
     "qevict": [
         ("", {}),
         ("_r128", {"max_regs": 128}),
-        ("_pipe3", {"prefetch": "pipeliner", "num_stages": 3}),
         ("_pipe8", {"prefetch": "pipeliner", "num_stages": 8}),
         ("_pipe8_r128", {"prefetch": "pipeliner", "num_stages": 8, "max_regs": 128}),
         ("_pipe11", {"prefetch": "pipeliner", "num_stages": 11}),
@@ -77,8 +76,10 @@ TARGET_VARIANTS = {
     "rdkv": [
         ("", {}),
         ("_gather", {"k_path": "gather"}),
-        ("_gather_pipe3", {"k_path": "gather", "prefetch": "pipeliner", "num_stages": 3}),
-        ("_gather_pipe8", {"k_path": "gather", "prefetch": "pipeliner", "num_stages": 8}),
+        ("_gather_r128", {"k_path": "gather", "max_regs": 128}),
+        ("_gather_w8_r128", {"k_path": "gather", "num_warps": 8, "max_regs": 128}),
+        ("_gather_pipe8_w8_r128", {"k_path": "gather", "prefetch": "pipeliner", "num_stages": 8,
+                                   "num_warps": 8, "max_regs": 128}),
     ],
 }
 

@@ -197,7 +197,9 @@ def _pages_g(
             nbase = tl.load(page_off_ptr + nxt, mask=more, other=0)
             nntok = tl.load(page_ntok_ptr + nxt, mask=more, other=0)
         tm = t < ntok
-        k = _k_gather(arena32, arena16, base, w, word, o_sc, o_lo, nq, RAW_BF16, D, P)
+        # ntok <= P < 2**16: a zero computed from the page (see _k_gather)
+        k = _k_gather(arena32, arena16, base, w, word, o_sc, o_lo, nq, ntok >> 16, RAW_BF16, D,
+                      P)  # fmt: skip
         s = tl.dot(qp, k.to(DT)) * qk_scale
         s = tl.where(tm[None, :], s, float("-inf"))
         v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, IL)
