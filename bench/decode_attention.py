@@ -59,8 +59,8 @@ TINY = [(96, 2)]
 BUDGETS = (0.05, 0.10, 0.20)
 TUNE_CONFIGS = {("llama3-8b", 32768, 1), ("llama3-8b", 131072, 8), ("llama3-8b", 96, 2)}
 V_DIST = {16: 0.1, 8: 0.2, 4: 0.3, 2: 0.4}  # rdkv: share of kept tokens / K channels per width
-TARGETS = [("llama3-8b", 131072, 8), ("qwen2.5-0.5b", 32768, 1), ("qwen2.5-0.5b", 32768, 8),
-           ("qwen2.5-0.5b", 32768, 64)]  # fmt: skip
+TARGETS = [("llama3-8b", 131072, 8), ("qwen2.5-0.5b", 32768, 64), ("qwen2.5-0.5b", 32768, 8),
+           ("qwen2.5-0.5b", 32768, 1)]  # fmt: skip
 # --targets: decode.plan options timed beside the default (first) per mix, with their sm_90
 # registers / page blocks in flight in bench/decode_notes.md; "g_pad": "min" (accepted) is the
 # query group padded to the next power of two instead of 16
@@ -310,13 +310,14 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     return rows
 
 
-def run_targets(fam, ctx, batch, dev, bw, gen, deadline=float("inf")) -> list[dict]:
+def run_targets(fam, ctx, batch, dev, bw, gen, deadline=float("inf"), keep=None) -> list[dict]:
     """--targets: FlashInfer bf16 and ours at full / qevict@10% / rdkv@10%, every
     :data:`TARGET_VARIANTS` entry of each mix (``ours_<mix><suffix>``; the default has none);
     ``vs_default`` = the default's ms / this variant's; ``max_abs_diff_vs_default``: the
     variant's output against the default's on the same q and layout (the default is what
     tests/kernels checks against the torch twin).  No variant starts after ``deadline``
-    (perf_counter seconds)."""
+    (perf_counter seconds); ``keep(rows)`` is called after every row (the file is written
+    then: a killed call keeps what it timed)."""
     hq, hkv, d = FAMILIES[fam]
     dt = torch.bfloat16
     q = torch.randn(batch, hq, d, device=dev, dtype=dt)
@@ -335,6 +336,8 @@ def run_targets(fam, ctx, batch, dev, bw, gen, deadline=float("inf")) -> list[di
                              **tags))  # fmt: skip
         rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(f"  {name}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
+        if keep:
+            keep(rows)
 
     if dev == "cuda":
         record("flashinfer_bf16", lambda: flashinfer_peer(q, kf, vf, False, dev))
@@ -462,7 +465,8 @@ def main(argv=None) -> None:
             if time.perf_counter() - t_start > deadline:
                 print(f"skipped {fam} ctx={ctx} batch={batch}: past --deadline-s", flush=True)
                 continue
-            rows += run_targets(fam, ctx, batch, dev, bw, gen, t_start + deadline + 40)
+            rows += run_targets(fam, ctx, batch, dev, bw, gen, t_start + deadline + 40,
+                                lambda new, done=list(rows): save(done + new, out, meta))
             save(rows, out, meta)
             print(f"done {fam} ctx={ctx} batch={batch} at {time.perf_counter() - t_start:.0f}s",
                   flush=True)  # fmt: skip
