@@ -265,8 +265,11 @@ def compile_one(cfg: Config, arch: int) -> dict:
             k = triton.compile(
                 src,
                 target=GPUTarget("cuda", arch, 32),
-                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                             **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg})),
+                options=dict(
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                    **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
+                ),
             )
     except Exception as e:  # noqa: BLE001 - every failure is reported, the sweep goes on
         return dict(name=cfg.name, ok=False, error=_chain(e))

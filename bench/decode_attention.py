@@ -78,8 +78,16 @@ TARGET_VARIANTS = {
         ("_gather", {"k_path": "gather"}),
         ("_gather_r128", {"k_path": "gather", "max_regs": 128}),
         ("_gather_w8_r128", {"k_path": "gather", "num_warps": 8, "max_regs": 128}),
-        ("_gather_pipe8_w8_r128", {"k_path": "gather", "prefetch": "pipeliner", "num_stages": 8,
-                                   "num_warps": 8, "max_regs": 128}),
+        (
+            "_gather_pipe8_w8_r128",
+            {
+                "k_path": "gather",
+                "prefetch": "pipeliner",
+                "num_stages": 8,
+                "num_warps": 8,
+                "max_regs": 128,
+            },
+        ),
     ],
 }
 
@@ -289,9 +297,11 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     if (fam, ctx, batch) in TUNE_CONFIGS:
         # the default row runs the uniform-page path (qevict pages); "_general" times the
         # general page path on the same layout, "_ppi2*" the uniform path's tuning knobs
-        variants += [("_general", {"uniform_pages": False}),
-                     ("_ppi2", {"pages_per_iter": 2, "uniform_pages": True}),
-                     ("_ppi2w8", {"pages_per_iter": 2, "num_warps": 8, "uniform_pages": True})]
+        variants += [
+            ("_general", {"uniform_pages": False}),
+            ("_ppi2", {"pages_per_iter": 2, "uniform_pages": True}),
+            ("_ppi2w8", {"pages_per_iter": 2, "num_warps": 8, "uniform_pages": True}),
+        ]
     for kind, b, side in [(kd, b, False) for kd, b in mixes] + key[3:]:
         name = (kind if kind == "full" else f"{kind}@{int(b * 100)}%") + ("+mass" if side else "")
         for suffix, kw in variants:
@@ -441,10 +451,17 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="interpreter-sized smoke test")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--splits", default=None, help="only the split-count sweep, e.g. 16,32,64")
-    ap.add_argument("--targets", action="store_true",
-                    help="only the issue targets' configs, every plan variant (~4 min)")
-    ap.add_argument("--deadline-s", type=float, default=None,
-                    help="start no configuration after this many seconds (--targets: 200)")
+    ap.add_argument(
+        "--targets",
+        action="store_true",
+        help="only the issue targets' configs, every plan variant (~4 min)",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="start no configuration after this many seconds (--targets: 200)",
+    )
     args = ap.parse_args(argv)
     dev = args.device
     if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -465,8 +482,16 @@ def main(argv=None) -> None:
             if time.perf_counter() - t_start > deadline:
                 print(f"skipped {fam} ctx={ctx} batch={batch}: past --deadline-s", flush=True)
                 continue
-            rows += run_targets(fam, ctx, batch, dev, bw, gen, t_start + deadline + 40,
-                                lambda new, done=list(rows): save(done + new, out, meta))
+            rows += run_targets(
+                fam,
+                ctx,
+                batch,
+                dev,
+                bw,
+                gen,
+                t_start + deadline + 40,
+                lambda new, done=list(rows): save(done + new, out, meta),
+            )
             save(rows, out, meta)
             print(f"done {fam} ctx={ctx} batch={batch} at {time.perf_counter() - t_start:.0f}s",
                   flush=True)  # fmt: skip

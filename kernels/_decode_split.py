@@ -66,8 +66,9 @@ def _decode_split_kernel(
     VBITS / KBITS: bit masks of the V / K widths compiled in (2 | 4 | 8 | 16).  UNIFORM: pages
     of k_uniform layouts, PPI pages an iteration; IL: sub-byte codes unpacked with
     tl.interleave (else shift-and-reshape); UPIPE: uniform (and KG) pages without the
-    hand-written prefetch (Triton's pipeliner stages them); KG: general pages with K gathered as one [D, P]
-    tile through arena32 (the arena as int32; RAW_BF16: 16-bit K is bf16, else fp16)."""
+    hand-written prefetch (Triton's pipeliner stages them); KG: general pages with K gathered
+    as one [D, P] tile through arena32 (the arena as int32; RAW_BF16: 16-bit K is bf16, else
+    fp16)."""
     rh = tl.program_id(0)
     j = tl.program_id(1)
     r = rh // H_KV

@@ -125,8 +125,9 @@ def test_decode_matches_twin_and_dense(case):
 VARIANTS = {
     "k_gather": dict(k_path="gather"),
     "k_gather_w8": dict(k_path="gather", num_warps=8),
-    "k_gather_pipeliner_st8": dict(k_path="gather", prefetch="pipeliner", num_stages=8,
-                                   num_warps=8, max_regs=128),
+    "k_gather_pipeliner_st8": dict(
+        k_path="gather", prefetch="pipeliner", num_stages=8, num_warps=8, max_regs=128
+    ),
     "pipeliner_st3": dict(prefetch="pipeliner", num_stages=3),
     "pipeliner_st8_r128": dict(prefetch="pipeliner", num_stages=8, max_regs=128),
     "pipeliner_st11": dict(prefetch="pipeliner", num_stages=11),
