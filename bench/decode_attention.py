@@ -64,32 +64,24 @@ TARGETS = [("llama3-8b", 131072, 8), ("qwen2.5-0.5b", 32768, 64), ("qwen2.5-0.5b
 # --targets: decode.plan options timed beside the default (first) per mix, with their sm_90
 # registers / page blocks in flight in bench/decode_notes.md; "g_pad": "min" (accepted) is the
 # query group padded to the next power of two instead of 16
-TARGET_VARIANTS = {
-    "full": [("", {})],
+TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
+    "full": [("", {}, (64, 128))],
     "qevict": [
-        ("", {}),
-        ("_r128", {"max_regs": 128}),
-        ("_pipe8", {"prefetch": "pipeliner", "num_stages": 8}),
-        ("_pipe8_r128", {"prefetch": "pipeliner", "num_stages": 8, "max_regs": 128}),
-        ("_pipe11", {"prefetch": "pipeliner", "num_stages": 11}),
+        ("", {}, (64, 128)),
+        ("_r128", {"max_regs": 128}, (64, 128)),
+        ("_pipe8", {"prefetch": "pipeliner", "num_stages": 8}, (128,)),  # d64: = _pipe8_r128
+        ("_pipe8_r128", {"prefetch": "pipeliner", "num_stages": 8, "max_regs": 128}, (64, 128)),
+        ("_pipe11", {"prefetch": "pipeliner", "num_stages": 11}, (128,)),
     ],
     "rdkv": [
-        ("", {}),
-        ("_gather", {"k_path": "gather"}),
-        ("_gather_r128", {"k_path": "gather", "max_regs": 128}),
-        ("_gather_w8_r128", {"k_path": "gather", "num_warps": 8, "max_regs": 128}),
-        (
-            "_gather_pipe8_w8_r128",
-            {
-                "k_path": "gather",
-                "prefetch": "pipeliner",
-                "num_stages": 8,
-                "num_warps": 8,
-                "max_regs": 128,
-            },
-        ),
+        ("", {}, (64, 128)),
+        ("_gather", {"k_path": "gather"}, (64, 128)),
+        ("_gather_r128", {"k_path": "gather", "max_regs": 128}, (64,)),  # d128: spills 628 B
+        ("_gather_w8_r128", {"k_path": "gather", "num_warps": 8, "max_regs": 128}, (64, 128)),
+        ("_gather_pipe8_w8_r128", {"k_path": "gather", "prefetch": "pipeliner", "num_stages": 8,
+                                   "num_warps": 8, "max_regs": 128}, (64, 128)),
     ],
-}
+}  # fmt: skip
 
 
 def timeit(fn, dev, warmup: int = 25, rep: int = 100) -> float:
@@ -356,7 +348,9 @@ def run_targets(fam, ctx, batch, dev, bw, gen, deadline=float("inf"), keep=None)
     for kind, b in (("full", 1.0), ("qevict", 0.10), ("rdkv", 0.10)):
         name = kind if kind == "full" else f"{kind}@{int(b * 100)}%"
         ref = None
-        for suffix, kw in TARGET_VARIANTS[kind]:
+        for suffix, kw, dims in TARGET_VARIANTS[kind]:
+            if d not in dims:
+                continue
             if time.perf_counter() > deadline:
                 rows.append(dict(family=fam, ctx=ctx, batch=batch, impl=f"ours_{name}{suffix}",
                                  error="skipped: past --deadline-s", mix=name))  # fmt: skip
