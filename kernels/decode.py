@@ -9,7 +9,9 @@ The split kernel reads uniform pages (``layout.k_uniform``) with a compile-time 
 several pages an iteration and the next block's bytes in flight; it stores one log2-sum-exp2
 per (single-unit tile, head) for the side output instead of every token's logit; the merge runs
 one program per query head. (It replaced a first kernel generation, measured against it in
-bench/decode_notes.md, which read every page through the general path.)
+bench/decode_notes.md, which read every page through the general path.)  Options of ``plan()``
+choose other page loops for the same layout (``k_path``, ``prefetch``, ``num_stages``,
+``max_regs``); ``bench/decode_attention.py --targets`` times them beside the defaults.
 """
 
 from __future__ import annotations

@@ -322,6 +322,9 @@ def test_uniform_path_each_width(bits, d, grp, page, unpack):
                      unpack=unpack)  # fmt: skip
     assert not pg.uniform
     torch.testing.assert_close(decode.run(q, lay, pg), out, atol=2e-3, rtol=2e-3)
+    kg = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2, uniform_pages=False,
+                     unpack=unpack, k_path="gather")  # fmt: skip
+    torch.testing.assert_close(decode.run(q, lay, kg), out, atol=2e-3, rtol=2e-3)
 
 
 def test_plan_errors():
