@@ -208,6 +208,7 @@ def configs() -> list[Config]:
         out.append(_split(True, "qevict2", d, False, 1, None, upipe=True, stages=3, gpad=gmin))
         out.append(_split(True, "qevict2", d, False, 1, 2))
         out += [_split(True, "qevict2", d, False, 2, w, upipe=True, stages=3) for w in (4, 8)]
+        out.append(_split(True, "qevict2", d, False, 2, 4, upipe=True, stages=8, maxnreg=128))
         out += [_split(False, "rdkv", d, False, 1, 4, kg=True, maxnreg=r) for r in (128, 168)]
         out += [_split(False, "rdkv", d, side, 1, 8, kg=True, maxnreg=128) for side in (0, 1)]
         out += [_split(False, "rdkv", d, False, 1, 8, kg=True, upipe=True, stages=st, maxnreg=128)

@@ -71,6 +71,9 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
         ("_r128", {"max_regs": 128}, (64, 128)),
         ("_pipe8", {"prefetch": "pipeliner", "num_stages": 8}, (128,)),  # d64: = _pipe8_r128
         ("_pipe8_r128", {"prefetch": "pipeliner", "num_stages": 8, "max_regs": 128}, (64, 128)),
+        # d64: the scale/lo pairs of one page are 2 bytes a thread (synchronous); two pages, 4
+        ("_pipe8_ppi2_r128", {"prefetch": "pipeliner", "num_stages": 8, "pages_per_iter": 2,
+                              "max_regs": 128}, (64,)),
         ("_pipe11", {"prefetch": "pipeliner", "num_stages": 11}, (128,)),
     ],
     "rdkv": [

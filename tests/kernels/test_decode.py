@@ -240,6 +240,13 @@ def test_windowed_pages_and_unit_side_output(case, uniform):
     torch.testing.assert_close(ro.double().cpu(), do, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(mass.double().cpu(), dm, atol=5e-3, rtol=1e-2)
     assert ro.abs().max() > 0.05 and (dm > 1e-3).sum() > 2
+    if uniform:  # the same pages through Triton's pipeliner (the --targets variants)
+        kw = dict(prefetch="pipeliner", num_stages=8, max_regs=128)
+        pp = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
+                         pages_per_iter=ppi, **kw)  # fmt: skip
+        m2 = torch.zeros_like(mass)
+        torch.testing.assert_close(decode.run(q, lay, pp, mass=m2), out, atol=tol, rtol=tol)
+        torch.testing.assert_close(m2, mass, atol=5e-3, rtol=1e-2)
 
 
 def with_unread_rows(lay, extra: list[int], unit: int = 0):
