@@ -87,10 +87,12 @@ class Config:
     constexprs: dict
     num_warps: int
     num_stages: int = 2
+    maxnreg: int | None = None
 
 
 def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | None,
-           page: int = 32, il: bool = True):  # fmt: skip
+           page: int = 32, il: bool = True, kg: bool = False, upipe: bool = False,
+           stages: int = 2, gpad: int = 16, maxnreg: int | None = None):  # fmt: skip
     grp, hkv = FAMILIES[d]
     vb, kb = MIXES[mix]
     pages = bool(vb)
@@ -102,14 +104,21 @@ def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | N
                 part_ml_ptr="*fp32", score_ptr="*fp32", q_stride_b=grp * hkv * d, q_stride_h=d,
                 pool_stride_s=hkv * d, pool_stride_h=d, row_full=4096 * 32 + 0,
                 row_fresh=4096 * 32 + 1000, qk_scale=0.127, H_KV=hkv, G=grp, S=33)  # fmt: skip
-    cx = dict(DT=tl.bfloat16, D=d, G_PAD=16, P=page, VG=32, BLOCK_N=64 if d == 64 else 32,
+    cx = dict(DT=tl.bfloat16, D=d, G_PAD=gpad, P=page, VG=32, BLOCK_N=64 if d == 64 else 32,
               MASS=side, VBITS=sum(vb), KBITS=sum(kb))  # fmt: skip
     args.update(page_unit_ptr="*i32", full_units_ptr="*i32", fresh_units_ptr="*i32")
     cx.update(UNIFORM=uniform, PPI=ppi if uniform and pages else 1, IL=il)
+    if kg:  # plan(k_path="gather"): general pages, K as one gathered tile
+        args["arena32"] = "*i32"
+        cx.update(KG=True, RAW_BF16=True)
+    cx["UPIPE"] = upipe  # plan(prefetch="pipeliner")
     w = warps or 4
     tag = f"{'u' if uniform else 'g'} {mix:7} d{d} {'mass' if side else '-   '} ppi{ppi} w{w}"
     tag += "" if page == 32 and il else f" p{page}{'' if il else ' shift'}"
-    return Config(f"split {tag}", "_decode_split_kernel", args, cx, w)
+    tag += (" gather" if kg else "") + (" pipe" if upipe else "")
+    tag += ("" if stages == 2 else f" st{stages}") + ("" if gpad == 16 else f" g{gpad}")
+    tag += "" if maxnreg is None else f" r{maxnreg}"
+    return Config(f"split {tag}", "_decode_split_kernel", args, cx, w, stages, maxnreg)
 
 
 def _merge(d: int, s: int) -> Config:
@@ -185,6 +194,25 @@ def configs() -> list[Config]:
         for il in (True, False):
             out += [_split(False, m, d, True, 1, None, 16, il) for m in ("u4", "rdkv")]
             out += [_split(True, m, d, True, 2, None, 16, il) for m in ("qevict2", "u4")]
+        # the variants bench/decode_attention.py --targets times beside the default, and the
+        # neighbours that decided them (bench/decode_notes.md)
+        gmin = 1 << (FAMILIES[d][0] - 1).bit_length()
+        for side in (False, True):
+            out += [_split(False, "rdkv", d, side, 1, w, kg=True) for w in (4, 8)]
+            out += [_split(False, "rdkv", d, side, 1, 4, kg=True, upipe=True, stages=st)
+                    for st in (3, 8)]  # fmt: skip
+            out += [_split(True, "qevict2", d, side, 1, None, maxnreg=128)]
+            out += [_split(True, "qevict2", d, side, 1, None, upipe=True, stages=st, maxnreg=r)
+                    for st, r in ((3, None), (8, None), (8, 128), (11, None))]  # fmt: skip
+        out.append(_split(True, "qevict2", d, False, 1, None, gpad=gmin))
+        out.append(_split(True, "qevict2", d, False, 1, None, upipe=True, stages=3, gpad=gmin))
+        out.append(_split(True, "qevict2", d, False, 1, 2))
+        out += [_split(True, "qevict2", d, False, 2, w, upipe=True, stages=3) for w in (4, 8)]
+        out.append(_split(True, "qevict2", d, False, 2, 4, upipe=True, stages=8, maxnreg=128))
+        out += [_split(False, "rdkv", d, False, 1, 4, kg=True, maxnreg=r) for r in (128, 168)]
+        out += [_split(False, "rdkv", d, side, 1, 8, kg=True, maxnreg=128) for side in (0, 1)]
+        out += [_split(False, "rdkv", d, False, 1, 8, kg=True, upipe=True, stages=st, maxnreg=128)
+                for st in (3, 8)]  # fmt: skip
         out += [_merge(d, s) for s in (4, 64)]
         out.append(_mass(d))
         for page in (16, 32):
@@ -238,7 +266,11 @@ def compile_one(cfg: Config, arch: int) -> dict:
             k = triton.compile(
                 src,
                 target=GPUTarget("cuda", arch, 32),
-                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+                options=dict(
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                    **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
+                ),
             )
     except Exception as e:  # noqa: BLE001 - every failure is reported, the sweep goes on
         return dict(name=cfg.name, ok=False, error=_chain(e))

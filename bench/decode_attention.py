@@ -16,6 +16,10 @@ before the first kernel generation was deleted also hold ``ours_*_v1`` rows),
 side output on) of the Qwen shapes at 32K x 1 and x 8 at each split count, with each kernel's
 device time: the SGLang graph plan sizes splits for the context (128 at 30K), not for the rows
 a budget lists.
+``--targets`` (one ~4-minute GPU call) times only the issue targets' configs (Llama 128K x 8,
+Qwen 32K x 1 / 8 / 64) for ``full``, ``qevict@10%`` and ``rdkv@10%``, each plan variant of
+:data:`TARGET_VARIANTS` beside the default (CUDA-graph replay only), and FlashInfer bf16;
+it writes its file after every configuration and starts none past ``--deadline-s``.
 Bytes are those the kernel loads (layout.bytes_kv + q + partials); fraction = bytes /
 time / copy bandwidth. Writes OUT/decode_attention.json and OUT/decode_attention.png.
 """
@@ -55,14 +59,41 @@ TINY = [(96, 2)]
 BUDGETS = (0.05, 0.10, 0.20)
 TUNE_CONFIGS = {("llama3-8b", 32768, 1), ("llama3-8b", 131072, 8), ("llama3-8b", 96, 2)}
 V_DIST = {16: 0.1, 8: 0.2, 4: 0.3, 2: 0.4}  # rdkv: share of kept tokens / K channels per width
+TARGETS = [("llama3-8b", 131072, 8), ("qwen2.5-0.5b", 32768, 64), ("qwen2.5-0.5b", 32768, 8),
+           ("qwen2.5-0.5b", 32768, 1)]  # fmt: skip
+# --targets: decode.plan options timed beside the default (first) per mix, with their sm_90
+# registers / page blocks in flight in bench/decode_notes.md; "g_pad": "min" (accepted) is the
+# query group padded to the next power of two instead of 16
+TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
+    "full": [("", {}, (64, 128))],
+    "qevict": [
+        ("", {}, (64, 128)),
+        ("_r128", {"max_regs": 128}, (64, 128)),
+        ("_pipe8", {"prefetch": "pipeliner", "num_stages": 8}, (128,)),  # d64: = _pipe8_r128
+        ("_pipe8_r128", {"prefetch": "pipeliner", "num_stages": 8, "max_regs": 128}, (64, 128)),
+        # d64: the scale/lo pairs of one page are 2 bytes a thread (synchronous); two pages, 4
+        ("_pipe8_ppi2_r128", {"prefetch": "pipeliner", "num_stages": 8, "pages_per_iter": 2,
+                              "max_regs": 128}, (64,)),
+        ("_pipe11", {"prefetch": "pipeliner", "num_stages": 11}, (128,)),
+    ],
+    "rdkv": [
+        ("", {}, (64, 128)),
+        ("_gather", {"k_path": "gather"}, (64, 128)),
+        ("_gather_r128", {"k_path": "gather", "max_regs": 128}, (64,)),  # d128: spills 628 B
+        ("_gather_w8_r128", {"k_path": "gather", "num_warps": 8, "max_regs": 128}, (64, 128)),
+        ("_gather_pipe8_w8_r128", {"k_path": "gather", "prefetch": "pipeliner", "num_stages": 8,
+                                   "num_warps": 8, "max_regs": 128}, (64, 128)),
+    ],
+}  # fmt: skip
 
 
-def timeit(fn, dev) -> float:
-    """Median milliseconds (triton do_bench on CUDA; a few wall-clock runs on CPU)."""
+def timeit(fn, dev, warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds (triton do_bench on CUDA, warmup/rep in ms; a few wall-clock runs on
+    CPU)."""
     if dev == "cuda":
         import triton
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     fn()
     t = time.perf_counter()
     fn()
@@ -126,9 +157,10 @@ def tier_plan(kind, budget, ctx, batch, hkv, d, gen):
     return TierPlan(vb, kb, fresh)
 
 
-def ours(q, k, v, kind, budget, dev, side, gen, cache, breakdown=False, **plan_kw):
+def ours(q, k, v, kind, budget, dev, side, gen, cache, breakdown=False, fast=False, **plan_kw):
     """Time decode.run on the (cached) layout of this tier mix; plan_kw go to decode.plan;
-    ``breakdown``: also each kernel's device time (``kernels_us``, CUDA)."""
+    ``breakdown``: also each kernel's device time (``kernels_us``, CUDA); ``fast``: the graph
+    replay only, shorter do_bench (--targets)."""
     from tiered_radix.kernels import decode
 
     from tiered_radix.formats.layout import build_trizone
@@ -139,15 +171,24 @@ def ours(q, k, v, kind, budget, dev, side, gen, cache, breakdown=False, **plan_k
         tp = tier_plan(kind, budget, k[0].shape[0], batch, hkv, d, gen)
         cache[kind, budget] = build_trizone(k, v, tp, page_size=32, v_group=32, unit_tokens=32)
     lay = cache[kind, budget]
+    if plan_kw.get("g_pad") == "min":
+        plan_kw = {**plan_kw, "g_pad": max(1, 1 << (hq // hkv - 1).bit_length())}
     p = decode.plan(lay, num_q_heads=hq, side_output=side, **plan_kw)
     mass = torch.zeros(batch, lay.max_units, device=dev) if side else None
     out = torch.empty_like(q)
-    ms = eager = timeit(lambda: decode.run(q, lay, p, out=out, mass=mass), dev)
+    wr = dict(warmup=10, rep=40) if fast else {}
+    if fast and dev == "cuda":
+        decode.run(q, lay, p, out=out, mass=mass)  # compile outside the capture
+        eager = None
+    else:
+        eager = timeit(lambda: decode.run(q, lay, p, out=out, mass=mass), dev)
+    ms = eager
     if dev == "cuda":  # run() is graph-safe: time a replay, as SGLang's decode runs it
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             decode.run(q, lay, p, out=out, mass=mass)
-        ms = timeit(graph.replay, dev)
+        ms = timeit(graph.replay, dev, **wr)
+    cache["out"] = out
     extra = q.numel() * 4 + p.part_acc.numel() * 8 + p.part_ml.numel() * 8
     if side:  # units read twice; one value per (tile, head) written and read (windows)
         tiles = lay.page_ntok.numel() + (lay.full_slots.numel() + lay.fresh_slots.numel()) // 32
@@ -159,6 +200,11 @@ def ours(q, k, v, kind, budget, dev, side, gen, cache, breakdown=False, **plan_k
         "ms_eager": eager,
         "pages_per_iter": p.pages_per_iter,
         "num_warps": p.num_warps,
+        "num_stages": p.num_stages,
+        "g_pad": p.g_pad,
+        "k_path": p.k_path,
+        "prefetch": p.prefetch,
+        "plan_kw": {k: v for k, v in plan_kw.items()},
     }
     if breakdown and dev == "cuda":
         info["kernels_us"] = kernel_us(lambda: decode.run(q, lay, p, out=out, mass=mass))
@@ -246,9 +292,11 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     if (fam, ctx, batch) in TUNE_CONFIGS:
         # the default row runs the uniform-page path (qevict pages); "_general" times the
         # general page path on the same layout, "_ppi2*" the uniform path's tuning knobs
-        variants += [("_general", {"uniform_pages": False}),
-                     ("_ppi2", {"pages_per_iter": 2, "uniform_pages": True}),
-                     ("_ppi2w8", {"pages_per_iter": 2, "num_warps": 8, "uniform_pages": True})]
+        variants += [
+            ("_general", {"uniform_pages": False}),
+            ("_ppi2", {"pages_per_iter": 2, "uniform_pages": True}),
+            ("_ppi2w8", {"pages_per_iter": 2, "num_warps": 8, "uniform_pages": True}),
+        ]
     for kind, b, side in [(kd, b, False) for kd, b in mixes] + key[3:]:
         name = (kind if kind == "full" else f"{kind}@{int(b * 100)}%") + ("+mass" if side else "")
         for suffix, kw in variants:
@@ -264,6 +312,72 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     for r in rows:
         if base and "ms" in r:
             r["speedup_vs_flashinfer_bf16"] = base / r["ms"]
+    return rows
+
+
+def run_targets(fam, ctx, batch, dev, bw, gen, deadline=float("inf"), keep=None) -> list[dict]:
+    """--targets: FlashInfer bf16 and ours at full / qevict@10% / rdkv@10%, every
+    :data:`TARGET_VARIANTS` entry of each mix (``ours_<mix><suffix>``; the default has none);
+    ``vs_default`` = the default's ms / this variant's; ``max_abs_diff_vs_default``: the
+    variant's output against the default's on the same q and layout (the default is what
+    tests/kernels checks against the torch twin).  No variant starts after ``deadline``
+    (perf_counter seconds); ``keep(rows)`` is called after every row (the file is written
+    then: a killed call keeps what it timed)."""
+    hq, hkv, d = FAMILIES[fam]
+    dt = torch.bfloat16
+    q = torch.randn(batch, hq, d, device=dev, dtype=dt)
+    kf = torch.randn(batch, ctx, hkv, d, device=dev, dtype=dt)
+    vf = torch.randn(batch, ctx, hkv, d, device=dev, dtype=dt)
+    rows = []
+
+    def record(name, fn, **tags):
+        t0 = time.perf_counter()
+        try:
+            ms, nbytes, info = fn()
+            rows.append(dict(family=fam, ctx=ctx, batch=batch, impl=name, ms=ms, bytes=nbytes,
+                             frac_copy_bw=nbytes / (ms * 1e-3) / bw, **info, **tags))  # fmt: skip
+        except Exception as e:  # a failing variant is recorded, not fatal
+            rows.append(dict(family=fam, ctx=ctx, batch=batch, impl=name, error=repr(e)[:300],
+                             **tags))  # fmt: skip
+        rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)
+        print(f"  {name}: {rows[-1].get('ms', rows[-1].get('error'))}", flush=True)
+        if keep:
+            keep(rows)
+
+    if dev == "cuda":
+        record("flashinfer_bf16", lambda: flashinfer_peer(q, kf, vf, False, dev))
+    k, v = list(kf.unbind(0)), list(vf.unbind(0))
+    cache = {}
+    for kind, b in (("full", 1.0), ("qevict", 0.10), ("rdkv", 0.10)):
+        name = kind if kind == "full" else f"{kind}@{int(b * 100)}%"
+        ref = None
+        for suffix, kw, dims in TARGET_VARIANTS[kind]:
+            if d not in dims:
+                continue
+            if time.perf_counter() > deadline:
+                rows.append(dict(family=fam, ctx=ctx, batch=batch, impl=f"ours_{name}{suffix}",
+                                 error="skipped: past --deadline-s", mix=name))  # fmt: skip
+                continue
+            cache.pop("out", None)
+            record(f"ours_{name}{suffix}",
+                   lambda kind=kind, b=b, kw=kw: ours(q, k, v, kind, b, dev, False, gen, cache,
+                                                      fast=True, **kw),
+                   mix=name, variant=suffix or "default")  # fmt: skip
+            got = cache.get("out")
+            if got is not None and "ms" in rows[-1]:
+                ref = got.float().clone() if ref is None else ref
+                rows[-1]["max_abs_diff_vs_default"] = float((got.float() - ref).abs().max())
+        cache.pop((kind, b), None)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    base = next((r["ms"] for r in rows if r["impl"] == "flashinfer_bf16" and "ms" in r), None)
+    for r in rows:
+        if base and "ms" in r:
+            r["speedup_vs_flashinfer_bf16"] = base / r["ms"]
+        default = next((x["ms"] for x in rows if x.get("mix") == r.get("mix") and "ms" in x
+                        and x.get("variant") == "default"), None)  # fmt: skip
+        if default and "ms" in r and "mix" in r:
+            r["vs_default"] = default / r["ms"]
     return rows
 
 
@@ -334,6 +448,17 @@ def main(argv=None) -> None:
     ap.add_argument("--tiny", action="store_true", help="interpreter-sized smoke test")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--splits", default=None, help="only the split-count sweep, e.g. 16,32,64")
+    ap.add_argument(
+        "--targets",
+        action="store_true",
+        help="only the issue targets' configs, every plan variant (~4 min)",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="start no configuration after this many seconds (--targets: 200)",
+    )
     args = ap.parse_args(argv)
     dev = args.device
     if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -346,6 +471,28 @@ def main(argv=None) -> None:
     gpu = torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu"
     meta = {"command": " ".join(sys.argv), "gpu": gpu, "copy_bw_Bps": bw, "versions": versions()}
     rows = []
+    t_start = time.perf_counter()
+    if args.targets:
+        deadline = args.deadline_s or 200.0
+        cfgs = TARGETS if dev == "cuda" else [("llama3-8b", 96, 2), ("qwen2.5-0.5b", 96, 1)]
+        for fam, ctx, batch in cfgs:
+            if time.perf_counter() - t_start > deadline:
+                print(f"skipped {fam} ctx={ctx} batch={batch}: past --deadline-s", flush=True)
+                continue
+            rows += run_targets(
+                fam,
+                ctx,
+                batch,
+                dev,
+                bw,
+                gen,
+                t_start + deadline + 40,
+                lambda new, done=list(rows): save(done + new, out, meta),
+            )
+            save(rows, out, meta)
+            print(f"done {fam} ctx={ctx} batch={batch} at {time.perf_counter() - t_start:.0f}s",
+                  flush=True)  # fmt: skip
+        grid = []
     if args.splits:
         rows = sweep_splits([int(x) for x in args.splits.split(",")], dev, bw, gen)
         grid = []
@@ -357,7 +504,8 @@ def main(argv=None) -> None:
             save(rows, out, meta)  # after every configuration: a timed-out call keeps its rows
             print(f"done {fam} ctx={ctx} batch={batch}", flush=True)
     save(rows, out, meta)
-    plot(rows, out / "decode_attention.png")
+    if not args.targets:
+        plot(rows, out / "decode_attention.png")
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {gpu}")
     print(
         f"{'family':13} {'ctx':>7} {'B':>3} {'impl':24} {'ms':>9} {'MB':>9} {'%bw':>6} {'xFI':>6}"
@@ -368,7 +516,10 @@ def main(argv=None) -> None:
             continue
         print(f"{r['family']:13} {r['ctx']:7} {r['batch']:3} {r['impl']:24} {r['ms']:9.4f} "
               f"{r['bytes'] / 1e6:9.2f} {100 * r['frac_copy_bw']:6.1f} "
-              f"{r.get('speedup_vs_flashinfer_bf16', float('nan')):6.2f}")  # fmt: skip
+              f"{r.get('speedup_vs_flashinfer_bf16', float('nan')):6.2f}"
+              + (f" {r['vs_default']:5.2f}x default" if "vs_default" in r else "")
+              + (f" diff {r['max_abs_diff_vs_default']:.1e}"
+                 if "max_abs_diff_vs_default" in r else ""))  # fmt: skip
     for r in rows:  # where the time goes (eager calls; device us per kernel)
         if r.get("kernels_us"):
             print(f"{r['family']} {r['ctx']}x{r['batch']} {r['impl']}: {r['kernels_us']}")

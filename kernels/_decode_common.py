@@ -130,9 +130,9 @@ def _v_page(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.conste
     """V [P, D] of the page whose V part starts at byte vbase (rows where tm), VB bits."""
     c = tl.arange(0, D)
     t = tl.arange(0, P)
-    if VB == 16:
-        v = tl.load(arenadt + vbase // 2 + t[:, None] * D + c[None, :], mask=tm[:, None],
-                    other=0.0)  # fmt: skip
+    if VB == 16:  # (the hint survives Triton's pipeliner, which needs >= 4-byte pieces)
+        vb2 = tl.multiple_of(vbase // 2, 8)
+        v = tl.load(arenadt + vb2 + t[:, None] * D + c[None, :], mask=tm[:, None], other=0.0)
     else:
         PER: tl.constexpr = 8 // VB
         NG: tl.constexpr = D // VG
@@ -163,9 +163,11 @@ def _u_meta(page_ids_ptr, page_off_ptr, page_ntok_ptr, page_unit_ptr, ids, ok):
 
 @triton.jit
 def _u_raw(arena8, arena16, base, ntok, B: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-           VG: tl.constexpr, PPI: tl.constexpr):  # fmt: skip
+           VG: tl.constexpr, PPI: tl.constexpr, PAIRS: tl.constexpr = False):  # fmt: skip
     """Raw bytes of PPI uniform pages at base [PPI]: K codes [D, PPI, P*B/8], K scale/lo
-    [D, PPI] f16, V codes [PPI, P, D*B/8], V scale/lo [PPI, P, D/VG] f16."""
+    [D, PPI] f16, V codes [PPI, P, D*B/8], V scale/lo [PPI, P, D/VG] f16.  PAIRS: each
+    scale/lo pair (adjacent sections) is one load of twice the elements, so a thread holds
+    >= 4 contiguous bytes and Triton's pipeliner can copy it asynchronously like the codes."""
     NB: tl.constexpr = P * B // 8
     VNB: tl.constexpr = D * B // 8
     NG: tl.constexpr = D // VG
@@ -181,8 +183,15 @@ def _u_raw(arena8, arena16, base, ntok, B: tl.constexpr, D: tl.constexpr, P: tl.
     kraw = tl.load(arena8 + b3 + (c * NB)[:, None, None] + tl.arange(0, NB)[None, None, :],
                    mask=ok[None, :, None], other=0)  # fmt: skip
     h2 = (base // 2)[None, :] + c[:, None]
-    ksc = tl.load(arena16 + h2 + OSC // 2, mask=ok[None, :], other=0.0)
-    klo = tl.load(arena16 + h2 + OLO // 2, mask=ok[None, :], other=0.0)
+    j2 = tl.arange(0, 2)
+    if PAIRS:  # [2, D, PPI] then [2, PPI, P, NG]: row 0 the scales, row 1 the lows
+        kp = tl.load(arena16 + OSC // 2 + j2[:, None, None] * ((OLO - OSC) // 2) + h2[None],
+                     mask=ok[None, None, :], other=0.0).to(tl.float32)  # fmt: skip
+        ksc = tl.sum(tl.where(j2[:, None, None] == 0, kp, 0.0), 0)
+        klo = tl.sum(tl.where(j2[:, None, None] == 1, kp, 0.0), 0)
+    else:
+        ksc = tl.load(arena16 + h2 + OSC // 2, mask=ok[None, :], other=0.0)
+        klo = tl.load(arena16 + h2 + OLO // 2, mask=ok[None, :], other=0.0)
     tm = t[None, :] < ntok[:, None]  # [PPI, P]
     vraw = tl.load(
         arena8 + base[:, None, None] + KBY + (t * VNB)[None, :, None]
@@ -191,6 +200,63 @@ def _u_raw(arena8, arena16, base, ntok, B: tl.constexpr, D: tl.constexpr, P: tl.
         other=0,
     )  # fmt: skip
     m3 = (base // 2)[:, None, None] + (t * NG)[None, :, None] + tl.arange(0, NG)[None, None, :]
-    vsc = tl.load(arena16 + m3 + VSC // 2, mask=tm[:, :, None], other=0.0)
-    vlo = tl.load(arena16 + m3 + VLO // 2, mask=tm[:, :, None], other=0.0)
+    if PAIRS:
+        j4 = j2[:, None, None, None]
+        vp = tl.load(arena16 + VSC // 2 + j4 * ((VLO - VSC) // 2) + m3[None],
+                     mask=tm[None, :, :, None], other=0.0).to(tl.float32)  # fmt: skip
+        vsc = tl.sum(tl.where(j4 == 0, vp, 0.0), 0)
+        vlo = tl.sum(tl.where(j4 == 1, vp, 0.0), 0)
+    else:
+        vsc = tl.load(arena16 + m3 + VSC // 2, mask=tm[:, :, None], other=0.0)
+        vlo = tl.load(arena16 + m3 + VLO // 2, mask=tm[:, :, None], other=0.0)
     return kraw, ksc, klo, vraw, vsc, vlo
+
+
+@triton.jit
+def _k_geometry(k_table_ptr, li, D: tl.constexpr, P: tl.constexpr):
+    """Per permuted K channel c of list li's pages (from k_table): bit width w [D] (0: dropped),
+    first 32-bit word of its code row in a page, and the K part's scale/lo offsets, bytes and
+    quantized-channel count.  A page's channels of width w form rows of P * w / 8 bytes in the
+    width's section, so (channel, token) -> (word, shift) is a compile-time shape of run-time
+    values: one [D, P] tile, whatever the widths' channel counts."""
+    kt = k_table_ptr + li * 12
+    e2 = tl.load(kt + 0)
+    e4 = e2 + tl.load(kt + 1)
+    e8 = e4 + tl.load(kt + 2)
+    e16 = e8 + tl.load(kt + 3)
+    c = tl.arange(0, D)
+    w = tl.where(c < e2, 2, tl.where(c < e4, 4, tl.where(c < e8, 8, tl.where(c < e16, 16, 0))))
+    c0 = tl.where(c < e2, 0, tl.where(c < e4, e2, tl.where(c < e8, e4, e8)))
+    sec = tl.where(c < e2, tl.load(kt + 4), tl.where(c < e4, tl.load(kt + 5),
+                   tl.where(c < e8, tl.load(kt + 6), tl.load(kt + 7))))  # fmt: skip
+    word = (sec + (c - c0) * (P * w // 8)) // 4  # sections and rows are 4-byte aligned
+    o_sc = tl.multiple_of(tl.load(kt + 8), 16)
+    o_lo = tl.multiple_of(tl.load(kt + 9), 16)
+    k_bytes = tl.multiple_of(tl.load(kt + 10), 16)
+    return w, word, o_sc, o_lo, k_bytes, e8
+
+
+@triton.jit
+def _k_gather(arena32, arena16, base, w, word, o_sc, o_lo, nq, zero, RAW_BF16: tl.constexpr,
+              D: tl.constexpr, P: tl.constexpr):  # fmt: skip
+    """K [D, P] float32 (permuted channels; dropped ones 0) of the general page at byte base:
+    one gathered load of the 32-bit word holding each (channel, token) code, then shift, mask
+    and per-channel dequantisation (k = code * scale + lo), or the raw 16-bit value.
+    zero: an int32 0 that the compiler cannot prove 0 (from the page's data): the [D, P] bit
+    positions stay inside the page loop; hoisted as loop invariants they held ~75 registers a
+    thread (sm_90, Triton 3.6: 244 -> 168 with one V width)."""
+    c = tl.arange(0, D)
+    t = tl.arange(0, P)
+    bit = t[None, :] * (w + zero)[:, None]  # [D, P]
+    raw = tl.load(arena32 + base // 4 + word[:, None] + bit // 32, mask=(w > 0)[:, None],
+                  other=0)  # fmt: skip
+    code = (raw >> (bit % 32)) & ((1 << w) - 1)[:, None]
+    if RAW_BF16:
+        r16 = (code << 16).to(tl.float32, bitcast=True)
+    else:
+        r16 = code.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    qm = c < nq
+    sc = tl.load(arena16 + (base + o_sc) // 2 + c, mask=qm, other=0.0).to(tl.float32)
+    lo = tl.load(arena16 + (base + o_lo) // 2 + c, mask=qm, other=0.0).to(tl.float32)
+    deq = code.to(tl.float32) * sc[:, None] + lo[:, None]
+    return tl.where((w == 16)[:, None], r16, deq)

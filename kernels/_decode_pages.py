@@ -1,5 +1,7 @@
 """Zone A page loops of the TriZone decode split kernel: general pages (K sections of runtime
-size, from k_table) and uniform pages (compile-time geometry, PPI pages an iteration)."""
+size, from k_table; read section by section, or gathered as one [D, P] tile), and uniform pages
+(compile-time geometry, PPI pages an iteration; prefetched by hand, or left to Triton's
+pipeliner)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import triton
 import triton.language as tl
 from tiered_radix.kernels._decode_common import (
     _bcast,
+    _k_gather,
+    _k_geometry,
     _k_section,
     _softmax_step,
     _store_logits,
@@ -146,6 +150,109 @@ def _pages_u(
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
         if MASS:
             single = cur_unit >= 0  # [PPI]: one log2-sum-exp2 per (page, head)
+            psum = tl.sum(tl.reshape(p, (G_PAD, PPI, P)), 2)
+            row0 = cur_ids * P
+            tl.store(score_ptr + row0[None, :] * G + g[:, None], m[:, None] + tl.log2(psum),
+                     mask=gm[:, None] & (single & (cur_ntok > 0))[None, :])  # fmt: skip
+            rows = tl.reshape(row0[:, None] + t[None, :], (PPI * P,))
+            multi = tl.reshape((~single)[:, None] & (t[None, :] < cur_ntok[:, None]), (PPI * P,))
+            tl.store(score_ptr + rows[None, :] * G + g[:, None], s,
+                     mask=gm[:, None] & multi[None, :])  # fmt: skip
+    return m, l_i, acc
+
+
+@triton.jit
+def _pages_g(
+    m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt, arena32, page_off_ptr,
+    page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
+    DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+    P: tl.constexpr, MASS: tl.constexpr, RAW_BF16: tl.constexpr, IL: tl.constexpr = True,
+    PIPE: tl.constexpr = False,
+):  # fmt: skip
+    """General pages page_ids[ps:pe] of list li (V at VB bits, K channels at any widths) with K
+    read as one gathered [D, P] tile (:func:`_k_gather`): the per-channel geometry and the
+    permuted query are computed once per list, not per page and width section; one dot a page.
+    The next page's id, offset and length are loaded one iteration ahead, or (PIPE) in the
+    iteration that uses them, for Triton's pipeliner to stage."""
+    w, word, o_sc, o_lo, k_bytes, nq = _k_geometry(k_table_ptr, li, D, P)
+    ch = tl.load(perm_ptr + (li // 4) * D + tl.arange(0, D))
+    qp = tl.load(q_ptr + q_row[:, None] + ch[None, :], mask=gm[:, None] & (w > 0)[None, :],
+                 other=0.0).to(DT)  # fmt: skip
+    t = tl.arange(0, P)
+    g = tl.arange(0, G_PAD)
+    nxt = tl.load(page_ids_ptr + ps, mask=ps < pe, other=0)
+    nbase = tl.load(page_off_ptr + nxt, mask=ps < pe, other=0)
+    nntok = tl.load(page_ntok_ptr + nxt, mask=ps < pe, other=0)
+    for i in range(ps, pe):
+        if PIPE:
+            pid = tl.load(page_ids_ptr + i)
+            base = tl.multiple_of(tl.load(page_off_ptr + pid), 16)
+            ntok = tl.load(page_ntok_ptr + pid)
+        else:
+            pid = nxt
+            base = tl.multiple_of(nbase, 16)
+            ntok = nntok
+            more = i + 1 < pe
+            nxt = tl.load(page_ids_ptr + i + 1, mask=more, other=0)
+            nbase = tl.load(page_off_ptr + nxt, mask=more, other=0)
+            nntok = tl.load(page_ntok_ptr + nxt, mask=more, other=0)
+        tm = t < ntok
+        # ntok <= P < 2**16: a zero computed from the page (see _k_gather)
+        k = _k_gather(arena32, arena16, base, w, word, o_sc, o_lo, nq, ntok >> 16, RAW_BF16, D,
+                      P)  # fmt: skip
+        s = tl.dot(qp, k.to(DT)) * qk_scale
+        s = tl.where(tm[None, :], s, float("-inf"))
+        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, IL)
+        m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
+        if MASS:
+            unit = tl.load(page_unit_ptr + pid)
+            gm2 = g < G
+            _store_lse(score_ptr, pid * P, m, p, g, gm2 & _bcast(unit >= 0, g), G)
+            _store_logits(score_ptr, pid * P + t, s, tm & _bcast(unit < 0, t), g, gm2, G)
+    return m, l_i, acc
+
+
+@triton.jit
+def _pages_up(
+    m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr, page_unit_ptr,
+    ps, pe, score_ptr, qk_scale, G, DT: tl.constexpr, B: tl.constexpr, VG: tl.constexpr,
+    D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr, MASS: tl.constexpr,
+    IL: tl.constexpr = True,
+):  # fmt: skip
+    """:func:`_pages_u` without the hand-written prefetch: each iteration loads its own ids,
+    offsets and bytes, so Triton's pipeliner (num_stages) may stage the page bytes through
+    shared memory (asynchronous copies: bytes in flight without holding registers)."""
+    NG: tl.constexpr = D // VG
+    kk = tl.arange(0, PPI)
+    t = tl.arange(0, P)
+    g = tl.arange(0, G_PAD)
+    gm = g < G
+    qd = q.to(DT)
+    for i in range(ps, pe, PPI):
+        ok = i + kk < pe
+        cur_ids = tl.load(page_ids_ptr + i + kk, mask=ok, other=0)
+        base, cur_ntok, cur_unit = _u_meta(page_ids_ptr, page_off_ptr, page_ntok_ptr,
+                                           page_unit_ptr, cur_ids, ok)  # fmt: skip
+        ck, cks, ckl, cv, cvs, cvl = _u_raw(arena8, arena16, base, cur_ntok, B, D, P, VG, PPI,
+                                            True)  # fmt: skip
+        if IL:
+            code = _unpack_il(ck, B).to(tl.float32)  # [D, PPI, P]
+        else:
+            code = _unpack_rows(ck, B, D, PPI, P * B // 8).to(tl.float32)
+        k = code * cks.to(tl.float32)[:, :, None] + ckl.to(tl.float32)[:, :, None]
+        s = tl.dot(qd, tl.reshape(k, (D, PPI * P)).to(DT)) * qk_scale  # [G_PAD, PPI*P]
+        tm = tl.reshape(t[None, :] < cur_ntok[:, None], (PPI * P,))
+        s = tl.where(tm[None, :], s, float("-inf"))
+        if IL:
+            vc = tl.reshape(_unpack_il(cv, B).to(tl.float32), (PPI, P, NG, VG))
+        else:
+            vc = tl.reshape(_unpack_rows(cv, B, PPI, P, D * B // 8).to(tl.float32),
+                            (PPI, P, NG, VG))  # fmt: skip
+        v = vc * cvs.to(tl.float32)[:, :, :, None] + cvl.to(tl.float32)[:, :, :, None]
+        v = tl.reshape(v, (PPI * P, D))
+        m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
+        if MASS:
+            single = cur_unit >= 0
             psum = tl.sum(tl.reshape(p, (G_PAD, PPI, P)), 2)
             row0 = cur_ids * P
             tl.store(score_ptr + row0[None, :] * G + g[:, None], m[:, None] + tl.log2(psum),

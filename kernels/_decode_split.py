@@ -14,7 +14,7 @@ from tiered_radix.kernels._decode_common import (
     _store_logits,
     _store_lse,
 )
-from tiered_radix.kernels._decode_pages import _pages, _pages_u
+from tiered_radix.kernels._decode_pages import _pages, _pages_g, _pages_u, _pages_up
 
 
 @triton.jit
@@ -59,11 +59,16 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, MASS: tl.constexpr, VBITS: tl.constexpr, KBITS: tl.constexpr,
     page_unit_ptr=None, full_units_ptr=None, fresh_units_ptr=None,
     UNIFORM: tl.constexpr = False, PPI: tl.constexpr = 1, IL: tl.constexpr = True,
+    arena32=None, KG: tl.constexpr = False, RAW_BF16: tl.constexpr = True,
+    UPIPE: tl.constexpr = False,
 ):  # fmt: skip
     """One (request, KV head) x split: partial (m, l_i, acc) of all query heads of the group.
     VBITS / KBITS: bit masks of the V / K widths compiled in (2 | 4 | 8 | 16).  UNIFORM: pages
     of k_uniform layouts, PPI pages an iteration; IL: sub-byte codes unpacked with
-    tl.interleave (else shift-and-reshape)."""
+    tl.interleave (else shift-and-reshape); UPIPE: uniform (and KG) pages without the
+    hand-written prefetch (Triton's pipeliner stages them); KG: general pages with K gathered
+    as one [D, P] tile through arena32 (the arena as int32; RAW_BF16: 16-bit K is bf16, else
+    fp16)."""
     rh = tl.program_id(0)
     j = tl.program_id(1)
     r = rh // H_KV
@@ -84,11 +89,24 @@ def _decode_split_kernel(
             li = rh * 4 + w
             ps, pe = _split_range(tl.load(page_indptr_ptr + li), tl.load(page_indptr_ptr + li + 1),
                                   j, S)  # fmt: skip
-            if UNIFORM:
+            if UNIFORM and UPIPE:
+                m, l_i, acc = _pages_up(
+                    m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
+                    page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, PPI,
+                    MASS, IL,
+                )  # fmt: skip
+            elif UNIFORM:
                 m, l_i, acc = _pages_u(
                     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
                     page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, PPI,
                     MASS, IL,
+                )  # fmt: skip
+            elif KG:
+                m, l_i, acc = _pages_g(
+                    m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt, arena32,
+                    page_off_ptr, page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps,
+                    pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, RAW_BF16, IL,
+                    UPIPE,
                 )  # fmt: skip
             else:
                 m, l_i, acc = _pages(

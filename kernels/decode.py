@@ -9,7 +9,9 @@ The split kernel reads uniform pages (``layout.k_uniform``) with a compile-time 
 several pages an iteration and the next block's bytes in flight; it stores one log2-sum-exp2
 per (single-unit tile, head) for the side output instead of every token's logit; the merge runs
 one program per query head. (It replaced a first kernel generation, measured against it in
-bench/decode_notes.md, which read every page through the general path.)
+bench/decode_notes.md, which read every page through the general path.)  Options of ``plan()``
+choose other page loops for the same layout (``k_path``, ``prefetch``, ``num_stages``,
+``max_regs``); ``bench/decode_attention.py --targets`` times them beside the defaults.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ class DecodePlan:
     # sub-byte unpacking: "interleave" (tl.interleave, in-thread) or "shift" (shift-and-reshape;
     # what pages under IL_MIN_PAGE_CUDA tokens need on CUDA)
     unpack: str = "interleave"
+    # general pages: K read per width section ("sections") or as one gathered tile ("gather")
+    k_path: str = "sections"
+    # uniform pages: next block prefetched by hand ("manual") or by Triton's pipeliner
+    prefetch: str = "manual"
+    # register cap of the split kernel (ptxas .maxnreg; None: the compiler's choice)
+    max_regs: int | None = None
 
 
 def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16) -> int:
@@ -105,6 +113,11 @@ def plan(
     num_warps: int | None = None,
     uniform_pages: bool = True,
     unpack: str | None = None,
+    k_path: str = "sections",
+    prefetch: str = "manual",
+    num_stages: int | None = None,
+    g_pad: int | None = None,
+    max_regs: int | None = None,
 ) -> DecodePlan:
     """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
 
@@ -119,7 +132,25 @@ def plan(
     unpack: ``"interleave"`` or ``"shift"`` (see :class:`DecodePlan`); default
     interleave, but shift on CUDA for pages under :data:`IL_MIN_PAGE_CUDA` tokens, where
     interleave is refused.
+    k_path: how general pages (per-channel K widths, RDKV) read K: ``"sections"`` (default: one
+    masked [D, P] pass per K width present, channel counts known at run time) or ``"gather"``
+    (one [D, P] tile a page, each (channel, token) code gathered from its 32-bit word; the
+    per-channel geometry and the permuted query hoisted out of the page loop).
+    prefetch: uniform pages' (and ``k_path="gather"`` pages') next block loaded by hand one
+    iteration ahead (``"manual"``, default) or left to Triton's software pipeliner
+    (``"pipeliner"``: loads in the iteration that uses them, staged through shared memory by
+    asynchronous copies; the page id -> offset -> bytes chain spreads ``num_stages`` over three
+    loads, so ``num_stages=8`` keeps two page blocks in flight, 11 three).
+    num_stages: the split kernel's Triton ``num_stages`` (default 2).
+    g_pad: rows the query group is padded to for ``tl.dot`` (default 16; a power of two >= the
+    group; fewer rows, a smaller accumulator, where the Triton version accepts it).
+    max_regs: registers a thread of the split kernel may use (``maxnreg``; e.g. 128 for 4
+    programs of 4 warps an SM; ptxas spills what does not fit), default uncapped.
     """
+    if k_path not in ("sections", "gather"):
+        raise DecodeInputError(f"k_path={k_path!r}: use 'sections' or 'gather'")
+    if prefetch not in ("manual", "pipeliner"):
+        raise DecodeInputError(f"prefetch={prefetch!r}: use 'manual' or 'pipeliner'")
     unpack = _unpack(unpack, layout)
     hkv, d = layout.num_kv_heads, layout.head_dim
     if num_q_heads % hkv:
@@ -155,7 +186,11 @@ def plan(
         raise DecodeInputError(f"pages_per_iter={ppi} must be a power of two")
     if num_warps is None:
         num_warps = 4
-    g_pad = max(16, 1 << (group - 1).bit_length())
+    least = max(1, 1 << (group - 1).bit_length())
+    if g_pad is None:
+        g_pad = max(16, least)
+    if g_pad < least or g_pad & (g_pad - 1):
+        raise DecodeInputError(f"g_pad={g_pad} must be a power of two >= the group {group}")
     rows = (
         layout.page_ntok.numel() * layout.page_size
         + layout.full_slots.numel()
@@ -176,12 +211,15 @@ def plan(
         pages_per_iter=ppi,
         block_n=64 if d == 64 else 32,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages or 2,
         part_acc=torch.empty(bh, s, g_pad, d, **f32),
         part_ml=torch.empty(bh, s, 2, g_pad, **f32),
         lse=torch.empty(bh, g_pad, **f32),
         score=torch.empty(max(rows, 1) if side_output else 1, group, **f32),
         unpack=unpack,
+        k_path=k_path,
+        prefetch=prefetch,
+        max_regs=max_regs,
     )
 
 
@@ -242,8 +280,12 @@ def run(
         page_unit_ptr=layout.page_unit, full_units_ptr=layout.full_units,
         fresh_units_ptr=layout.fresh_units, UNIFORM=p.uniform,
         PPI=p.pages_per_iter if p.uniform and layout.page_ids.numel() else 1,
-        IL=p.unpack == "interleave",
+        IL=p.unpack == "interleave", UPIPE=p.prefetch == "pipeliner",
     )  # fmt: skip
+    if p.k_path == "gather" and not p.uniform:
+        whole = arena.numel() // 4 * 4  # (pages are multiples of 16 bytes)
+        extra.update(arena32=arena[:whole].view(torch.int32), KG=True,
+                     RAW_BF16=layout.dtype == torch.bfloat16)  # fmt: skip
     _decode_split_kernel[(bh, s)](
         q, q.stride(0), q.stride(1), layout.perm,
         layout.k_pool, layout.v_pool, layout.k_pool.stride(0), layout.k_pool.stride(1),
@@ -253,7 +295,8 @@ def run(
         row_full, row_fresh, qk, hkv, p.group, s,
         DT=dt, D=p.head_dim, G_PAD=p.g_pad, P=layout.page_size, VG=layout.v_group,
         BLOCK_N=p.block_n, MASS=p.side_output, VBITS=sum(set(p.v_bits)),
-        KBITS=sum(set(p.k_bits)), num_warps=p.num_warps, num_stages=p.num_stages, **extra,
+        KBITS=sum(set(p.k_bits)), num_warps=p.num_warps, num_stages=p.num_stages,
+        **({} if p.max_regs is None else {"maxnreg": p.max_regs}), **extra,
     )  # fmt: skip
     s_pad = max(2, 1 << (s - 1).bit_length())
     _decode_merge_kernel[(bh * p.group,)](

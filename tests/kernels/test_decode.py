@@ -120,6 +120,78 @@ def test_decode_matches_twin_and_dense(case):
     assert ro.abs().max() > 0.05  # random data, never all zeros
 
 
+# decode.plan options that bench/decode_attention.py --targets times beside the default; each
+# must compute what the default computes ("min": the group's next power of two)
+VARIANTS = {
+    "k_gather": dict(k_path="gather"),
+    "k_gather_w8": dict(k_path="gather", num_warps=8),
+    "k_gather_pipeliner_st8": dict(
+        k_path="gather", prefetch="pipeliner", num_stages=8, num_warps=8, max_regs=128
+    ),
+    "pipeliner_st3": dict(prefetch="pipeliner", num_stages=3),
+    "pipeliner_st8_r128": dict(prefetch="pipeliner", num_stages=8, max_regs=128),
+    "pipeliner_st11": dict(prefetch="pipeliner", num_stages=11),
+    "g_pad_min": dict(g_pad="min"),
+    "max_regs": dict(max_regs=128),
+}
+
+
+def _variant(name: str, grp: int) -> dict:
+    kw = dict(VARIANTS[name])
+    if kw.get("g_pad") == "min":
+        kw["g_pad"] = 1 << (grp - 1).bit_length()
+    return kw
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_plan_variants_match_twin(case, variant):
+    """Every plan variant against the torch twin on the general-path cases (per-channel K:
+    CASES 3-4 for k_path="gather") and uniform pages (CASES 1-2 for the prefetch variants)."""
+    lens, hkv, grp, d, dt, bits, kbits, fresh, unit, page, splits = CASES[case]
+    q, k, v, tp = make_case(case, lens, hkv, grp, d, dt, bits, kbits, fresh, unit)
+    lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=unit)
+    kw = _variant(variant, grp)
+    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits, **kw)
+    assert all(getattr(p, f) == x for f, x in kw.items() if f != "max_regs") and (
+        p.max_regs == kw.get("max_regs"))  # fmt: skip
+    poison(p)
+    out = torch.full_like(q, float("nan"))
+    mass = torch.zeros(len(lens), lay.max_units, device=DEV)
+    decode.run(q, lay, p, out=out, mass=mass)
+    ro, rm = decode_attention_ref(q, lay)
+    tol = 2e-2 if dt == torch.bfloat16 else 4e-3
+    assert out.isfinite().all() and mass.isfinite().all()
+    torch.testing.assert_close(out.float(), ro, atol=tol, rtol=tol)
+    torch.testing.assert_close(mass, rm, atol=5e-3, rtol=1e-2)
+    assert ro.abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,grp,page", [(64, 7, 16), (128, 4, 32)], ids=["d64g7", "d128g4"])
+def test_k_gather_rdkv_pages(d, grp, page, dt):
+    """k_path="gather" on RDKV-shaped pages (every V width, K channels at 0/2/4/8/16 bits in
+    run-time proportions, the 16-bit channels raw bf16 or fp16) against the twin and the
+    section path; several pages a split, so the hoisted geometry serves many pages."""
+    lens, hkv = [150, 97], 2
+    q, k, v, tp = make_case(40 + d, lens, hkv, grp, d, dt, [0, 2, 4, 8, 16], [0, 2, 4, 8, 16],
+                            [4, 0], 1)  # fmt: skip
+    lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=1)
+    assert not lay.k_uniform and set(lay.k_bits_present) == {2, 4, 8, 16}
+    ro, _ = decode_attention_ref(q, lay)
+    tol = 2e-2 if dt == torch.bfloat16 else 4e-3
+    for prefetch, stages in (("pipeliner", 8), ("manual", 2)):
+        pg = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2, k_path="gather",
+                         prefetch=prefetch, num_stages=stages)  # fmt: skip
+        poison(pg)
+        out = decode.run(q, lay, pg)
+        torch.testing.assert_close(out.float(), ro, atol=tol, rtol=tol)
+    ps = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2)
+    assert ps.k_path == "sections"
+    torch.testing.assert_close(decode.run(q, lay, ps), out, atol=tol, rtol=tol)
+    assert ro.abs().max() > 0.05
+
+
 def windowed_case(seed, lens, hkv, grp, d, dtype, bits, win, fresh):
     """Tier per window of win tokens (QEvict-like): pages and row blocks of one unit."""
     g = torch.Generator().manual_seed(seed)
@@ -168,6 +240,13 @@ def test_windowed_pages_and_unit_side_output(case, uniform):
     torch.testing.assert_close(ro.double().cpu(), do, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(mass.double().cpu(), dm, atol=5e-3, rtol=1e-2)
     assert ro.abs().max() > 0.05 and (dm > 1e-3).sum() > 2
+    if uniform:  # the same pages through Triton's pipeliner (the --targets variants)
+        kw = dict(prefetch="pipeliner", num_stages=8, max_regs=128)
+        pp = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
+                         pages_per_iter=ppi, **kw)  # fmt: skip
+        m2 = torch.zeros_like(mass)
+        torch.testing.assert_close(decode.run(q, lay, pp, mass=m2), out, atol=tol, rtol=tol)
+        torch.testing.assert_close(m2, mass, atol=5e-3, rtol=1e-2)
 
 
 def with_unread_rows(lay, extra: list[int], unit: int = 0):
@@ -250,6 +329,9 @@ def test_uniform_path_each_width(bits, d, grp, page, unpack):
                      unpack=unpack)  # fmt: skip
     assert not pg.uniform
     torch.testing.assert_close(decode.run(q, lay, pg), out, atol=2e-3, rtol=2e-3)
+    kg = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2, uniform_pages=False,
+                     unpack=unpack, k_path="gather")  # fmt: skip
+    torch.testing.assert_close(decode.run(q, lay, kg), out, atol=2e-3, rtol=2e-3)
 
 
 def test_plan_errors():
@@ -259,6 +341,14 @@ def test_plan_errors():
         decode.plan(lay, num_q_heads=2, pages_per_iter=3)
     with pytest.raises(decode.DecodeInputError, match="bit widths"):
         decode.plan(lay, num_q_heads=2, v_bits=(2, 3))
+    with pytest.raises(decode.DecodeInputError, match="k_path"):
+        decode.plan(lay, num_q_heads=2, k_path="bytes")
+    with pytest.raises(decode.DecodeInputError, match="prefetch"):
+        decode.plan(lay, num_q_heads=2, prefetch="tma")
+    with pytest.raises(decode.DecodeInputError, match="g_pad"):
+        decode.plan(lay, num_q_heads=2, g_pad=1)
+    with pytest.raises(decode.DecodeInputError, match="g_pad"):
+        decode.plan(lay, num_q_heads=2, g_pad=6)
 
 
 def test_default_unpack_on_cuda_shifts_small_pages():
