@@ -11,20 +11,25 @@
 # Env: MODEL (default /tmp/models/qwen2.5-0.5b), OUT (default bench/results/issue18-gpu),
 # SAMPLES, LENGTHS (default 16k), MINUTES (start no new configuration after this; default 9),
 # EXTRA_POLICIES (more rows, ~1.5-2 min each, e.g. "examples/ablation/defer.yaml
-# examples/ablation/rdkv_defer.yaml": deferral without the new score, and rdkv deferred).
+# examples/ablation/rdkv_defer.yaml": deferral without the new score, and rdkv deferred),
+# POLICIES (the rows besides full; default "examples/qevict_v1.yaml qevict rdkv"), FP8=0 (skip
+# the FP8 row), TASKS (default distractor,niah_multikey,niah_multivalue). A second call with
+# the same OUT reuses the full row's cells.
 set -uo pipefail
 . bench/gpu_install.sh || exit 1
 MODEL=${MODEL:-/tmp/models/qwen2.5-0.5b}
 OUT=${OUT:-bench/results/issue18-gpu}
-common=(--engine sglang --model-path "$MODEL" --tasks distractor,niah_multikey,niah_multivalue
+common=(--engine sglang --model-path "$MODEL" --tasks "${TASKS:-distractor,niah_multikey,niah_multivalue}"
         --lengths "${LENGTHS:-16k}" --samples "${SAMPLES:-12}" --budgets 10%
         --engine-arg attention_backend=triton --max-minutes "${MINUTES:-9}")
 mkdir -p "$OUT"
 # full, qevict v1, qevict, rdkv (the runner goes configuration by configuration)
-python3 -P -m tiered_radix eval "${common[@]}" --policies examples/qevict_v1.yaml qevict rdkv \
-  ${EXTRA_POLICIES:-} \
-  --out "$OUT/policies" > "$OUT/policies.log" 2>&1
+python3 -P -m tiered_radix eval "${common[@]}" \
+  --policies ${POLICIES:-examples/qevict_v1.yaml qevict rdkv} ${EXTRA_POLICIES:-} \
+  --out "$OUT/policies" >> "$OUT/policies.log" 2>&1
 # full KV at FP8 (a separate folder: its cells would share the full row's keys)
-python3 -P -m tiered_radix eval "${common[@]}" --policies full --engine-arg kv_cache_dtype=fp8_e4m3 \
-  --out "$OUT/fp8" > "$OUT/fp8.log" 2>&1
+if [ "${FP8:-1}" != 0 ]; then
+  python3 -P -m tiered_radix eval "${common[@]}" --policies full \
+    --engine-arg kv_cache_dtype=fp8_e4m3 --out "$OUT/fp8" > "$OUT/fp8.log" 2>&1
+fi
 tail -n 30 "$OUT/policies/report.md" "$OUT/fp8/report.md" 2>/dev/null

@@ -114,6 +114,64 @@ def test_heads_reduction_broadcasts():
     torch.testing.assert_close(got, a.max(0, keepdim=True).values - a)
 
 
+def test_layers_reduction_reads_every_layer_and_broadcasts():
+    """mean/max/sum_layers of a running score: per KV head over all layers, the same value in
+    every layer whether one layer or a group is evaluated; layers of unequal length refuse."""
+    L, t = 3, 12
+    states = {li: cache(t, seed=li) for li in range(L)}
+    pol = policy("mean_layers(cumulative(attn))")
+    sc = ScoreEvaluator(pol, L, H, cache=lambda li: states[li])
+    g = torch.Generator().manual_seed(6)
+    a = torch.rand(L, H, t, generator=g)
+    for li in range(L):
+        sc.update(li, Signals(attn=a[li]))
+    lay = UnitLayout("window", 4, D)
+    per_unit = a.view(L, H, 3, 4).sum(-1)
+    for fn, want in (
+        ("mean", per_unit.mean(0)),
+        ("max", per_unit.amax(0)),
+        ("sum", per_unit.sum(0)),
+    ):
+        e = expr(f"{fn}_layers(cumulative(attn))")
+        for li in range(L):
+            torch.testing.assert_close(sc.evaluate(li, e, lay), want)
+        got = sc.evaluate_layers([1, 2], e, lay)
+        torch.testing.assert_close(got, want.expand(2, H, 3))
+    torch.testing.assert_close(sc.evaluate(0, pol.score("s"), lay), per_unit.mean(0))
+    states[2] = cache(t + 1, seed=2)
+    with pytest.raises(SignalError, match="different numbers of tokens"):
+        sc.evaluate(0, pol.score("s"), lay)
+
+
+def test_model_wide_ranking_keeps_a_window_in_every_head_or_none():
+    """Issue 18: with ``mean_heads(mean_layers(...))`` every (layer, KV head) routes its
+    windows alike, so no window is kept in a scattered subset of heads; the same score per head
+    scatters them (the comparison can fail)."""
+    from tiered_radix.engine.store import TierStore
+
+    text = (
+        "budget: 30%\nunits: window(size=8)\nprotect: {sinks: 4, recent: 8}\n"
+        "scores:\n  s: SCORE\ntiers:\n  full: keep(bf16)\n  int2: quantize(bits=2, group=8)\n"
+        "  gone: evict\nallocate: {method: rank, by: s}\nledger: write_once\n"
+    )
+    L, t, g = 3, 96, torch.Generator().manual_seed(9)
+    attn = torch.rand(L, H, t, generator=g) ** 4
+    tiers = {}
+    for name, score in (("model", "mean_heads(mean_layers(cumulative(attn)))"),
+                        ("head", "cumulative(attn)")):  # fmt: skip
+        store = TierStore(compile_text(text.replace("SCORE", score)), n_layers=L, n_heads=H,
+                          head_dim=D)  # fmt: skip
+        for li in range(L):
+            store.append(li, torch.randn(H, t, D, generator=g), torch.randn(H, t, D, generator=g))
+        store.observe_attn(attn)
+        store.route("test")
+        tiers[name] = torch.stack([store.tiers(li) for li in range(L)]).flatten(0, 1)
+    model, head = tiers["model"], tiers["head"]
+    assert torch.equal(model, model[:1].expand_as(model))
+    assert (model == 2).any() and (model == 1).any()  # something evicted, something quantized
+    assert not torch.equal(head, head[:1].expand_as(head))
+
+
 def test_missing_signal_is_a_typed_error_and_wrong_shape_too():
     pol = policy("colmass")
     sc = ScoreEvaluator(pol, 1, H)

@@ -17,11 +17,11 @@ import torch
 from gloo_ranks import run_ranks
 
 from tiered_radix import load_policy
-from tiered_radix.engine.routing import EngineConfigError
 from tiered_radix.engine.shard import HeadShard
 from tiered_radix.engine.signals import Signals
 from tiered_radix.engine.store import TierStore
 from tiered_radix.policy.compiler import compile_text
+from tiered_radix.policy.expr import Call
 from tiered_radix.policy.model import Budget
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,16 @@ tiers:
 allocate: {method: rank, by: heat}
 schedule: after_prefill, every(5)
 """
-CUSTOM = {"tp_proportional": PROPORTIONAL, "tp_pyramid": PYRAMID}
+# scores reduced over every KV head and every layer: ranks gather the heads they lack
+HEADS = (
+    PYRAMID.replace("tp_pyramid", "tp_heads")
+    .replace(
+        "cumulative(attn, decay=0.95)", "mean_heads(mean_layers(cumulative(attn, decay=0.95)))"
+    )
+    .replace("budget: 40 KiB", "budget: 30%")
+    .replace("spread: pyramid(ratio=3)\n", "")
+)
+CUSTOM = {"tp_proportional": PROPORTIONAL, "tp_pyramid": PYRAMID, "tp_heads": HEADS}
 # the shipped 10% protects up to 68 tokens of a 150-token prompt, over budget before any choice
 # is made; a larger budget (and a `tokens` one) leaves the allocator room to choose per head
 BUDGETS = {
@@ -201,15 +210,23 @@ def test_cases_are_not_trivial(full):
         if name not in ("full", "kivi"):
             assert any(full[name]["moves"]), name
         heads_differ = any(not torch.equal(t[0], t[1]) for t in full[name]["tiers"][-1])
-        assert heads_differ or name in ("full", "kivi", "streaming"), name  # by position
+        alike = name in ("full", "kivi", "streaming") or _reduces_heads(name)  # by position/all
+        assert heads_differ or alike, name
         assert not any(over for *_, over in full[name]["steps"]), name
 
 
-@pytest.mark.parametrize("name", ["tp_proportional", "tp_pyramid"])
+def _reduces_heads(name: str) -> bool:
+    """The policy's scores reduce over the KV heads, so every head decides alike."""
+    p = policy_of(name)
+    calls = (n for _, e in p.scores for n in e.walk() if isinstance(n, Call))
+    return any(n.fn.endswith("_heads") for n in calls)
+
+
+@pytest.mark.parametrize("name", ["tp_proportional", "tp_pyramid", "tp_heads"])
 def test_naive_per_rank_engine_drifts(name, full):
     """Without the collectives, a rank's engine budgets and spreads over its own heads only
     (proportional: heads 2-3 get half the budget, not their attention's share; a byte budget:
-    all of it instead of half), so its
+    all of it instead of half; a mean over heads: over heads 2-3 alone), so its
     decisions differ from the full engine's; the comparison above would catch it."""
     naive = drive(name, slice(2, 4))
     with pytest.raises(AssertionError):
@@ -233,9 +250,14 @@ def test_shard_validation():
     assert torch.equal(HeadShard(1, 2, 4).local(t, 1), t[:, 2:])
 
 
-def test_head_reductions_rejected_when_sharded():
-    text = PYRAMID.replace("cumulative(attn, decay=0.95)", "mean_heads(cumulative(attn))")
-    policy = compile_text(text, "heads")
-    TierStore(policy, n_layers=1, n_heads=2, head_dim=D)  # fine unsharded
-    with pytest.raises(EngineConfigError, match="mean_heads"):
-        TierStore(policy, n_layers=1, n_heads=2, head_dim=D, shard=HeadShard(0, 2, 4))
+def test_head_reductions_see_every_rank():
+    """A ``*_heads`` score under TP reduces over all heads (gathered), not the rank's own: the
+    heads policy's ranks agree with one engine (test_ranks_decide_as_one_engine), and every
+    head of a layer holds the same tiers there, which per-rank reductions would not give."""
+    policy = compile_text(HEADS, "tp_heads")
+    assert "mean_heads" in str(policy.scores)
+    rec = drive("tp_heads", slice(0, H))
+    for tiers in rec["tiers"][1:]:
+        for li in range(L):
+            t = tiers[li][:, :-16]  # the recent (protected) tokens aside
+            assert torch.equal(t, t[:1].expand_as(t)), "heads of a layer decided apart"

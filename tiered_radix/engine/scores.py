@@ -61,6 +61,7 @@ _UNARY = {
 _UNSET = object()
 _HEADS = {"sum_heads": "sum", "mean_heads": "mean", "max_heads": "amax"}
 _WINDOW = {"sum_window": "sum", "mean_window": "mean", "max_window": "max"}
+_LAYERS = {"sum_layers": "sum", "mean_layers": "mean", "max_layers": "amax"}
 
 
 class _Ctx:
@@ -93,7 +94,10 @@ class ScoreEvaluator:
     """Evaluates a policy's expressions for ``n_layers`` layers of ``n_heads`` KV heads.
 
     ``cache(layer) -> CacheState`` supplies the engine-derived signals; ``evaluate`` and
-    ``update`` also accept an explicit ``cache=``.
+    ``update`` also accept an explicit ``cache=``. ``gather_heads(x, dim)``: when the evaluator
+    holds a shard of the model's KV heads (tensor parallelism), every rank's ``x`` concatenated
+    along ``dim`` (a collective: every rank evaluates the same expressions in the same order), so
+    ``*_heads`` reduce over all of them; None: ``n_heads`` are all the heads.
     """
 
     def __init__(
@@ -103,8 +107,10 @@ class ScoreEvaluator:
         n_heads: int,
         *,
         cache: Callable[[int], CacheState] | None = None,
+        gather_heads: Callable[[Tensor, int], Tensor] | None = None,
     ) -> None:
         self.policy, self.n_layers, self.n_heads = policy, n_layers, n_heads
+        self._gather_heads = gather_heads
         self._scores = dict(policy.scores)
         self._cache_fn = cache
         self._observed: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
@@ -297,7 +303,11 @@ class ScoreEvaluator:
         if fn in _HEADS:
             x = self._eval(args[0], c).float()
             x = torch.broadcast_to(x, c.shape(self.n_heads, x))
+            if self._gather_heads is not None:
+                x = self._gather_heads(x, -2)
             return getattr(x, _HEADS[fn])(-2, keepdim=True)
+        if fn in _LAYERS:
+            return self._over_layers(e, c)
         if fn in _WINDOW:
             x = self._tokens(args[0], c)
             u = c.layout.aggregate(x, _WINDOW[fn])
@@ -320,6 +330,26 @@ class ScoreEvaluator:
         if fn == "clip":
             return torch.maximum(torch.minimum(vals[0], vals[2]), vals[1])
         return _UNARY[fn](vals[0].float())
+
+    def _over_layers(self, e: Call, c: _Ctx) -> Tensor:
+        """``e``'s argument over every layer (they must hold the same tokens), reduced over
+        the layers per KV head and broadcast to ``c``'s layers."""
+        every = tuple(range(self.n_layers))
+        if c.stacked and c.layer == every:
+            whole = c
+        else:
+            own = dict(zip(c.layer, c.cache, strict=True)) if c.stacked else {c.layer: c.cache}
+            caches = [own[li] if li in own else self._cache(li, None) for li in every]
+            if len({x.n_tokens for x in caches}) != 1:
+                raise SignalError(
+                    f"{e.fn}() reduces over every layer, but the layers hold different numbers "
+                    "of tokens (route after a step has reached every layer)"
+                )
+            whole = _Ctx(every, caches, c.layout, c.token_level)
+        x = self._eval(e.args[0], whole).float()
+        x = torch.broadcast_to(x, whole.shape(self.n_heads, x))
+        out = getattr(x, _LAYERS[e.fn])(0)
+        return out.expand(*c.lead, *out.shape) if c.stacked else out
 
     def _tokens(self, e: Expr, c: _Ctx) -> Tensor:
         x = self._eval(e, c.at_tokens()).float()
@@ -355,7 +385,18 @@ class ScoreEvaluator:
 
 
 IMPLEMENTED_FUNCTIONS = frozenset(
-    {"cumulative", "pool_max", "quantile", "min", "max", "clip", *_HEADS, *_WINDOW, *_UNARY}
+    {
+        "cumulative",
+        "pool_max",
+        "quantile",
+        "min",
+        "max",
+        "clip",
+        *_HEADS,
+        *_LAYERS,
+        *_WINDOW,
+        *_UNARY,
+    }
 )
 IMPLEMENTED_SIGNALS = frozenset({*ADDITIVE, *CHANNEL, "sigma", "recency", "position"})
 IMPLEMENTED_CONSTANTS = frozenset({"head_dim", "seq_len"})

@@ -15,6 +15,9 @@ Collectives (``world > 1`` only; ``HeadShard.single`` never communicates):
 - ``apply``: one all-reduce of the int64 bytes held, so each step's record (``bytes_used``,
   ``over_budget``) is the whole model's, equal on every rank.
 - ``schedule_due``: one all-reduce of the int64 bytes held when ``on_pressure`` is checked.
+- ``sum_heads``/``mean_heads``/``max_heads`` in a score: one all-gather of the reduced value's
+  argument per evaluation (:class:`~.scores.ScoreEvaluator`'s ``gather_heads``), so the
+  reduction runs over every head in head order, as one engine's does.
 
 Every rank must make these calls in the same order (route and ask ``schedule_due`` at the same
 steps), as it does when all ranks run the same batch.
@@ -27,12 +30,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from tiered_radix.policy.expr import Call
-from tiered_radix.policy.model import Policy
-
-from .routing import EngineConfigError
-from .scores import _policy_exprs
 
 
 @dataclass(frozen=True)
@@ -111,31 +108,3 @@ class HeadShard:
         parts = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(parts, t, group=self.group)
         return torch.cat(parts, dim)
-
-
-def heads_functions(policy: Policy) -> list[str]:
-    """The ``sum_heads``/``mean_heads``/``max_heads`` calls in ``policy``'s score expressions,
-    sorted: they reduce over every KV head (per step, per layer), which no shard holds."""
-    return sorted(
-        {
-            n.fn
-            for e in _policy_exprs(policy)
-            for n in e.walk()
-            if isinstance(n, Call) and n.fn.endswith("_heads")
-        }
-    )
-
-
-def check_shardable(policy: Policy, shard: HeadShard) -> None:
-    """Reject what a shard cannot compute locally (:func:`heads_functions`).
-
-    Raises:
-        EngineConfigError: ``shard.world > 1`` and the policy uses a ``*_heads`` function.
-    """
-    used = heads_functions(policy) if shard.world > 1 else []
-    if used:
-        raise EngineConfigError(
-            f"{', '.join(used)} reduce over all KV heads, which a tensor-parallel rank does not "
-            f"hold ({shard.heads_local} of {shard.heads_total}); run this policy with --tp 1 or "
-            "write the score per head"
-        )

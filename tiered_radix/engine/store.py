@@ -34,7 +34,7 @@ from .events import EventLog, StepEvents, Transitions
 from .planner import Plan, plan_route, plan_routes
 from .routing import EngineConfigError, TierSet, per_layer, spread_shares, total_budget
 from .scores import ScoreEvaluator
-from .shard import HeadShard, check_shardable
+from .shard import HeadShard
 from .signals import CacheState, Signals
 from .units import UnitLayout
 
@@ -111,7 +111,6 @@ class TierStore:
                 f"the store holds n_heads={n_heads} heads but its shard gives this rank "
                 f"{self.shard.heads_local} ({self.shard.heads_total} over {self.shard.world})"
             )
-        check_shardable(policy, self.shard)
         self.budget = budget_override or policy.budget
         self.tier_set = TierSet.of(policy)
         self.coupled = policy.coupled
@@ -159,7 +158,10 @@ class TierStore:
                 spread_shares(policy.spread, n_layers, self.shard.heads_total, None, self.device), 1
             )
         )
-        self.scores = ScoreEvaluator(policy, n_layers, n_heads, cache=self._cache_state)
+        self.scores = ScoreEvaluator(
+            policy, n_layers, n_heads, cache=self._cache_state,
+            gather_heads=self.shard.gather_heads if self.shard.world > 1 else None,
+        )  # fmt: skip
         self.events = EventLog()
         self.step = 0
         self.deferred = False  # a prefill chunk's routing waits for the next decode step

@@ -105,7 +105,7 @@ class Compiler:
                 suggestion=did_you_mean(method.text, ("rank", "rate_distortion")),
             )
         ledger = self.ledger(root.get("ledger"), tiers)
-        return Policy(
+        policy = Policy(
             name=self.text(root.get("policy"), "policy") or Path(self.file).stem,
             description=" ".join(self.text(root.get("description"), "description").split()),
             source=self.file,
@@ -121,6 +121,8 @@ class Compiler:
             schedule=self.schedule(root.get("schedule")),
             ledger=ledger,
         )
+        _check_layer_reductions(policy, root.span)
+        return policy
 
     # -- helpers -----------------------------------------------------------------------
     def text(self, node: Node | None, where: str) -> str:
@@ -520,6 +522,41 @@ def _check_expr(
                         expected=one_of(fn.kwargs) if fn.kwargs else "no keyword arguments",
                         suggestion=did_you_mean(key, fn.kwargs),
                     )
+
+
+LAYER_REDUCTIONS = frozenset({"sum_layers", "mean_layers", "max_layers"})
+
+
+def _check_layer_reductions(p: Policy, where: Span) -> None:
+    """No ``*_layers`` call inside ``cumulative(...)``, directly or through a score: a running
+    state advances one layer at a time as each layer's attention arrives, when the other layers'
+    values of that step do not exist yet (reduce the running state instead:
+    ``mean_layers(cumulative(attn))``)."""
+    scores = dict(p.scores)
+
+    def calls(e: Expr, seen: frozenset[str] = frozenset()):
+        for n in e.walk():
+            yield n
+            if isinstance(n, Name) and n.id in scores and n.id not in seen:
+                yield from calls(scores[n.id], seen | {n.id})
+
+    exprs = [e for _, e in p.scores] + [r.when for r in p.rules]
+    exprs += [p.spread.by] if p.spread.by is not None else []
+    a = p.allocate
+    exprs += [a.by] if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
+    for e in exprs:
+        for run in (n for n in calls(e) if isinstance(n, Call) and n.fn == "cumulative"):
+            inner = next(
+                (n for n in calls(run.args[0]) if isinstance(n, Call) and n.fn in LAYER_REDUCTIONS),
+                None,
+            )
+            if inner is not None:
+                raise PolicyError(
+                    f"{inner.fn}() inside cumulative(): the running state advances one layer "
+                    "at a time, before the other layers of the step are seen",
+                    inner.span or run.span or where,
+                    suggestion=f"reduce the running state instead: {inner.fn}(cumulative(...))",
+                )
 
 
 def _signals_by_score(scores) -> dict[str, set[str]]:

@@ -52,6 +52,13 @@ FUNCTIONS: dict[str, Function] = {
     "sum_heads": Function("sum over the KV heads of a layer (one decision for all heads)", 1, 1),
     "mean_heads": Function("mean over the KV heads of a layer", 1, 1),
     "max_heads": Function("max over the KV heads of a layer", 1, 1),
+    "sum_layers": Function(
+        "sum over the layers, per KV head (one decision for every layer; not inside cumulative)",
+        1,
+        1,
+    ),
+    "mean_layers": Function("mean over the layers, per KV head (not inside cumulative)", 1, 1),
+    "max_layers": Function("max over the layers, per KV head (not inside cumulative)", 1, 1),
     "sum_window": Function("sum of a per-token value over the tokens of each unit", 1, 1),
     "mean_window": Function("mean of a per-token value over the tokens of each unit", 1, 1),
     "max_window": Function("max of a per-token value over the tokens of each unit", 1, 1),

@@ -357,14 +357,13 @@ schedule: after_prefill
 """
 
 
-def test_tensor_parallel_needs_per_head_scores(baseline, tmp_path):
-    """--tp N: scores that reduce over all KV heads, or DP attention, stop the launch."""
-    ServerArgs(model_path="dummy", kv_policy="qevict", tp_size=2)  # per-head scores: fine
+def test_tensor_parallel_takes_head_reductions_refuses_dp_attention(baseline, tmp_path):
+    """--tp N: scores that reduce over all KV heads launch (the ranks gather the heads, see
+    tests/engine/test_shard.py); DP attention stops the launch."""
+    ServerArgs(model_path="dummy", kv_policy="qevict", tp_size=2)
     heads = tmp_path / "heads.yaml"
     heads.write_text(HEADS_POLICY)
-    ServerArgs(model_path="dummy", kv_policy=str(heads))  # fine on one rank
-    with pytest.raises(ValueError, match="mean_heads reduce over all KV heads"):
-        ServerArgs(model_path="dummy", kv_policy=str(heads), tp_size=2)
+    assert ServerArgs(model_path="dummy", kv_policy=str(heads), tp_size=2).tp_size == 2
     with pytest.raises(ValueError, match="dp-attention"):
         ServerArgs(model_path="dummy", kv_policy="qevict", tp_size=2, enable_dp_attention=True)
 

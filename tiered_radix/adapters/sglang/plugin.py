@@ -114,21 +114,12 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
 
 def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
     """``--tp N``: each rank's engine holds its KV heads and routes over all of them
-    (:class:`~tiered_radix.engine.shard.HeadShard`), so the policy's scores must be per head,
-    and attention must be tensor parallel over the same ranks.
+    (:class:`~tiered_radix.engine.shard.HeadShard`, which gathers what a ``*_heads`` score
+    reduces over), so attention must be tensor parallel over the same ranks.
 
     Raises:
-        ValueError: a ``*_heads`` score function, or ``--enable-dp-attention``.
+        ValueError: ``--enable-dp-attention``.
     """
-    from tiered_radix.engine.shard import heads_functions
-
-    for policy in cfg.served().policies:  # --kv-policy and every --kv-policies one
-        used = heads_functions(policy)
-        if used:
-            raise ValueError(
-                f"--kv-policy {policy.name} with --tp {given['tp_size']}: {', '.join(used)} reduce"
-                " over all KV heads, which no rank holds; write the score per head or use --tp 1"
-            )
     if given.get("enable_dp_attention"):
         raise ValueError(f"--kv-policy {cfg.policy_arg} does not support --enable-dp-attention")
 
