@@ -32,16 +32,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from gpu_guard import ROOT, model_or_skip
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (runs on the GPU machine)", allow_module_level=True)
-pytest.importorskip("sglang", reason="needs SGLang 0.5.17")
-MODEL = os.environ.get("TR_MODEL_PATH", "")
-if not Path(MODEL, "config.json").exists():
-    pytest.skip("set TR_MODEL_PATH to a Hugging Face model folder", allow_module_level=True)
+MODEL = model_or_skip()
+import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from multiturn_chat import chat  # noqa: E402
 from needle_text import question  # noqa: E402

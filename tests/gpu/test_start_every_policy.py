@@ -9,20 +9,12 @@ Needs a CUDA GPU, SGLang 0.5.17 and a model folder in ``$TR_MODEL_PATH`` (as
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path
 
 import pytest
+from gpu_guard import ROOT, model_or_skip
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU (runs on the GPU machine)", allow_module_level=True)
-pytest.importorskip("sglang", reason="needs SGLang 0.5.17")
-MODEL = os.environ.get("TR_MODEL_PATH", "")
-if not Path(MODEL, "config.json").exists():
-    pytest.skip("set TR_MODEL_PATH to a Hugging Face model folder", allow_module_level=True)
-ROOT = Path(__file__).resolve().parents[2]
+MODEL = model_or_skip()
 sys.path.insert(0, str(ROOT / "bench"))
 import issue21_gpu  # noqa: E402
 
