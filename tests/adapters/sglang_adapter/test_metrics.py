@@ -88,6 +88,7 @@ def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
         (P + "over_budget_routings_total", ()): moves["over"],
         (P + "borrowed_quantized_total", ()): moves["borrowed"],
         (P + "degraded_moves_total", ()): pool.degraded,
+        (P + "zone_full_routings_total", ()): pool.zone_full,
     }
     out |= {(P + "units", (("state", s),)): own.count(i) for i, s in enumerate(names)}
     for kind, row in zip(("full", "ledger", "restored"), blk, strict=True):

@@ -12,6 +12,7 @@ window rows until their routing, then their Zone A pages (``.zones``).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,10 +49,11 @@ class Server:
     the backend, driven the way SGLang's scheduler drives them."""
 
     def __init__(self, slots: int = 4096, policy=RDKV, kv_heads=slice(0, H), tp_group=None,
-                 d: int = D, options=None):  # fmt: skip
+                 d: int = D, options=None, zone_bytes: int | None = None):  # fmt: skip
         """``kv_heads`` of the model's ``H`` (a tensor-parallel rank's, with SGLang's
         ``tp_group`` stand-in), and their share of the ``HQ`` query heads; head dim ``d``;
-        ``options`` the launch's ``--kv-*`` flags."""
+        ``options`` the launch's ``--kv-*`` flags; ``zone_bytes`` a Zone A store of that many
+        bytes a layer instead of the sizing's."""
         self.d = d
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -59,7 +61,11 @@ class Server:
 
         q_heads = slice(kv_heads.start * HQ // H, kv_heads.stop * HQ // H)
         self.h, self.hq = kv_heads.stop - kv_heads.start, q_heads.stop - q_heads.start
-        self.pool = TieredKVPool(slots, W, torch.bfloat16, self.h, d, L, "cpu", policy=policy)
+        blocks = sizing.plan_blocks(slots, self.h, d, 2, policy, policy.budget)
+        if zone_bytes is not None:
+            blocks = dataclasses.replace(blocks, zone=zone_bytes)
+        self.pool = TieredKVPool(slots, W, torch.bfloat16, self.h, d, L, "cpu", policy=policy,
+                                 blocks=blocks)  # fmt: skip
         self.alloc = PagedTokenToKVPoolAllocator(slots, W, torch.bfloat16, "cpu", self.pool,
                                                  need_sort=False)  # fmt: skip
         self.r2t = ReqToTokenPool(8, 1024, "cpu", False)
@@ -219,6 +225,33 @@ def test_before_routing_the_output_is_exact_attention_over_the_model_rows():
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=D**-0.5
         ).transpose(0, 1)
         torch.testing.assert_close(out[li], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_full_zone_a_store_degrades_the_routing_instead_of_raising():
+    """A Zone A store too small for a request's pages (a load the sizing did not foresee): the
+    routing is counted in ``zone_full_routings`` and the request keeps reading its rows at full
+    precision (its next tokens come out as before routing); no exception reaches the scheduler.
+    A store with room places the same request's pages."""
+    toks = _prompt(6, 256)
+    srv = Server(zone_bytes=64)
+    req = srv.admit("a")
+    srv.forward([req], [toks], extend=True)
+    assert srv.session("a").store.step == 1  # the engine routed
+    assert not srv.pool.zones.holds("a") and srv.pool.zones.bytes_used() == 0
+    snap = srv.backend.stats()
+    assert snap["zone_full_routings"] == 1 and snap["routes"] == 1
+    out = srv.forward([req], [[7]], extend=False)[0]  # a decode step over the rows
+    roomy = Server()
+    ref = roomy.admit("a")
+    roomy.forward([ref], [toks], extend=True)
+    assert roomy.pool.zones.holds("a") and roomy.backend.stats()["zone_full_routings"] == 0
+    for li in range(L):  # the degraded request reads every row: exact attention
+        q, k, v = srv.qkv(li, toks + [7], 0)
+        k, v = (x.bfloat16().float().repeat_interleave(HQ // H, 1) for x in (k, v))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[-1:].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=D**-0.5
+        ).transpose(0, 1)
+        torch.testing.assert_close(out[li].reshape(want.shape), want, rtol=1e-5, atol=1e-5)
 
 
 def test_rdkv_compresses_the_prompt_to_its_budget_and_the_pool_counts_it():

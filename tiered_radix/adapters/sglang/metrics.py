@@ -45,6 +45,10 @@ COUNTERS = {  # snapshot running total -> (metric name, help); exported with a _
         "Units requests borrowed from the radix cache quantized (promotable, never demoted).",
     ),
     "degraded_moves": ("degraded_moves", "Moves the pool was short of blocks for (degraded)."),
+    "zone_full_routings": (
+        "zone_full_routings",
+        "Decoupled routings whose pages found no room in the Zone A store (read what they held).",
+    ),
 }
 UNITS = (f"{P}units", "(layer, KV head, window) units of the cache by the owner's state.")
 BLOCK_KINDS = ("full", "restored", "ledger")

@@ -49,7 +49,7 @@ from .options import KVOptions
 from .pages import pack_pages
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R
 from .sizing import PoolBlocks, block_id_dtype, plan_blocks, pool_bytes, table_kinds
-from .zones import ZoneStore
+from .zones import ZoneFullError, ZoneStore
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +139,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.rows_k, self.rows_v = list(self.rows_k_all.unbind(0)), list(self.rows_v_all.unbind(0))
         self.pages, self.page_bytes, self.pages_all = [], 0, None
         self.zones = None  # a decoupled policy's repacked requests (.zones)
+        self.zone_full = 0  # routings whose pages found no room in the Zone A store (repack)
         if self.layout.tier_bits is not None:
             self.zones = ZoneStore(L, self.blocks.zone, W, self.v_group, self.dtype, dev)
         if self.layout.quant is not None:
@@ -541,15 +542,15 @@ class TieredKVPool(MHATokenToKVPool):
         on = kept[..., None]
         return torch.where(on, k, torch.nan), torch.where(on, v, torch.nan), kept
 
-    def repack(self, rid: str, windows: Tensor, n_tokens: int, decided: list[tuple]) -> None:
+    def repack(self, rid: str, windows: Tensor, n_tokens: int, decided: list[tuple]) -> bool:
         """A decoupled request's routing: every layer's tokens, as the request reads them now
         (:meth:`read_request`), repacked into Zone A pages (:mod:`.zones`) at the engine's
         decisions ``decided[l] = (v_bits [H, T], k_bits [H, d], in_set [H, T])``; what it held
-        before is freed. Its windows keep their rows.
-
-        Raises:
-            ZoneFullError: no room in the Zone A store (the request keeps what it held).
-        """
+        before is freed. Its windows keep their rows. Whether the pages landed: where the Zone A
+        store has no room the routing is degraded, not raised (an exception would end every
+        request the scheduler runs): the request keeps reading what it held (its rows at full
+        precision, or its last routing's pages) while its engine counts the decided bytes, and
+        :attr:`zone_full` counts it (``zone_full_routings`` in the stats)."""
         packed, kept = [], []
         for li, (vb, kb, in_set) in enumerate(decided):
             k, v, _ = self.read_request(rid, li + self.start_layer, windows, n_tokens)
@@ -558,7 +559,15 @@ class TieredKVPool(MHATokenToKVPool):
                 raw_dtype=self.dtype,
             ))  # fmt: skip
             kept.append(vb > 0)
-        self.zones.put(rid, packed, n_tokens, kept)
+        try:
+            self.zones.put(rid, packed, n_tokens, kept)
+        except ZoneFullError as err:
+            self.zone_full += 1
+            if self.zone_full == 1:
+                log.warning("%s: request %s reads what it held (counted in zone_full_routings)",
+                            err, rid)  # fmt: skip
+            return False
+        return True
 
     def drop_request(self, rid: str) -> None:
         """Free decoupled request ``rid``'s Zone A pages (its view closed)."""

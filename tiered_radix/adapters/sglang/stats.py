@@ -117,6 +117,7 @@ class BackendStats:
             "routes": self.routes,
             **self.moved(),
             "degraded_moves": getattr(pool, "degraded", 0),  # moves short of blocks (pool.move)
+            "zone_full_routings": getattr(pool, "zone_full", 0),  # repacks with no room (rdkv)
             "peak_bytes": self.peak_bytes,
             "peak_tokens": self.peak_tokens,
             "bf16_bytes_per_token": per_token,
