@@ -178,3 +178,30 @@ def test_settle_puts_units_where_the_rows_holder_left_them():
         ly[2:], h[2:], u[2:], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.bool)
     )
     assert store.tiers(0)[h[2], u[2]] == 0 and store.events.steps[-1].over_budget
+
+
+def test_seeded_states_are_the_store_own():
+    """``seed_states`` (a prefix lent by a radix cache at its holders' states): the store reads
+    back the seeded tiers, counts the seeded bytes (a quantized unit with its ledger copy costs
+    less than a full one) and routes from them (its next plan sees them as placed)."""
+    policy = load_policy("qevict")
+    L, H, d, W = 2, 2, 16, 32
+    full = TierStore(policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    for li in range(L):
+        full.append(
+            li, torch.randn(H, 8 * W, d, generator=g), torch.randn(H, 8 * W, d, generator=g)
+        )
+    store = TierStore(
+        policy, n_layers=L, n_heads=H, head_dim=d, dtype=torch.float32, reader=full.view
+    )
+    store.append_tokens(None, 8 * W)
+    before = store.bytes_used()
+    q = store.tier_set.names.index("int2")
+    tier = torch.zeros(L, H, 8, dtype=torch.long)
+    tier[:, :, 2:6] = q  # four windows quantized, written once
+    store.seed_states(tier, tier == q)
+    for li in range(L):
+        assert torch.equal(store.tiers(li), tier[li])
+    assert store.bytes_used() < before
+    assert store.stack.routed_units == [8] * L

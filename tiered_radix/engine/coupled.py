@@ -169,6 +169,18 @@ class CoupledStack:
         self._reserve(max(self.n_tokens) + n)
         self.n_tokens = [t + n for t in self.n_tokens]
 
+    def seed(self, tier: Tensor, copied: Tensor) -> None:
+        """The first ``n`` units start at tiers decided elsewhere (a prefix borrowed from a
+        radix cache, at the states its holders left): ``tier`` long ``[L, H, n]`` the engine
+        tiers, ``copied`` bool ``[L, H, n]`` where a quantized tier's ledger copy exists
+        (written once); they count as routed, so the next plan treats them as placed."""
+        n = tier.shape[-1]
+        self.tier[:, :, :n] = tier
+        for copies in self.stores.values():
+            copies.present[:, :, :n] = copied
+            copies.write_count[:, :, :n] = copied.int()
+        self.routed_units = [n] * self.n_layers
+
     # -- accounting (device tensors, no host sync) -------------------------------------------
     def held(self, layers: slice | list[int], n_units: int) -> Tensor | None:
         """bool ``[Q, G, H, U]`` copies kept at each quantized tier (write-once ledger), else

@@ -192,6 +192,12 @@ class TierStore:
             if lay.k is not None and (layer is None or layer == li):
                 lay.k.append(None, n)
 
+    def seed_states(self, tier: Tensor, copied: Tensor) -> None:
+        """Start the first units at tiers decided elsewhere, e.g. a prefix a server's radix cache
+        lends at the states its holders left (:meth:`~.coupled.CoupledStack.seed`): ``tier``
+        ``[L, H, n]`` engine tiers, ``copied`` ``[L, H, n]`` where a ledger copy exists."""
+        self.stack.seed(tier, copied)
+
     def observe(self, layer: int, signals: Signals) -> None:
         """Record one layer's signals and advance cumulative scores (once per step)."""
         self.scores.update(layer, signals)

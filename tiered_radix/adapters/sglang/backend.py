@@ -470,15 +470,10 @@ class TieredAttnBackend(AttentionBackend):
         if n:
             store.append_tokens(None, prefix_len)
         if n and self.pool.zones is None:  # decoupled windows are full rows: nothing to seed
-            lay, st = self.pool.layout, store.stack
-            states = view.state.long()  # [L, H, n]
+            lay, states = self.pool.layout, view.state.long()  # [L, H, n]
             tier = torch.tensor(lay.state_tiers(), dtype=torch.long, device=store.device)
-            st.tier[:, :, :n] = tier[states]
-            for copies in st.stores.values():
-                has = (states == S_Q) | ((states == S_R) & lay.write_once)
-                copies.present[:, :, :n] = has
-                copies.write_count[:, :, :n] = has.int()
-            st.routed_units = [n] * self.layers
+            copied = (states == S_Q) | ((states == S_R) & lay.write_once)
+            store.seed_states(tier[states], copied)
             self.counters.borrowed((states == S_Q).sum())
         return Session(store)
 
