@@ -28,14 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `serving`, also under python -P
+from serving.servers import Server  # noqa: E402
 
 FACT = "Crate {i} in hold {h} carries {n} barrels of {good}, logged by deckhand {who}."
 GOODS = ("olive oil", "salted cod", "indigo", "copper nails", "rye", "tallow", "pepper")
@@ -68,43 +69,6 @@ def post(url: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
         return status, json.loads(raw or b"{}")
     except ValueError:
         return status, {"text": raw.decode(errors="replace")}
-
-
-class Server:
-    def __init__(self, args, extra: list[str], log: Path) -> None:
-        self.base = f"http://127.0.0.1:{args.port}"
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", args.model,
-               "--port", str(args.port), "--mem-fraction-static", str(args.mem),
-               "--context-length", str(args.prefix_tokens + 2048), "--enable-cache-report",
-               *extra]  # fmt: skip
-        self.log = log
-        # cwd outside the checkout: `-m` puts cwd first on sys.path (the checkout's
-        # tiered_radix lacks the kernels mapping of the installed package)
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                                     cwd="/tmp")  # fmt: skip
-
-    def wait(self, limit: float = 600) -> None:
-        t0 = time.time()
-        while time.time() - t0 < limit:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}:\n"
-                                   f"{self.log.read_text()[-3000:]}")  # fmt: skip
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"server not healthy after {limit}s")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def chat(base: str, text: str, question: str, max_tokens: int, **kv) -> tuple[int, dict]:
@@ -189,18 +153,23 @@ def main(argv: list[str] | None = None) -> dict:
     ba, bb = a.budgets.split(",")
     clients = {"A": {"kv_budget": ba}, "B": {"kv_budget": bb, "kv_policy": second}}
     extra = ["--kv-policy", "qevict", "--kv-policies", policies, *a.server_args.split()]
-    server = Server(a, extra, out / "server.log")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
+           "--port", str(a.port), "--mem-fraction-static", str(a.mem),
+           "--context-length", str(a.prefix_tokens + 2048), "--enable-cache-report",
+           *extra]  # fmt: skip
+    server = Server(cmd, a.port, out / "server.log")
     text = prefix(a.prefix_tokens)
+    server.start()
     try:
-        server.wait()
+        server.wait_healthy(600)
         phases = {
-            "A alone": run_phase(server.base, text, {"A": clients["A"]}, a.max_tokens),
-            "B alone": run_phase(server.base, text, {"B": clients["B"]}, a.max_tokens),
-            "A and B": run_phase(server.base, text, clients, a.max_tokens),
+            "A alone": run_phase(server.url, text, {"A": clients["A"]}, a.max_tokens),
+            "B alone": run_phase(server.url, text, {"B": clients["B"]}, a.max_tokens),
+            "A and B": run_phase(server.url, text, clients, a.max_tokens),
         }
         errors = {
-            "bad budget": chat(server.base, text[:2000], "Hi", 4, kv_budget="lots"),
-            "unknown policy": chat(server.base, text[:2000], "Hi", 4, kv_policy="h2o"),
+            "bad budget": chat(server.url, text[:2000], "Hi", 4, kv_budget="lots"),
+            "unknown policy": chat(server.url, text[:2000], "Hi", 4, kv_policy="h2o"),
         }
     finally:
         server.stop()
