@@ -47,13 +47,25 @@ QUESTIONS = {
 }
 
 
-def prefix(tokens: int) -> str:
-    """A ship's manifest of about ``tokens`` tokens (~19 tokens a line)."""
-    lines = ["You are the purser of the merchant ship Halcyon. The manifest follows."]
-    for i in range(tokens // 19):
-        lines.append(FACT.format(i=i, h=1 + i % 4, n=3 + (i * 7) % 40, good=GOODS[i % 7],
-                                 who=CREW[(i * 3) % 7]))  # fmt: skip
-    return "\n".join(lines)
+def manifest(lines: int) -> str:
+    """A ship's manifest of ``lines`` crates."""
+    rows = ["You are the purser of the merchant ship Halcyon. The manifest follows."]
+    for i in range(lines):
+        rows.append(FACT.format(i=i, h=1 + i % 4, n=3 + (i * 7) % 40, good=GOODS[i % 7],
+                                who=CREW[(i * 3) % 7]))  # fmt: skip
+    return "\n".join(rows)
+
+
+def prefix(tokens: int, model: str) -> tuple[str, int]:
+    """A manifest of about ``tokens`` tokens of ``model``'s tokenizer, and its exact count (run
+    16 sized it at a guessed 19 tokens a line: 11,132 tokens, past the server's window)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    count = lambda text: len(tok(text)["input_ids"])  # noqa: E731
+    per_line = count(manifest(200)) / 200
+    text = manifest(int(tokens / per_line))
+    return text, count(text)
 
 
 def post(url: str, body: dict, timeout: float = 600) -> tuple[int, dict]:
@@ -153,12 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
     ba, bb = a.budgets.split(",")
     clients = {"A": {"kv_budget": ba}, "B": {"kv_budget": bb, "kv_policy": second}}
     extra = ["--kv-policy", "qevict", "--kv-policies", policies, *a.server_args.split()]
+    text, n_prefix = prefix(a.prefix_tokens, a.model)
+    summary["prefix_tokens"] = n_prefix
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", a.model,
            "--port", str(a.port), "--mem-fraction-static", str(a.mem),
-           "--context-length", str(a.prefix_tokens + 2048), "--enable-cache-report",
+           "--context-length", str(n_prefix + 2048), "--enable-cache-report",
            *extra]  # fmt: skip
     server = Server(cmd, a.port, out / "server.log")
-    text = prefix(a.prefix_tokens)
     server.start()
     try:
         server.wait_healthy(600)
