@@ -40,7 +40,8 @@ engine each, same run; ``tiered_gather``: the extend path before the kernel,
 1x30000, 8x30000, 32x8192): fresh random prompts (no radix hit), one new token each, the
 faster of two calls (after an untimed call of the same shape that compiles the kernels);
 writes ``prefill-summary.json`` under ``--out``: ``{"gpu", "commit", "model", "rows":
-[{"system", "budget", "prompts", "tokens_each", "ttft_s"}]}`` and the tiered rows' host
+[{"system" (plain or the policy), "kind", "budget", "prompts", "tokens_each", "ttft_s"}]}``,
+rewritten after every case, and the tiered rows' host
 milliseconds per extend batch (``extend_attend``, ``route_extend``, ...) in
 ``prefill-detail.json``.
 """
@@ -198,9 +199,10 @@ def _budget(a) -> str:
     return "policy default"
 
 
-def prefill(kind: str, a, vocab: int = 30000) -> tuple[list[dict], dict]:
+def prefill(kind: str, a, save, vocab: int = 30000) -> tuple[list[dict], dict]:
     """TTFT rows of one kind over ``a.prefill_cases`` (see the module docstring), and the
-    tiered kind's host ms per extend batch per case."""
+    tiered kind's host ms per extend batch per case; ``save(rows, detail)`` after each case, so
+    a call cut short by its timeout keeps the cases it finished."""
     import sglang
 
     cases = [tuple(int(x) for x in c.split("x")) for c in a.prefill_cases]
@@ -221,7 +223,7 @@ def prefill(kind: str, a, vocab: int = 30000) -> tuple[list[dict], dict]:
             before = _host_s(stats)
             best = min(timed(engine, f, 1) for f in fresh[1:])
             tiered = kind.startswith("tiered")
-            rows.append({"system": kind if tiered else "plain",
+            rows.append({"system": Path(a.policy).stem if tiered else "plain", "kind": kind,
                          "budget": _budget(a) if tiered else "100%", "prompts": n,
                          "tokens_each": tokens, "ttft_s": round(best, 4)})  # fmt: skip
             if kind.startswith("tiered"):
@@ -232,6 +234,7 @@ def prefill(kind: str, a, vocab: int = 30000) -> tuple[list[dict], dict]:
                 timed(engine, fresh[1], a.prefill_tokens, digest)
                 detail[f"{n}x{tokens}_sha256"] = digest[0]
             print("prefill", kind, rows[-1], flush=True)
+            save(rows, detail)
             engine.flush_cache()  # the timed prompts leave the radix tree
     finally:
         engine.shutdown()
@@ -255,16 +258,24 @@ def main_prefill(a) -> None:
            "rows": []}  # fmt: skip
     detail = {"command": "python bench/sglang_decode.py " + " ".join(os.sys.argv[1:])}
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    for kind in a.kinds:
-        try:
-            rows, det = prefill(kind, a)
-            out["rows"] += rows
+    done: list[dict] = []
+
+    def save(rows: list[dict], det: dict, kind: str | None = None) -> None:
+        out["rows"] = done + rows
+        if kind is not None:
             detail[kind] = det
-        except Exception as e:  # record the failure, keep the other kind's numbers
-            detail[kind] = {"error": repr(e)[:2000]}
-            print(kind, "FAILED", repr(e)[:2000], flush=True)
         Path(a.out, "prefill-summary.json").write_text(json.dumps(out, indent=1))
         Path(a.out, "prefill-detail.json").write_text(json.dumps(detail, indent=1))
+
+    for kind in a.kinds:
+        try:
+            rows, det = prefill(kind, a, lambda r, d, k=kind: save(r, d, k))
+            done += rows
+            save([], det, kind)
+        except Exception as e:  # record the failure, keep the other kind's numbers
+            detail[kind] = {"error": repr(e)[:2000]}
+            save([], detail[kind])
+            print(kind, "FAILED", repr(e)[:2000], flush=True)
     plain = {(r["prompts"], r["tokens_each"]): r["ttft_s"] for r in out["rows"]
              if r["system"] == "plain"}  # fmt: skip
     shas = {k: {c: v for c, v in d.items() if c.endswith("_sha256")} for k, d in detail.items()
