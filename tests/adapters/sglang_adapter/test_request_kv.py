@@ -376,6 +376,46 @@ def test_openai_response_usage_carries_the_report():
     assert plain is response  # nothing to add: SGLang's response as it was
 
 
+def test_a_streamed_responses_usage_chunk_carries_the_report(exported):
+    """SGLang's stream reads outputs through ``generate_request`` and sends its usage chunk
+    last (``stream_options.include_usage``); the hooks put the report there, nowhere else."""
+    protocol = require("sglang.srt.entrypoints.openai.protocol")
+    report = {"policy": "qevict", "bytes_held": 10}
+    outputs = [{"text": "a", "meta_info": {KEY: [None]}},
+               {"text": "ab", "meta_info": {KEY: [None, report]}}]  # fmt: skip
+
+    async def tokenizer_generate(self, obj, request=None):
+        for o in outputs:
+            yield o
+
+    def chunk(**fields) -> str:
+        body = protocol.ChatCompletionStreamResponse(id="x", model="m", **fields)
+        return f"data: {body.model_dump_json()}\n\n"
+
+    async def sglang_stream(self, adapted, request, raw):
+        async for out in serving.generate_request(tokenizer_generate, None, adapted):
+            delta = protocol.DeltaMessage(content=out["text"])
+            yield chunk(choices=[protocol.ChatCompletionResponseStreamChoice(index=0,
+                                                                              delta=delta)])
+        yield chunk(choices=[], usage=protocol.UsageInfo(prompt_tokens=3, completion_tokens=2))
+        yield "data: [DONE]\n\n"
+
+    async def collect():
+        gen = serving.stream_response(sglang_stream, None, SimpleNamespace(), None, None)
+        return [c async for c in gen]
+
+    import json
+
+    *content, usage, done = asyncio.run(collect())
+    assert done == "data: [DONE]\n\n" and all("kv" not in c for c in content)
+    data = json.loads(usage[len("data: "):])
+    assert data["usage"]["kv"] == report and data["usage"]["prompt_tokens"] == 3
+    assert not serving._STREAMS  # nothing kept after the stream
+    config.export(None)  # no tiering: the stream passes through untouched
+    untouched = asyncio.run(collect())
+    assert "kv" not in json.loads(untouched[-2][len("data: "):])["usage"]
+
+
 def test_isolation_holds_through_the_decode_kernel_under_cuda_graphs(monkeypatch):
     """The GPU's decode path (the TriZone kernel, replayed graphs of batch 1 and 2, a fixed
     split count): ``a`` at 20% over a cached prefix gives bit-identical rows and the same tiers

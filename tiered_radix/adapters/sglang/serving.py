@@ -21,10 +21,16 @@ Out: the radix cache puts a finished request's usage in SGLang's per-token
   that one report (SGLang's accumulated per-token list has it last), absent before it exists;
 - ``OpenAIServingChat._build_chat_response`` and ``OpenAIServingCompletion.
   _build_completion_response`` (AROUND): the response's ``usage.kv`` is the report (a list of
-  them for ``n > 1``). Streaming responses carry no report yet.
+  them for ``n > 1``);
+- ``OpenAIServingChat._generate_chat_stream`` and ``OpenAIServingCompletion.
+  _generate_completion_stream`` (AROUND): a streamed response's usage chunk (``stream_options:
+  {"include_usage": true}``) gets the same ``usage.kv``: the stream notes the reports that
+  ``generate_request`` passes it (keyed by the stream's own request object, for its lifetime).
 """
 
 from __future__ import annotations
+
+import json
 
 from . import config
 from .request_kv import KEYS, RequestError, into_custom, resolve
@@ -113,9 +119,48 @@ def unwrap(out):
     return {**out, "meta_info": meta}
 
 
+# a streamed OpenAI response's reports so far, by choice index, keyed by ``id()`` of the
+# request object its stream hands to ``generate_request``; only while that stream runs
+_STREAMS: dict[int, dict[int, dict]] = {}
+
+
 async def generate_request(original, self, obj, request=None):
+    seen = _STREAMS.get(id(obj))
     async for out in original(self, obj, request):
-        yield unwrap(out)
+        out = unwrap(out)
+        if seen is not None:
+            for o in out if isinstance(out, list) else [out]:
+                report = o.get("meta_info", {}).get(KEY) if isinstance(o, dict) else None
+                if isinstance(report, dict):
+                    seen[o.get("index", 0)] = report
+        yield out
+
+
+async def stream_response(original, self, adapted_request, *args, **kwargs):
+    """A streamed chat or completion response, its usage chunk with ``usage.kv``."""
+    if config.current() is None:
+        async for chunk in original(self, adapted_request, *args, **kwargs):
+            yield chunk
+        return
+    seen = _STREAMS.setdefault(id(adapted_request), {})
+    try:
+        async for chunk in original(self, adapted_request, *args, **kwargs):
+            yield with_kv(chunk, seen) if seen else chunk
+    finally:
+        _STREAMS.pop(id(adapted_request), None)
+
+
+def with_kv(chunk: str, reports: dict[int, dict]) -> str:
+    """``chunk`` (one server-sent event) with ``usage.kv`` if it is the usage chunk: usage
+    and no choices, as SGLang sends it last."""
+    if not chunk.startswith("data: {") or '"usage":{' not in chunk:
+        return chunk
+    data = json.loads(chunk[len("data: "):])
+    if data.get("choices") or not isinstance(data.get("usage"), dict):
+        return chunk
+    ordered = [reports[i] for i in sorted(reports)]
+    data["usage"]["kv"] = ordered[0] if len(ordered) == 1 else ordered
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
 def build_response(original, self, request, ret, *args, **kwargs):
@@ -140,6 +185,9 @@ HOOKS = (  # (target, hook): all AROUND
     (f"{_SERVING}.serving_chat.OpenAIServingChat._build_chat_response", build_response),
     (f"{_SERVING}.serving_completions.OpenAIServingCompletion._build_completion_response",
      build_response),
+    (f"{_SERVING}.serving_chat.OpenAIServingChat._generate_chat_stream", stream_response),
+    (f"{_SERVING}.serving_completions.OpenAIServingCompletion._generate_completion_stream",
+     stream_response),
     (f"{_TM}._create_tokenized_object", create_tokenized_object),
     (f"{_TM}.generate_request", generate_request),
     (f"{_ENGINE}.generate", engine_generate),
