@@ -395,8 +395,7 @@ def test_a_streamed_responses_usage_chunk_carries_the_report(exported):
     async def sglang_stream(self, adapted, request, raw):
         async for out in serving.generate_request(tokenizer_generate, None, adapted):
             delta = protocol.DeltaMessage(content=out["text"])
-            yield chunk(choices=[protocol.ChatCompletionResponseStreamChoice(index=0,
-                                                                              delta=delta)])
+            yield chunk(choices=[protocol.ChatCompletionResponseStreamChoice(index=0, delta=delta)])
         yield chunk(choices=[], usage=protocol.UsageInfo(prompt_tokens=3, completion_tokens=2))
         yield "data: [DONE]\n\n"
 
@@ -408,12 +407,12 @@ def test_a_streamed_responses_usage_chunk_carries_the_report(exported):
 
     *content, usage, done = asyncio.run(collect())
     assert done == "data: [DONE]\n\n" and all("kv" not in c for c in content)
-    data = json.loads(usage[len("data: "):])
+    data = json.loads(usage[len("data: ") :])
     assert data["usage"]["kv"] == report and data["usage"]["prompt_tokens"] == 3
     assert not serving._STREAMS  # nothing kept after the stream
     config.export(None)  # no tiering: the stream passes through untouched
     untouched = asyncio.run(collect())
-    assert "kv" not in json.loads(untouched[-2][len("data: "):])["usage"]
+    assert "kv" not in json.loads(untouched[-2][len("data: ") :])["usage"]
 
 
 def test_isolation_holds_through_the_decode_kernel_under_cuda_graphs(monkeypatch):

@@ -155,7 +155,7 @@ def with_kv(chunk: str, reports: dict[int, dict]) -> str:
     and no choices, as SGLang sends it last."""
     if not chunk.startswith("data: {") or '"usage":{' not in chunk:
         return chunk
-    data = json.loads(chunk[len("data: "):])
+    data = json.loads(chunk[len("data: ") :])
     if data.get("choices") or not isinstance(data.get("usage"), dict):
         return chunk
     ordered = [reports[i] for i in sorted(reports)]
