@@ -14,10 +14,11 @@
 4. Checks: every response's ``usage.kv`` holds at most its budget's bytes (plus the last,
    partial window at full precision, ``--slack-windows``); B holds more than A; each request
    gives the same text and the same KV usage alone and beside the other (isolation); a
-   malformed budget and an unknown policy get 400 naming the accepted values.
+   malformed budget and an unknown policy get 400 naming the accepted values; A's question
+   streamed (``stream_options.include_usage``) reports ``usage.kv`` in its usage chunk.
 
 Writes to ``--out`` (default ``bench/results/per-request-api``): ``responses.json`` (the real
-response bodies), ``errors.json`` (the 400 bodies), ``refused.txt``, ``summary.json`` (the
+response bodies), ``streamed.json``, ``errors.json`` (the 400 bodies), ``refused.txt``, ``summary.json`` (the
 checks), ``server.log``. Exit status 0 when every check passes.
 
     python3 -P bench/per_request_api.py --model /tmp/models/qwen2.5-0.5b
@@ -90,6 +91,27 @@ def chat(base: str, text: str, question: str, max_tokens: int, **kv) -> tuple[in
             "messages": [{"role": "system", "content": text},
                          {"role": "user", "content": question}], **kv}  # fmt: skip
     return post(base + "/v1/chat/completions", body)
+
+
+def stream_chat(base: str, text: str, question: str, max_tokens: int, **kv) -> dict:
+    """:func:`chat` streamed, asking for the usage chunk: its status, text and last usage."""
+    body = {"model": "default", "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": text},
+                         {"role": "user", "content": question}], **kv}  # fmt: skip
+    head = {"Content-Type": "application/json"}
+    req = urllib.request.Request(base + "/v1/chat/completions", json.dumps(body).encode(), head)
+    parts, usage = [], None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[len("data: ") :])
+            for choice in event.get("choices") or []:
+                parts.append((choice.get("delta") or {}).get("content") or "")
+            usage = event.get("usage") or usage
+    return {"status": r.status, "text": "".join(parts), "usage": usage}
 
 
 def fresh_prefix(base: str, text: str) -> dict:
@@ -180,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
             "B alone": run_phase(server.url, text, {"B": clients["B"]}, a.max_tokens),
             "A and B": run_phase(server.url, text, clients, a.max_tokens),
         }
+        streamed = stream_chat(server.url, text, QUESTIONS["A"], a.max_tokens, kv_budget=ba)
         errors = {
             "bad budget": chat(server.url, text[:2000], "Hi", 4, kv_budget="lots"),
             "unknown policy": chat(server.url, text[:2000], "Hi", 4, kv_policy="h2o"),
@@ -188,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         server.stop()
     (out / "responses.json").write_text(json.dumps(phases, indent=1))
     (out / "errors.json").write_text(json.dumps(errors, indent=1))
+    (out / "streamed.json").write_text(json.dumps(streamed, indent=1))
 
     checks = summary["checks"]
     got = {}
@@ -219,6 +243,10 @@ def main(argv: list[str] | None = None) -> dict:
             checks[f"{name}: same text alone and beside"] = ta == tb
             ka, kb = alone["usage"]["kv"], beside["usage"]["kv"]
             checks[f"{name}: same KV usage alone and beside"] = ka == kb
+    skv = (streamed.get("usage") or {}).get("kv")
+    checks["streamed: the usage chunk reports usage.kv at A's budget"] = bool(
+        skv and skv["budget"] == ba
+    )
     for what, (status, body) in errors.items():
         msg = json.dumps(body)
         names = "'8192 tokens'" if what == "bad budget" else f"'{second}'"
