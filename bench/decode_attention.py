@@ -87,6 +87,10 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
         ("_blocks_nopf_r128", {"k_path": "blocks", "page_prefetch": "none", "max_regs": 128},
          (64, 128)),
         ("_blocks32_r128", {"k_path": "blocks", "k_block": 32, "max_regs": 128}, (64, 128)),
+        # shift unpacking: the fallback if tl.interleave of [16, 8]-byte blocks is miscompiled
+        # on sm_90 as [D, 4/8]-byte rows were at 16-token pages (GPU runs 6-7)
+        ("_blocks_shift_r128", {"k_path": "blocks", "unpack": "shift", "max_regs": 128},
+         (64, 128)),
     ],
 }  # fmt: skip
 

@@ -130,6 +130,7 @@ VARIANTS = {
     ),
     "k_blocks": dict(k_path="blocks"),
     "k_blocks_32_w2": dict(k_path="blocks", k_block=32, num_warps=2),
+    "k_blocks_shift_r128": dict(k_path="blocks", unpack="shift", max_regs=128),
     "pipeliner_st3": dict(prefetch="pipeliner", num_stages=3),
     "pipeliner_st8_r128": dict(prefetch="pipeliner", num_stages=8, max_regs=128),
     "pipeliner_st11": dict(prefetch="pipeliner", num_stages=11),
