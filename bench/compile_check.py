@@ -225,6 +225,7 @@ def configs() -> list[Config]:
             out.append(_split(False, "rdkv", d, side, 1, 4, kbl=True, maxnreg=128))
         out.append(_split(False, "rdkv", d, True, 1, 4, 16, False, kbl=True))  # 16-token pages
         out.append(_split(False, "rdkv", d, False, 1, 4, 32, False, kbl=True, maxnreg=128))
+        out.append(_split(False, "rdkv", d, False, 1, 4, kbl=True, stages=1, maxnreg=128))
         out += [_merge(d, s) for s in (4, 64)]
         out.append(_mass(d))
         for page in (16, 32):
