@@ -92,7 +92,8 @@ class Config:
 
 def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | None,
            page: int = 32, il: bool = True, kg: bool = False, upipe: bool = False,
-           stages: int = 2, gpad: int = 16, maxnreg: int | None = None):  # fmt: skip
+           stages: int = 2, gpad: int = 16, maxnreg: int | None = None, kbl: bool = False,
+           kc: int = 16, pf: int = 1):  # fmt: skip
     grp, hkv = FAMILIES[d]
     vb, kb = MIXES[mix]
     pages = bool(vb)
@@ -112,10 +113,13 @@ def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | N
         args["arena32"] = "*i32"
         cx.update(KG=True, RAW_BF16=True)
     cx["UPIPE"] = upipe  # plan(prefetch="pipeliner")
+    if kbl:  # plan(k_path="blocks"): K width blocks of kc channels, prefetch pf (0/L1/L2)
+        cx.update(KBL=True, KC=kc, PF=pf)
     w = warps or 4
     tag = f"{'u' if uniform else 'g'} {mix:7} d{d} {'mass' if side else '-   '} ppi{ppi} w{w}"
     tag += "" if page == 32 and il else f" p{page}{'' if il else ' shift'}"
     tag += (" gather" if kg else "") + (" pipe" if upipe else "")
+    tag += f" blocks{kc} pf{pf}" if kbl else ""
     tag += ("" if stages == 2 else f" st{stages}") + ("" if gpad == 16 else f" g{gpad}")
     tag += "" if maxnreg is None else f" r{maxnreg}"
     return Config(f"split {tag}", "_decode_split_kernel", args, cx, w, stages, maxnreg)
@@ -213,6 +217,15 @@ def configs() -> list[Config]:
         out += [_split(False, "rdkv", d, side, 1, 8, kg=True, maxnreg=128) for side in (0, 1)]
         out += [_split(False, "rdkv", d, False, 1, 8, kg=True, upipe=True, stages=st, maxnreg=128)
                 for st in (3, 8)]  # fmt: skip
+        # k_path="blocks" (RDKV's Zone A path): the adapter's plan (side output), the bench rows
+        for side in (False, True):
+            out += [_split(False, "rdkv", d, side, 1, w, kbl=True, kc=kc, pf=pf)
+                    for w, kc, pf in ((4, 16, 1), (4, 16, 2), (4, 16, 0), (4, 32, 1), (2, 16, 1),
+                                      (8, 16, 1))]  # fmt: skip
+            out.append(_split(False, "rdkv", d, side, 1, 4, kbl=True, maxnreg=128))
+        out.append(_split(False, "rdkv", d, True, 1, 4, 16, False, kbl=True))  # 16-token pages
+        out.append(_split(False, "rdkv", d, False, 1, 4, 32, False, kbl=True, maxnreg=128))
+        out.append(_split(False, "rdkv", d, False, 1, 4, kbl=True, stages=1, maxnreg=128))
         out += [_merge(d, s) for s in (4, 64)]
         out.append(_mass(d))
         for page in (16, 32):

@@ -76,13 +76,23 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
                               "max_regs": 128}, (64,)),
         ("_pipe11", {"prefetch": "pipeliner", "num_stages": 11}, (128,)),
     ],
-    "rdkv": [
+    "rdkv": [  # GPU run 16: gather 1.36x / 1.12x the default, the other gather rows slower
         ("", {}, (64, 128)),
+        # Zone A's uniform path (k_path="blocks"); _blocks_r128 is the SGLang adapter's plan
+        ("_blocks_r128", {"k_path": "blocks", "max_regs": 128}, (64, 128)),
         ("_gather", {"k_path": "gather"}, (64, 128)),
-        ("_gather_r128", {"k_path": "gather", "max_regs": 128}, (64,)),  # d128: spills 628 B
-        ("_gather_w8_r128", {"k_path": "gather", "num_warps": 8, "max_regs": 128}, (64, 128)),
-        ("_gather_pipe8_w8_r128", {"k_path": "gather", "prefetch": "pipeliner", "num_stages": 8,
-                                   "num_warps": 8, "max_regs": 128}, (64, 128)),
+        ("_blocks", {"k_path": "blocks"}, (64, 128)),
+        ("_blocks_nopf_r128", {"k_path": "blocks", "page_prefetch": "none", "max_regs": 128},
+         (64, 128)),
+        ("_blocks_l2_r128", {"k_path": "blocks", "page_prefetch": "l2", "max_regs": 128},
+         (64, 128)),
+        # shift unpacking: the fallback if tl.interleave of [16, 8]-byte blocks is miscompiled
+        # on sm_90 as [D, 4/8]-byte rows were at 16-token pages (GPU runs 6-7)
+        ("_blocks_shift_r128", {"k_path": "blocks", "unpack": "shift", "max_regs": 128},
+         (64, 128)),
+        ("_blocks32_r128", {"k_path": "blocks", "k_block": 32, "max_regs": 128}, (64, 128)),
+        # num_stages 1: Triton's pipeliner off for the per-width block loops
+        ("_blocks_st1_r128", {"k_path": "blocks", "num_stages": 1, "max_regs": 128}, (64, 128)),
     ],
 }  # fmt: skip
 

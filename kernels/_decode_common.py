@@ -260,3 +260,58 @@ def _k_gather(arena32, arena16, base, w, word, o_sc, o_lo, nq, zero, RAW_BF16: t
     lo = tl.load(arena16 + (base + o_lo) // 2 + c, mask=qm, other=0.0).to(tl.float32)
     deq = code.to(tl.float32) * sc[:, None] + lo[:, None]
     return tl.where((w == 16)[:, None], r16, deq)
+
+
+@triton.jit
+def _k_blocks(
+    s, q_ptr, perm_row, q_row, gm, c0, n, arena8, arena16, arenadt, base, o_code, o_sc, o_lo,
+    DT: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr,
+    IL: tl.constexpr = True,
+):  # fmt: skip
+    """s [G_PAD, P] plus the logits of the n permuted K channels c0..c0+n of the page at base,
+    all at KB bits (a compile-time width): dense [KC, P] blocks of KC consecutive channels, the
+    last one masked; no per-channel width, branch or gather. A block's KC code rows are one
+    contiguous span of the width's section (16-byte aligned), dequantised in registers
+    (k = code * scale + lo, or the raw 16-bit value) and multiplied by the query's permuted
+    channels [G_PAD, KC] (an L1-resident gather independent of the page's bytes)."""
+    c = tl.arange(0, KC)
+    t = tl.arange(0, P)
+    for cb in range(0, n, KC):
+        cm = cb + c < n
+        ch = tl.load(perm_row + c0 + cb + c, mask=cm, other=0)
+        qc = tl.load(q_ptr + q_row[:, None] + ch[None, :], mask=gm[:, None] & cm[None, :],
+                     other=0.0)  # fmt: skip
+        if KB == 16:
+            k = tl.load(arenadt + (base + o_code) // 2 + (cb + c)[:, None] * P + t[None, :],
+                        mask=cm[:, None], other=0.0)  # fmt: skip
+        else:
+            PER: tl.constexpr = 8 // KB
+            tb = tl.arange(0, P // PER)
+            byte = tl.load(arena8 + base + o_code + (cb + c)[:, None] * (P // PER) + tb[None, :],
+                           mask=cm[:, None], other=0)  # fmt: skip
+            if IL:
+                code = _unpack_il(byte, KB)
+            else:
+                code = _unpack(byte, KB, KC, P // PER)
+            sc = tl.load(arena16 + (base + o_sc) // 2 + c0 + cb + c, mask=cm, other=0.0)
+            lo = tl.load(arena16 + (base + o_lo) // 2 + c0 + cb + c, mask=cm, other=0.0)
+            k = code.to(tl.float32) * sc.to(tl.float32)[:, None] + lo.to(tl.float32)[:, None]
+        s += tl.dot(qc.to(DT), k.to(DT))
+    return s
+
+
+@triton.jit
+def _prefetch_page(arena8, base, nbytes, NSEC: tl.constexpr, LEVEL: tl.constexpr):
+    """Ask the memory system for the page bytes arena8[base : base + nbytes], one 32-byte sector
+    a lane, NSEC lanes an iteration, ahead of their loads: into L1 (LEVEL 1) or L2 (2).
+    PTX prefetch has no result and no effect on values; lanes past the page repeat its first
+    sector.  CUDA only (inline PTX): the plan turns it off under the interpreter."""
+    for at in range(0, nbytes, NSEC * 32):
+        sec = at + tl.arange(0, NSEC) * 32
+        ptr = arena8 + base + tl.where(sec < nbytes, sec, 0)
+        if LEVEL == 1:
+            tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [ptr], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+        else:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [ptr], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip

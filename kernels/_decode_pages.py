@@ -9,9 +9,11 @@ import triton
 import triton.language as tl
 from tiered_radix.kernels._decode_common import (
     _bcast,
+    _k_blocks,
     _k_gather,
     _k_geometry,
     _k_section,
+    _prefetch_page,
     _softmax_step,
     _store_logits,
     _store_lse,
@@ -261,4 +263,82 @@ def _pages_up(
             multi = tl.reshape((~single)[:, None] & (t[None, :] < cur_ntok[:, None]), (PPI * P,))
             tl.store(score_ptr + rows[None, :] * G + g[:, None], s,
                      mask=gm[:, None] & multi[None, :])  # fmt: skip
+    return m, l_i, acc
+
+
+@triton.jit
+def _pages_b(
+    m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt, page_off_ptr,
+    page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
+    DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
+    P: tl.constexpr, MASS: tl.constexpr, KBITS: tl.constexpr, IL: tl.constexpr, KC: tl.constexpr,
+    PF: tl.constexpr,
+):  # fmt: skip
+    """General pages page_ids[ps:pe] of list li (V at VB bits; K channels grouped by width, the
+    widths' channel counts from k_table) on one uniform path: for each width in KBITS (a
+    compile-time loop) the channels of that width are dense [KC, P] blocks (:func:`_k_blocks`),
+    so the K dot product is a few dense sub-blocks whatever the counts, and V is the list's
+    compile-time width.  Pipeline: page i+1's bytes are prefetched (PF: 1 into L1, 2 into L2,
+    0 off) and page i+2's id, offset and length loaded while page i is computed."""
+    kt = k_table_ptr + li * 12
+    n2 = tl.load(kt + 0)
+    n4 = tl.load(kt + 1)
+    n8 = tl.load(kt + 2)
+    n16 = tl.load(kt + 3)
+    o2 = tl.multiple_of(tl.load(kt + 4), 16)
+    o4 = tl.multiple_of(tl.load(kt + 5), 16)
+    o8 = tl.multiple_of(tl.load(kt + 6), 16)
+    o16 = tl.multiple_of(tl.load(kt + 7), 16)
+    o_sc = tl.multiple_of(tl.load(kt + 8), 16)
+    o_lo = tl.multiple_of(tl.load(kt + 9), 16)
+    k_bytes = tl.multiple_of(tl.load(kt + 10), 16)
+    if VB == 16:
+        VBY: tl.constexpr = (P * D * 2 + 15) // 16 * 16
+    else:
+        VBY: tl.constexpr = ((P * D * VB // 8 + 15) // 16 * 16
+                             + 2 * ((2 * P * D // VG + 15) // 16 * 16))  # fmt: skip
+    perm_row = perm_ptr + (li // 4) * D
+    t = tl.arange(0, P)
+    g = tl.arange(0, G_PAD)
+    id0 = tl.load(page_ids_ptr + ps, mask=ps < pe, other=0)
+    off0 = tl.load(page_off_ptr + id0, mask=ps < pe, other=0)
+    nt0 = tl.load(page_ntok_ptr + id0, mask=ps < pe, other=0)
+    id1 = tl.load(page_ids_ptr + ps + 1, mask=ps + 1 < pe, other=0)
+    off1 = tl.load(page_off_ptr + id1, mask=ps + 1 < pe, other=0)
+    nt1 = tl.load(page_ntok_ptr + id1, mask=ps + 1 < pe, other=0)
+    if PF != 0:
+        _prefetch_page(arena8, off0, tl.where(ps < pe, k_bytes + VBY, 0), 128, PF)
+    for i in range(ps, pe):
+        pid = id0
+        base = tl.multiple_of(off0, 16)
+        ntok = nt0
+        id0, off0, nt0 = id1, off1, nt1
+        if PF != 0:
+            _prefetch_page(arena8, off0, tl.where(i + 1 < pe, k_bytes + VBY, 0), 128, PF)
+        more = i + 2 < pe
+        id1 = tl.load(page_ids_ptr + i + 2, mask=more, other=0)
+        off1 = tl.load(page_off_ptr + id1, mask=more, other=0)
+        nt1 = tl.load(page_ntok_ptr + id1, mask=more, other=0)
+        tm = t < ntok
+        s = tl.zeros([G_PAD, P], dtype=tl.float32)
+        if (KBITS & 2) != 0:
+            s = _k_blocks(s, q_ptr, perm_row, q_row, gm, 0, n2, arena8, arena16, arenadt, base,
+                          o2, o_sc, o_lo, DT, 2, KC, G_PAD, P, IL)  # fmt: skip
+        if (KBITS & 4) != 0:
+            s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2, n4, arena8, arena16, arenadt, base,
+                          o4, o_sc, o_lo, DT, 4, KC, G_PAD, P, IL)  # fmt: skip
+        if (KBITS & 8) != 0:
+            s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2 + n4, n8, arena8, arena16, arenadt,
+                          base, o8, o_sc, o_lo, DT, 8, KC, G_PAD, P, IL)  # fmt: skip
+        if (KBITS & 16) != 0:
+            s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2 + n4 + n8, n16, arena8, arena16,
+                          arenadt, base, o16, o_sc, o_lo, DT, 16, KC, G_PAD, P, IL)  # fmt: skip
+        s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
+        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, IL)
+        m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
+        if MASS:
+            unit = tl.load(page_unit_ptr + pid)
+            gm2 = g < G
+            _store_lse(score_ptr, pid * P, m, p, g, gm2 & _bcast(unit >= 0, g), G)
+            _store_logits(score_ptr, pid * P + t, s, tm & _bcast(unit < 0, t), g, gm2, G)
     return m, l_i, acc

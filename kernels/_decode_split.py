@@ -14,7 +14,7 @@ from tiered_radix.kernels._decode_common import (
     _store_logits,
     _store_lse,
 )
-from tiered_radix.kernels._decode_pages import _pages, _pages_g, _pages_u, _pages_up
+from tiered_radix.kernels._decode_pages import _pages, _pages_b, _pages_g, _pages_u, _pages_up
 
 
 @triton.jit
@@ -60,7 +60,8 @@ def _decode_split_kernel(
     page_unit_ptr=None, full_units_ptr=None, fresh_units_ptr=None,
     UNIFORM: tl.constexpr = False, PPI: tl.constexpr = 1, IL: tl.constexpr = True,
     arena32=None, KG: tl.constexpr = False, RAW_BF16: tl.constexpr = True,
-    UPIPE: tl.constexpr = False,
+    UPIPE: tl.constexpr = False, KBL: tl.constexpr = False, KC: tl.constexpr = 16,
+    PF: tl.constexpr = 0,
 ):  # fmt: skip
     """One (request, KV head) x split: partial (m, l_i, acc) of all query heads of the group.
     VBITS / KBITS: bit masks of the V / K widths compiled in (2 | 4 | 8 | 16).  UNIFORM: pages
@@ -68,7 +69,10 @@ def _decode_split_kernel(
     tl.interleave (else shift-and-reshape); UPIPE: uniform (and KG) pages without the
     hand-written prefetch (Triton's pipeliner stages them); KG: general pages with K gathered
     as one [D, P] tile through arena32 (the arena as int32; RAW_BF16: 16-bit K is bf16, else
-    fp16)."""
+    fp16); KBL: general pages with K channels in dense [KC, P] blocks of one compile-time width
+    (:func:`_pages_b`; PF: next page prefetched into L1 (1) or L2 (2)), and the split cutting
+    the (request, head)'s pages across its V-width lists (one contiguous range, mostly one
+    list a program) instead of every list into S parts."""
     rh = tl.program_id(0)
     j = tl.program_id(1)
     r = rh // H_KV
@@ -81,14 +85,21 @@ def _decode_split_kernel(
     m = tl.full([G_PAD], NEG, dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D], dtype=tl.float32)
+    if KBL:  # this split's part of the (request, head)'s pages over all its lists
+        a_s, a_e = _split_range(tl.load(page_indptr_ptr + rh * 4),
+                                tl.load(page_indptr_ptr + rh * 4 + 4), j, S)  # fmt: skip
     for w in tl.static_range(4):  # page list (r, h, V width 2 << w)
         # uniform layouts keep 16-bit tokens as zone B rows: no 16-bit uniform pages.  Triton
         # 3.6 turns an int assigned to a name into a tensor (so 2 << w stays inline) and fails
         # on `int and ...` ("Cannot bitcast data-type"), hence the != 0.
         if (VBITS & (2 << w)) != 0 and (w < 3 or not UNIFORM):
             li = rh * 4 + w
-            ps, pe = _split_range(tl.load(page_indptr_ptr + li), tl.load(page_indptr_ptr + li + 1),
-                                  j, S)  # fmt: skip
+            if KBL:
+                ps = tl.maximum(a_s, tl.load(page_indptr_ptr + li))
+                pe = tl.minimum(a_e, tl.load(page_indptr_ptr + li + 1))
+            else:
+                ps, pe = _split_range(tl.load(page_indptr_ptr + li),
+                                      tl.load(page_indptr_ptr + li + 1), j, S)  # fmt: skip
             if UNIFORM and UPIPE:
                 m, l_i, acc = _pages_up(
                     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
@@ -100,6 +111,13 @@ def _decode_split_kernel(
                     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
                     page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, PPI,
                     MASS, IL,
+                )  # fmt: skip
+            elif KBL:
+                m, l_i, acc = _pages_b(
+                    m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt,
+                    page_off_ptr, page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps,
+                    pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, KBITS, IL, KC,
+                    PF,
                 )  # fmt: skip
             elif KG:
                 m, l_i, acc = _pages_g(

@@ -70,6 +70,10 @@ class DecodePlan:
     prefetch: str = "manual"
     # register cap of the split kernel (ptxas .maxnreg; None: the compiler's choice)
     max_regs: int | None = None
+    # k_path="blocks": channels a K block (16 or 32) and the next page's prefetch ("l1", "l2",
+    # "none"; always "none" under the CPU interpreter, which has no inline PTX)
+    k_block: int = 16
+    page_prefetch: str = "l1"
 
 
 def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16) -> int:
@@ -118,6 +122,8 @@ def plan(
     num_stages: int | None = None,
     g_pad: int | None = None,
     max_regs: int | None = None,
+    k_block: int = 16,
+    page_prefetch: str = "l1",
 ) -> DecodePlan:
     """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
 
@@ -135,7 +141,10 @@ def plan(
     k_path: how general pages (per-channel K widths, RDKV) read K: ``"sections"`` (default: one
     masked [D, P] pass per K width present, channel counts known at run time) or ``"gather"``
     (one [D, P] tile a page, each (channel, token) code gathered from its 32-bit word; the
-    per-channel geometry and the permuted query hoisted out of the page loop).
+    per-channel geometry and the permuted query hoisted out of the page loop) or ``"blocks"``
+    (Zone A's uniform path: per K width present, a compile-time loop, the width's channels as
+    dense [k_block, P] blocks; the split cuts each (request, head)'s pages across its V-width
+    lists; the next page prefetched per ``page_prefetch``).  bench/decode_notes.md compares them.
     prefetch: uniform pages' (and ``k_path="gather"`` pages') next block loaded by hand one
     iteration ahead (``"manual"``, default) or left to Triton's software pipeliner
     (``"pipeliner"``: loads in the iteration that uses them, staged through shared memory by
@@ -147,8 +156,12 @@ def plan(
     max_regs: registers a thread of the split kernel may use (``maxnreg``; e.g. 128 for 4
     programs of 4 warps an SM; ptxas spills what does not fit), default uncapped.
     """
-    if k_path not in ("sections", "gather"):
-        raise DecodeInputError(f"k_path={k_path!r}: use 'sections' or 'gather'")
+    if k_path not in ("sections", "gather", "blocks"):
+        raise DecodeInputError(f"k_path={k_path!r}: use 'sections', 'gather' or 'blocks'")
+    if k_block not in (16, 32):
+        raise DecodeInputError(f"k_block={k_block}: use 16 or 32")
+    if page_prefetch not in ("l1", "l2", "none"):
+        raise DecodeInputError(f"page_prefetch={page_prefetch!r}: use 'l1', 'l2' or 'none'")
     if prefetch not in ("manual", "pipeliner"):
         raise DecodeInputError(f"prefetch={prefetch!r}: use 'manual' or 'pipeliner'")
     unpack = _unpack(unpack, layout)
@@ -220,6 +233,8 @@ def plan(
         k_path=k_path,
         prefetch=prefetch,
         max_regs=max_regs,
+        k_block=k_block,
+        page_prefetch=page_prefetch if dev.type == "cuda" else "none",
     )
 
 
@@ -286,6 +301,9 @@ def run(
         whole = arena.numel() // 4 * 4  # (pages are multiples of 16 bytes)
         extra.update(arena32=arena[:whole].view(torch.int32), KG=True,
                      RAW_BF16=layout.dtype == torch.bfloat16)  # fmt: skip
+    if p.k_path == "blocks" and not p.uniform:
+        extra.update(KBL=True, KC=p.k_block,
+                     PF={"none": 0, "l1": 1, "l2": 2}[p.page_prefetch])  # fmt: skip
     _decode_split_kernel[(bh, s)](
         q, q.stride(0), q.stride(1), layout.perm,
         layout.k_pool, layout.v_pool, layout.k_pool.stride(0), layout.k_pool.stride(1),

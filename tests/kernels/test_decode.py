@@ -128,6 +128,9 @@ VARIANTS = {
     "k_gather_pipeliner_st8": dict(
         k_path="gather", prefetch="pipeliner", num_stages=8, num_warps=8, max_regs=128
     ),
+    "k_blocks": dict(k_path="blocks"),
+    "k_blocks_32_w2": dict(k_path="blocks", k_block=32, num_warps=2),
+    "k_blocks_shift_r128": dict(k_path="blocks", unpack="shift", max_regs=128),
     "pipeliner_st3": dict(prefetch="pipeliner", num_stages=3),
     "pipeliner_st8_r128": dict(prefetch="pipeliner", num_stages=8, max_regs=128),
     "pipeliner_st11": dict(prefetch="pipeliner", num_stages=11),
@@ -189,6 +192,34 @@ def test_k_gather_rdkv_pages(d, grp, page, dt):
     ps = decode.plan(lay, num_q_heads=hkv * grp, num_splits=2)
     assert ps.k_path == "sections"
     torch.testing.assert_close(decode.run(q, lay, ps), out, atol=tol, rtol=tol)
+    assert ro.abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,grp,page", [(64, 7, 16), (128, 4, 32)], ids=["d64g7", "d128g4"])
+def test_k_blocks_rdkv_pages(d, grp, page, dt):
+    """k_path="blocks" (Zone A's uniform path) on RDKV-shaped pages: every V width, K channels
+    at 0/2/4/8/16 bits with more 2-bit channels than one block holds (several blocks a width,
+    the last one partial), blocks of 16 and 32 channels; 1 split (every list in one program)
+    and 3 (splits cut across the V-width lists); output and side output against the twin."""
+    lens, hkv = [150, 97], 2
+    q, k, v, tp = make_case(50 + d, lens, hkv, grp, d, dt, [0, 2, 4, 8, 16],
+                            [0, 2, 2, 2, 4, 8, 16], [4, 0], 1)  # fmt: skip
+    lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=1)
+    n = lay.k_table[:, :4]
+    assert not lay.k_uniform and int(n[:, 0].min()) > 16 and bool((n[:, 0] % 16 != 0).any())
+    ro, rm = decode_attention_ref(q, lay)
+    tol = 2e-2 if dt == torch.bfloat16 else 4e-3
+    for kc, splits in ((16, 3), (32, 1)):
+        p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
+                        k_path="blocks", k_block=kc)  # fmt: skip
+        assert (p.k_path, p.k_block, p.page_prefetch) == ("blocks", kc, "none" if DEV == "cpu"
+                                                          else "l1")  # fmt: skip
+        poison(p)
+        mass = torch.zeros(len(lens), lay.max_units, device=DEV)
+        out = decode.run(q, lay, p, mass=mass)
+        torch.testing.assert_close(out.float(), ro, atol=tol, rtol=tol)
+        torch.testing.assert_close(mass, rm, atol=5e-3, rtol=1e-2)
     assert ro.abs().max() > 0.05
 
 
@@ -345,6 +376,10 @@ def test_plan_errors():
         decode.plan(lay, num_q_heads=2, k_path="bytes")
     with pytest.raises(decode.DecodeInputError, match="prefetch"):
         decode.plan(lay, num_q_heads=2, prefetch="tma")
+    with pytest.raises(decode.DecodeInputError, match="k_block"):
+        decode.plan(lay, num_q_heads=2, k_path="blocks", k_block=8)
+    with pytest.raises(decode.DecodeInputError, match="page_prefetch"):
+        decode.plan(lay, num_q_heads=2, k_path="blocks", page_prefetch="tma")
     with pytest.raises(decode.DecodeInputError, match="g_pad"):
         decode.plan(lay, num_q_heads=2, g_pad=1)
     with pytest.raises(decode.DecodeInputError, match="g_pad"):

@@ -3,8 +3,9 @@
 A decoupled request reads, per (layer, head):
 
 - zone A: its Zone A pages (:mod:`.zones`) after its routing, listed per V width with the
-  request's K sections (``k_table``) and channel permutation (``perm``): the kernel's general
-  page path (pages of one V width, K channels grouped by width);
+  request's K sections (``k_table``) and channel permutation (``perm``): the kernel's block
+  path for general pages (pages of one V width, K channels grouped by width, read as dense
+  blocks of one width);
 - zone B: the rows of its windows (the pool's row blocks, as :mod:`.trizone` lists them) for
   every token in no page: all of them before its routing, the tokens written since (and kept
   tokens outside the channel set) after it;
@@ -179,10 +180,13 @@ def layout(pool, li: int, batch: int, **zones) -> TriZoneLayout:
 
 def plan(lay: TriZoneLayout, num_q_heads: int, side_output: bool, max_rows: int,
          splits: int | None) -> decode.DecodePlan:  # fmt: skip
-    """The kernel's plan for decoupled layouts like ``lay``: every width, the general path."""
+    """The kernel's plan for decoupled layouts like ``lay``: every width, the general pages on
+    Zone A's uniform path (``k_path="blocks"``: K widths as dense channel blocks; 128 registers,
+    no spills on sm_90 under Triton 3.6, so 4 programs an SM; bench/decode_notes.md)."""
     return decode.plan(
         lay, num_q_heads=num_q_heads, side_output=side_output, v_bits=BITS, k_bits=BITS,
-        max_rows=max_rows, num_splits=splits, uniform_pages=False,
+        max_rows=max_rows, num_splits=splits, uniform_pages=False, k_path="blocks",
+        max_regs=128,
     )  # fmt: skip
 
 
