@@ -45,9 +45,10 @@ one more step (its token is dropped) and its view closes (``before_close`` -> :m
 after step t+1 was launched. Other requests' steps, scores and routings are as in the serial
 order (each store is its own). A routing that lands one step late (``--kv-overlap``'s
 ``landing``) drops the parts of requests whose view closed before it landed (finished, aborted,
-retracted, flushed): their windows stay at the states their close left. On the device every piece of work runs in the order the host
-issued it: SGLang's forward stream waits for its schedule stream before each forward, and the
-plugin's :func:`~.plugin.graph_execute` makes the schedule stream wait for the whole replay.
+retracted, flushed): their windows stay at the states their close left. On the device every
+piece of work runs in the order the host issued it: SGLang's forward stream waits for its
+schedule stream before each forward, and the plugin's :func:`~.plugin.graph_execute` makes the
+schedule stream wait for the whole replay.
 
 Tensor parallelism (``--tp N``): each rank's pool holds its ``H / N`` KV heads and each request's
 store is built with that rank's :class:`~tiered_radix.engine.shard.HeadShard` over SGLang's TP
