@@ -55,6 +55,11 @@ FUNCS = [  # (module, class or None, attribute): functions whose ops are listed
     ("tiered_radix.engine.store", "TierStore", "apply"),
     ("tiered_radix.engine.store", "TierStore", "begin_routes"),
     ("tiered_radix.engine.store", "PendingRoutes", "land"),
+    ("tiered_radix.engine.coupled", "CoupledStack", "begin"),
+    ("tiered_radix.engine.coupled", "CoupledStack", "finish"),
+    ("tiered_radix.engine.store", "TierStore", "_applied"),
+    ("tiered_radix.engine.store", "TierStore", "_bytes"),
+    ("tiered_radix.engine.events", "Transitions", "on"),
     ("tiered_radix.engine.store", "TierStore", "route_many"),
     ("tiered_radix.adapters.sglang.radix", "TieredRadixCache", "route_many"),
     ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "move"),
@@ -90,6 +95,7 @@ def run(batch: int, args) -> dict:
     from test_backend import Harness
 
     from tiered_radix.adapters.sglang import backend
+    from tiered_radix.adapters.sglang.options import KVOptions
     from tiered_radix.adapters.sglang.sizing import PoolBlocks
 
     def stub(q, layout, plan, mass=None, **kw):  # host work only; random mass moves the scores
@@ -104,10 +110,14 @@ def run(batch: int, args) -> dict:
     pages = batch * (args.prompt // W + args.steps // W + 4) + 8
     h = Harness(policy=policy, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                 pages=pages, blocks=PoolBlocks(pages * args.heads + 16, pages * args.heads + 16),
-                context=args.prompt + args.steps + 64)  # fmt: skip
+                context=args.prompt + args.steps + 64,
+                options=KVOptions(overlap=args.overlap))  # fmt: skip
     clock: list[float] = []
     b = backend.TieredAttnBackend
     _wrap(b, "_route_due", "X:_route_due", clock=clock)
+    lands: list[float] = []  # --overlap: a decode routing lands at the next step's metadata
+    if args.overlap:
+        _wrap(b, "_land", "X:_land", clock=lands)
     for mod, obj, name in FUNCS:
         m = importlib.import_module(mod)
         if not hasattr(getattr(m, obj, None) if obj else m, name):
@@ -132,21 +142,27 @@ def run(batch: int, args) -> dict:
         else:
             h.step(reqs, toks, extend=True)
         ext += clock[n0:]
-    routes, profiled = [], False
+    routes, landed, profiled = [], [], None
     for t in range(args.steps):
-        n0 = len(clock)
+        n0, l0 = len(clock), len(lands)
         due = (t + 1) % args.every == 0
-        if due and not profiled and t > args.every:
+        if (due and profiled is None and t > args.every) or profiled == t - 1:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 h.step(reqs, [[60 + t % 30]] * batch, extend=False)
-            out["route_ops"] = report(prof.events(), SYNCS, VIEWS)
-            profiled = True
+            key = "route_ops" if profiled is None else "land_ops"
+            if key == "route_ops" or args.overlap:
+                out[key] = report(prof.events(), SYNCS, VIEWS)
+            profiled = t if profiled is None else profiled
             continue
         h.step(reqs, [[60 + t % 30]] * batch, extend=False)
         if due:
             routes += clock[n0:]
+        if t % args.every == 0 and t > 0 and lands[l0:]:  # after a due step: the landing
+            landed.append(max(lands[l0:]))  # (the step's other _land calls find none)
     out["route_extend_ms"] = statistics.median(ext)
     out["route_ms"] = statistics.median(routes)
+    if args.overlap:
+        out["land_ms"] = statistics.median(landed)
     out["routings_timed"] = {"extend": len(ext), "decode": len(routes)}
     out["degraded"] = int(h.sim.pool.degraded)
     return out
@@ -189,6 +205,12 @@ def main() -> None:
         type=int,
         default=40,
         help="percent (short prompts: the recent window alone is 10%% of 640 tokens)",
+    )
+    ap.add_argument(
+        "--overlap",
+        action="store_true",
+        help="--kv-overlap: a decode routing is planned at its step (route_ms, route_ops) and "
+        "lands at the next step's metadata (land_ms, land_ops)",
     )
     ap.add_argument("--out", default=None, help="folder for route_host.json")
     args = ap.parse_args()

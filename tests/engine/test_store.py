@@ -352,6 +352,39 @@ def test_stores_routed_together_decide_as_each_alone(name, prompts):
                     s.observe(li, signals(g, s.view(li)[2], d, False))
 
 
+def test_a_dropped_store_keeps_its_tiers_and_the_others_land_as_routed_alone():
+    """PendingRoutes.drop (a server request that ended between plan and land): that store's
+    tiers and step count stay as before the plan, it gives no transitions, and the other
+    stores land what their own route() gives."""
+    pol = load_policy("qevict")
+    h, d = 2, 32
+    twins = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(5)
+        stores = []
+        for t in (320, 256, 288):
+            s = TierStore(
+                pol, n_layers=2, n_heads=h, head_dim=d, budget_override=Budget("fraction", 0.3)
+            )
+            for li in range(2):
+                s.append(li, torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g))
+                s.observe(li, signals(g, torch.ones(h, t, dtype=torch.bool), d, True))
+            stores.append(s)
+        twins.append(stores)
+    kept, alone = twins
+    before = [kept[1].tiers(li).clone() for li in range(2)]
+    pending = TierStore.begin_routes(kept, ["a", "b", "c"])
+    pending.drop(1)
+    landed = pending.land()
+    want = [alone[0].route("a"), alone[2].route("c")]
+    assert len(landed) == 2 and all(list(x) == list(y) for x, y in zip(landed, want, strict=True))
+    assert all(torch.equal(kept[1].tiers(li), before[li]) for li in range(2))
+    assert kept[1].step == 0 and kept[0].step == kept[2].step == 1
+    for a, b in ((kept[0], alone[0]), (kept[2], alone[2])):
+        assert all(torch.equal(a.tiers(li), b.tiers(li)) for li in range(2))
+    assert len(want[0]) > 0 and len(want[1]) > 0  # the routings move units
+
+
 def test_transitions_are_exactly_the_tier_changes_and_count_ledger_writes():
     """The step's transitions equal the element-wise difference of the tier maps before and
     after route(), and ``ledger_write`` marks exactly the new ledger entries."""

@@ -51,23 +51,34 @@ class PendingRoutes:
         self.done: dict[int, Transitions] = dict(done)
         self.out: list[Transitions] | None = None
         self.counts, self.event = counts, None
+        self.dropped: set[int] = set()
         if counts is not None and counts.device.type == "cuda":
             self.counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
             self.counts.copy_(counts, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def drop(self, i: int) -> None:
+        """Store ``i``'s routing is not to land (its sequence ended between plan and land, e.g. a
+        server request that finished): :meth:`land` leaves its units as they are and returns
+        no transitions for it."""
+        assert self.out is None, "drop() after land()"
+        self.dropped.add(i)
+
     def land(self) -> list[Transitions]:
-        """Move every store's units as planned; their transitions in the stores' order (once;
-        later calls return the same)."""
+        """Move every store's units as planned; their transitions in the stores' order, those
+        :meth:`drop` named left out (once; later calls return the same)."""
         if self.out is None:
             if self.event is not None:
                 self.event.synchronize()
             counts = [] if self.counts is None else self.counts.tolist()
             for (i, plan), step, c in zip(self.plans.items(), self.steps, counts, strict=True):
+                if i in self.dropped:
+                    continue
                 s = self.stores[i]
                 self.done[i] = s._applied(plan, self.reasons[i], s.stack.finish(step, c))
-            self.out = [self.done[i] for i in range(len(self.stores))]
+            keep = [i for i in range(len(self.stores)) if i not in self.dropped]
+            self.out = [self.done[i] for i in keep]
         return self.out
 
 

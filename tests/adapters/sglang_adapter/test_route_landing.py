@@ -5,14 +5,16 @@ are those of the serial order's routing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from sglang_sim import require
 
 require("sglang.srt.mem_cache.radix_cache")
 
-from test_backend import Harness  # noqa: E402
+from test_backend import KERNEL_POLICY, Harness  # noqa: E402
 
 from tiered_radix.adapters.sglang.options import KVOptions  # noqa: E402
+from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
 
 POLICY = """
 policy: landing
@@ -58,3 +60,72 @@ def test_an_overlapped_routing_lands_one_step_late_as_the_serial_one():
     assert torch.equal(serial.sim.pool.owner_all, late.sim.pool.owner_all)
     assert serial.sim.pool.bytes_used() == late.sim.pool.bytes_used()
     assert serial.backend.stats()["demote"] == late.backend.stats()["demote"] > 0
+
+
+# test_backend's kernel shape (windows of 16, head dim 64), routing every 2 decode steps only
+GRAPH_POLICY = KERNEL_POLICY.replace("after_prefill, every(3)", "every(2)")
+
+
+def _graph_harness(overlap: bool) -> Harness:
+    h = Harness(policy=GRAPH_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                options=KVOptions(overlap=overlap))  # fmt: skip
+    h.backend.init_cuda_graph_state(2, 2)
+    h.capture(2)
+    return h
+
+
+@pytest.mark.parametrize("end", ["finish", "retract"])
+def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, end):
+    """GPU run 16's crash (``KeyError`` in ``route_many``): a replayed step's routing is planned
+    at the flush a request's close runs (``before_close``), so under ``--kv-overlap`` it was
+    still pending when the view closed, and landed at the next step over a view that was gone.
+    The ended request's part is dropped (its windows stay at the states its close left); the
+    other's lands as in the serial order (same tiers, owner states). The last request ends
+    with its routing pending too, which a flush_cache then drops; every slot, row and block
+    comes back (finish: inserted in the tree, then evicted; retract: SGLang's
+    ``cache_finished_req(is_insert=False)``)."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    serial, late = _graph_harness(False), _graph_harness(True)
+    sim = late.sim
+    free0, avail0 = [len(f) for f in sim.pool.free_rows], sim.alloc.available_size()
+    reqs = {}
+    for h in (serial, late):
+        a, c = h.start("a", list(range(1, 71))), h.start("c", list(range(5, 60)))
+        h.step([a, c], [a.origin_input_ids, c.origin_input_ids], extend=True)
+        for t in range(2):  # decode step 1: a's and c's routing is due
+            h.replay([a, c], [[60 + t], [30 + t]], 2, rids=True)
+        if end == "finish":
+            h.finish(c)  # its close flushes the step: the routing is planned now
+        else:
+            c.output_ids = c.tokens[len(c.origin_input_ids) :]
+            h.sim.cache.cache_finished_req(c, is_insert=False, kv_len_to_handle=len(c.tokens))
+            h.sim.r2t.free_slots.append(c.req_pool_idx)
+        reqs[h] = a
+    assert late.backend.landing is not None  # a's and c's parts, c's view closed
+    before = tiers(late, "a")
+    for h, a in reqs.items():
+        h.replay([a], [[70]], 2, rids=True)  # lands first: a's part only
+    assert late.backend.landing is None
+    assert any(not torch.equal(x, y) for x, y in zip(before, tiers(late, "a"), strict=True))
+    for li in range(sim.L):
+        want, got = (h.backend.sessions["a"].store.tiers(li) for h in (serial, late))
+        assert torch.equal(want, got), li
+    wa = late.sim.cache.views["a"].windows  # the same slots in both (same allocations)
+    assert torch.equal(serial.sim.cache.views["a"].windows, wa)
+    want, got = (h.sim.pool.owner_all[:, :, wa] for h in (serial, late))
+    assert torch.equal(want, got)  # (c's windows stay as its close left them: not routed)
+    for h, a in reqs.items():
+        h.replay([a], [[71]], 2, rids=True)  # decode step 3: a's routing is due
+        h.finish(a)
+    assert late.backend.landing is not None  # a's part, its view closed
+    for h in reqs:
+        h.sim.cache.evict(EvictParams(num_tokens=10_000))
+        h.sim.cache.reset()  # flush_cache: lands what is pending (nothing: a ended)
+    assert late.backend.landing is None
+    assert sim.alloc.available_size() == avail0
+    assert [len(f) for f in sim.pool.free_rows] == free0
+    assert set(sim.pool.blocks_in_use().values()) == {0}
+    assert bool((sim.pool.owner_all < 0).all()) and not bool(sim.pool.ref_all.any())

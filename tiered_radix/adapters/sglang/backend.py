@@ -43,9 +43,12 @@ The overlap scheduler (``--kv-overlap``; off by default): SGLang prepares and
 launches step t+1 before it processes step t's tokens, so a request that finished at step t runs
 one more step (its token is dropped) and its view closes (``before_close`` -> :meth:`flush`)
 after step t+1 was launched. Other requests' steps, scores and routings are as in the serial
-order (each store is its own). On the device every piece of work runs in the order the host
-issued it: SGLang's forward stream waits for its schedule stream before each forward, and the
-plugin's :func:`~.plugin.graph_execute` makes the schedule stream wait for the whole replay.
+order (each store is its own). A routing that lands one step late (``--kv-overlap``'s
+``landing``) drops the parts of requests whose view closed before it landed (finished, aborted,
+retracted, flushed): their windows stay at the states their close left. On the device every
+piece of work runs in the order the host issued it: SGLang's forward stream waits for its
+schedule stream before each forward, and the plugin's :func:`~.plugin.graph_execute` makes the
+schedule stream wait for the whole replay.
 
 Tensor parallelism (``--tp N``): each rank's pool holds its ``H / N`` KV heads and each request's
 store is built with that rank's :class:`~tiered_radix.engine.shard.HeadShard` over SGLang's TP
@@ -647,12 +650,23 @@ class TieredAttnBackend(AttentionBackend):
         return self._moved(due, pending)
 
     def _land(self) -> bool:
-        """A routing left pending by :meth:`_route_due` moves now; whether one did."""
+        """A routing left pending by :meth:`_route_due` moves now; whether one did. Requests
+        that ended since it was planned (finished, aborted, retracted, flushed: their view
+        closed, e.g. a replayed step's routing planned at the flush their close ran) drop out
+        of it; the others' parts land."""
         if self.landing is None:
             return False
         (due, pending), self.landing = self.landing, None
+        live = [self._live(r) for r, _ in due]
+        for i in (i for i, ok in enumerate(live) if not ok):
+            pending.drop(i)
+        due = [d for d, ok in zip(due, live, strict=True) if ok]
         with self._timed("route"):
             return self._moved(due, pending)
+
+    def _live(self, r: _Req) -> bool:
+        """Whether request ``r``'s view is still open, with the session ``r`` was planned in."""
+        return r.rid in self.tree.views and self.sessions.get(r.rid) is r.session
 
     def _moved(self, due, pending) -> bool:
         """The engines' moves of ``pending`` (their routings, for ``due``), then the pool's: a

@@ -34,6 +34,10 @@ class DeviceCounts:
             self._pinned.copy_(self.t, non_blocking=True)
             self._event.record()
 
+    def ready(self) -> bool:
+        """Whether :meth:`host` returns without waiting for the device."""
+        return self._host is not None or not self.cuda or self._event.query()
+
     def host(self) -> list[int]:
         if self._host is None:
             if self.cuda:
@@ -83,6 +87,10 @@ class FreeStacks:
         out = self.top.host()
         self._floor = list(out)
         return out
+
+    def ready(self) -> bool:
+        """Whether :meth:`counts` returns without waiting for the device."""
+        return self.top.ready()
 
     def floor(self) -> int:
         """A lower bound of the scarcest layer's free blocks, known without waiting: the last

@@ -598,6 +598,12 @@ class TieredKVPool(MHATokenToKVPool):
             Q: sum(Qn - n for n in self.q_stacks.counts()),
         }
 
+    def counts_ready(self) -> bool:
+        """Whether :meth:`bytes_used` can be read without waiting for the device (the pinned
+        copies of the free and restored counts after their last change are done)."""
+        stacks = (self.row_stacks, self.q_stacks)
+        return self.tally.ready() and all(s.ready() for s in stacks)
+
     def bytes_used(self) -> int:
         """Bytes of allocated blocks (rows: K+V of one head-window; ledger: one page)."""
         held = self.blocks_in_use()

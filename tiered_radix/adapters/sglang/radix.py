@@ -68,7 +68,7 @@ class RequestView:
 
 class _Moves(NamedTuple):
     """Request ``rid``'s transitions as holder moves: pairs ``(ly, h, w)`` (unit ``u``;
-    ``b``: borrowed) from state ``old`` to ``new``."""
+    ``b``: borrowed, ``None`` where the request borrows no window) to engine tier ``dst``."""
 
     rid: str
     view: RequestView
@@ -76,9 +76,8 @@ class _Moves(NamedTuple):
     h: Tensor
     u: Tensor
     w: Tensor
-    b: Tensor
-    old: Tensor
-    new: Tensor
+    b: Tensor | None
+    dst: Tensor
 
 
 class Settled(NamedTuple):
@@ -265,7 +264,11 @@ class TieredRadixCache(RadixCache):
         degraded a move, the returned :class:`Settled` list says which units of which request
         ended elsewhere than planned (as masks: no host sync), so their engines learn. It is
         empty where the host's bounds of the free blocks show that no layer can be short
-        (:meth:`~.pool.TieredKVPool.short_possible`)."""
+        (:meth:`~.pool.TieredKVPool.short_possible`).
+
+        Requests that borrow no window (``n_borrowed``, a host count) are gathered, looked up
+        and written back together (their pairs are all owner moves); only borrowers' pairs
+        read and write their own view's states per request."""
         dev, parts = self.pool.device, []
         for rid, t in routed:
             view = self.views[rid]
@@ -273,15 +276,17 @@ class TieredRadixCache(RadixCache):
             if not len(t):
                 continue
             ly, h, u, dst = t.on(dev, "layer", "head", "unit", "dst")
-            w, b = view.windows[u], view.borrowed[u]
-            old = torch.where(b, view.state[ly, h, u], self.pool.owner_all[ly, h, w])
-            new = self._next[old.long(), dst].to(old.dtype)
-            parts.append(_Moves(rid, view, ly, h, u, w, b, old, new))
+            b = view.borrowed[u] if view.n_borrowed else None
+            parts.append(_Moves(rid, view, ly, h, u, view.windows[u], b, dst))
         if not parts:
             return []
-        ly, h, w, old, new = (
-            torch.cat([getattr(p, f) for p in parts]) for f in "ly h w old new".split()
-        )
+        ly, h, w, dst = (torch.cat([getattr(p, f) for p in parts]) for f in ("ly", "h", "w", "dst"))
+        sizes = [p.ly.numel() for p in parts]
+        old = self.pool.owner_all[ly, h, w]
+        if any(p.b is not None for p in parts):  # borrowed pairs: the view's states
+            split = zip(parts, old.split(sizes), strict=True)
+            old = torch.cat([self._holder_old(p, o) for p, o in split])
+        new = self._next[old.long(), dst].to(old.dtype)
         # a ledger copy is made only where the engine writes one, restored rows only where it
         # promotes (host counts, the pairs' number where unknown): at most that many blocks
         m, ts = ly.numel(), [t for _, t in routed]
@@ -294,17 +299,41 @@ class TieredRadixCache(RadixCache):
                 got = self.pool.move(ly, h, w, old, new, make=make)
             else:
                 got[sel] = self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel], make=make)
-        owner, settled = self.pool.owner_all, []
-        each = list(got.to(new.dtype).split([p.new.numel() for p in parts]))
-        if short:  # the pool may have been short of blocks: masks of where, no host sync
-            for p, r in zip(parts, each, strict=True):
-                settled.append(Settled(p.rid, p.ly, p.h, p.u, r, r != p.new))
-        for p, reached in zip(parts, each, strict=True):  # in request order
-            moved = usage.moves_of(p.old, reached)
+        reached = got.to(new.dtype)
+        self._record(parts, ly, h, w, old, reached, sizes)
+        if not short:
+            return []
+        off = reached != new  # the pool may have been short of blocks: masks of where
+        each = zip(parts, reached.split(sizes), off.split(sizes), strict=True)
+        return [Settled(p.rid, p.ly, p.h, p.u, r, o) for p, r, o in each]
+
+    def _holder_old(self, p: _Moves, owner_old: Tensor) -> Tensor:
+        """The states request ``p`` holds its pairs at: the view's for borrowed windows, the
+        owner's (``owner_old``) for its own."""
+        if p.b is None:
+            return owner_old
+        return torch.where(p.b, p.view.state[p.ly, p.h, p.u], owner_old)
+
+    def _record(self, parts: list[_Moves], ly, h, w, old, reached, sizes: list[int]) -> None:
+        """The states the pool reached (``reached``, over the concatenated pairs) become each
+        holder's: owner states in one write for requests that borrow nothing, per request
+        (in request order) for borrowers; each view counts its moves (:func:`.usage.moves_of`,
+        summed per request)."""
+        owner = self.pool.owner_all
+        each = list(zip(parts, reached.split(sizes), strict=True))
+        if not any(p.b is not None for p in parts):
+            owner[ly, h, w] = reached  # every pair is its owner's, none twice
+        else:
+            for p, r in each:
+                if p.b is None:
+                    owner[p.ly, p.h, p.w] = r
+                    continue
+                p.view.state[p.ly, p.h, p.u] = torch.where(p.b, r, p.view.state[p.ly, p.h, p.u])
+                owner[p.ly, p.h, p.w] = torch.where(p.b, owner[p.ly, p.h, p.w], r)
+        flags = usage.move_flags(old, reached)  # [m, 3]
+        for (p, _), f in zip(each, flags.split(sizes), strict=True):
+            moved = f.sum(0)
             p.view.moved = moved if p.view.moved is None else p.view.moved + moved
-            p.view.state[p.ly, p.h, p.u] = torch.where(p.b, reached, p.view.state[p.ly, p.h, p.u])
-            owner[p.ly, p.h, p.w] = torch.where(p.b, owner[p.ly, p.h, p.w], reached)
-        return settled
 
     def _rounds(self, parts: list, ly: Tensor, h: Tensor, w: Tensor) -> list[Tensor | None]:
         """Index sets of the concatenated pairs with no pair twice, each pair's holders in

@@ -31,7 +31,11 @@ COUNTS = (*KINDS, "ledger_writes", "over_budget_routings", "borrowed_quantized")
 class BackendStats:
     """Counters since startup. ``peak_bytes``: the most pool bytes held at the end of a forward
     (before its routing), ``peak_tokens`` the tokens the allocator held then (running requests
-    and the radix tree's cache, in whole windows: what a plain bf16 pool would hold).
+    and the radix tree's cache, in whole windows: what a plain bf16 pool would hold). On CUDA a
+    forward whose pool counts are still on their way to the host (a routing that landed or new
+    windows taken in that step: ``pool.counts_ready()``) is not waited for: the next forward's
+    read counts it (under ``--kv-overlap`` the landing step's read waited for the routing's
+    moves on the device).
 
     Two counters let a reader check the others (``bench/soak.py`` does): ``over_budget_routings``,
     routings after which a request's bytes exceeded its budget without its forced content
@@ -53,6 +57,8 @@ class BackendStats:
 
     def forward_done(self, pool, tokens: int) -> None:
         self.tokens_held = tokens
+        if not pool.counts_ready():
+            return
         used = pool.bytes_used()
         if used > self.peak_bytes:
             self.peak_bytes, self.peak_tokens = used, tokens

@@ -24,12 +24,18 @@ def moves_of(old: Tensor, new: Tensor) -> Tensor:
     """int64 ``[3]`` on the device (no host sync): demotions (full or restored to quantized),
     promotions (quantized to full or restored) and evictions among holder moves ``old -> new``
     (int ``[m]`` each, the states the pool reached)."""
+    return move_flags(old, new).sum(0)
+
+
+def move_flags(old: Tensor, new: Tensor) -> Tensor:
+    """int64 ``[m, 3]``: which of :func:`moves_of`'s kinds each move ``old -> new`` is (a
+    batch of requests' moves summed per request by slices)."""
     old, new = old.long(), new.long()
     rows = (old == S_FULL) | (old == S_R)
     demote = rows & (new == S_Q)
     promote = (old == S_Q) & ((new == S_FULL) | (new == S_R))
     evict = (old != S_EVICT) & (new == S_EVICT)
-    return torch.stack([demote.sum(), promote.sum(), evict.sum()])
+    return torch.stack([demote, promote, evict], 1).long()
 
 
 def state_bytes(pool) -> list[int]:
