@@ -101,7 +101,7 @@ def test_rdkv_weights() -> None:
     rd = load_policy("rdkv").allocate
     # w_t = sum_tau a[tau, t] over every prompt query: each prefill chunk's sum, accumulated
     assert rd.v_weight == Call("cumulative", (Name("colmass"),))
-    # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d); ||Q[:, c]|| = sqrt(sum over chunks ||Q_chunk[:, c]||^2)
+    # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d), ||Q[:, c]||^2 summed over the chunks
     qn = Call("sqrt", (Call("cumulative", (BinOp("^", Name("qnorm"), Num(2)),)),))
     qk = BinOp("*", qn, Name("knorm"))
     assert rd.k_weight == BinOp("/", qk, Call("sqrt", (Name("head_dim"),)))
