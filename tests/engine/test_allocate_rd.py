@@ -14,6 +14,7 @@ from tiered_radix.engine.allocate_rd import (
     lagrangian_choice,
     rd_allocate,
     rd_allocate_kv,
+    rd_choice_rows,
     token_costs,
 )
 from tiered_radix.formats.codecs import quantized_nbytes
@@ -247,3 +248,43 @@ def test_gpu_matches_cpu():
     assert torch.equal(gpu.choice.cpu(), cpu.choice) and gpu.distortion == pytest.approx(
         cpu.distortion
     )
+
+
+def _rows_case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    R, n, bits = 7, 40, [16, 8, 4, 2, 0]
+    w = torch.rand(R, n, generator=g) ** 3 * (torch.rand(R, n, generator=g) > 0.1)
+    s = torch.rand(R, n, generator=g) + 0.05
+    per_row = [token_costs(64, bits, 32) if i % 2 else channel_costs(30 + i, bits, 32)
+               for i in range(R)]  # fmt: skip
+    cost = torch.tensor(per_row, dtype=torch.float64)[:, None, :].expand(R, n, -1)
+    active = torch.rand(R, n, generator=g) > 0.25
+    full = cost[:, 0, 0] * active.sum(1)
+    budget = full * torch.tensor([0.1, 0.3, 0.5, 1.2, 0.0, 0.05, 0.2], dtype=torch.float64)
+    return w, s, cost, bits, budget, active
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_on_the_gpu_choose_as_on_the_cpu(seed):
+    case = _rows_case(seed)
+    want = rd_choice_rows(*case)
+    w, s, cost, bits, budget, active = case
+    got = rd_choice_rows(w.cuda(), s.cuda(), cost.cuda(), bits, budget.cuda(), active.cuda())
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_choose_what_each_row_alone_chooses(seed):
+    """``rd_choice_rows`` over rows of different budgets (tight, loose, infeasible) with units
+    left out (``active``), V-token and K-channel cost tables: each row's choices are those of
+    ``rd_allocate`` over its active units alone, without a host sync."""
+    w, s, cost, bits, budget, active = _rows_case(seed)
+    R = w.shape[0]
+    got = rd_choice_rows(w, s, cost, bits, budget, active)
+    for i in range(R):
+        a = active[i]
+        want = rd_allocate(w[i][a], s[i][a], cost[i][a], bits, float(budget[i])).choice
+        assert torch.equal(got[i][a], want), i
+        assert not got[i][~a].any()

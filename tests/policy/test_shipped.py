@@ -99,16 +99,19 @@ def test_rdkv_v_per_token_k_per_channel() -> None:
 
 def test_rdkv_weights() -> None:
     rd = load_policy("rdkv").allocate
-    assert rd.v_weight == Name("colmass")  # w_t = sum_tau a[tau, t]
-    # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d)
-    qk = BinOp("*", Name("qnorm"), Name("knorm"))
+    # w_t = sum_tau a[tau, t] over every prompt query: each prefill chunk's sum, accumulated
+    assert rd.v_weight == Call("cumulative", (Name("colmass"),))
+    # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d), ||Q[:, c]||^2 summed over the chunks
+    qn = Call("sqrt", (Call("cumulative", (BinOp("^", Name("qnorm"), Num(2)),)),))
+    qk = BinOp("*", qn, Name("knorm"))
     assert rd.k_weight == BinOp("/", qk, Call("sqrt", (Name("head_dim"),)))
     assert rd.sigma == Name("sigma")
 
 
-def test_rdkv_weights_once_after_prefill() -> None:
+def test_rdkv_weights_once_after_the_whole_prompt() -> None:
     p = load_policy("rdkv")
-    assert p.schedule.after_prefill and p.schedule.every is None and not p.ledger.write_once
+    s = p.schedule
+    assert s.after_prefill and s.prefill_defers and s.every is None and not p.ledger.write_once
 
 
 # ---- baselines, as their comments describe them -----------------------------------------------

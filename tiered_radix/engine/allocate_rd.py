@@ -167,6 +167,58 @@ def rd_allocate(
     return _result(dist, cost, _vertex(start, to, taken.sum(1)), bits, budget, lam, relaxed)
 
 
+def rd_choice_rows(
+    weight: Tensor,
+    spread: Tensor,
+    cost: Tensor,
+    bits: Sequence[int],
+    budget: Tensor,
+    active: Tensor,
+    rounds: int | None = None,
+) -> Tensor:
+    """:func:`rd_allocate`'s choices for ``R`` independent rows at once, as device tensor ops
+    with no host sync: row ``i`` allocates its ``active[i]`` units under ``budget[i]``.
+
+    weight, spread: float ``[R, n]`` (finite, >= 0: not checked, that would sync); cost:
+    float ``[R, n, J]``; budget: float64 ``[R]``; active: bool ``[R, n]``. Returns int64
+    ``[R, n]`` (0 for inactive units: they take no part, as if removed). The greedy's rounds
+    run a fixed ``rounds`` times (default ``J (J - 1) / 2 + 1``): a round retires at least one
+    distinct segment size of its row, and a row whose units share one cost table has at most
+    ``J (J - 1) / 2`` of them, so the default is exact for such rows (pass more otherwise).
+    """
+    R, n, J = cost.shape
+    rounds = J * (J - 1) // 2 + 1 if rounds is None else rounds
+    on = active[..., None]
+    dist = torch.where(on, distortion_table(weight.reshape(-1), spread.reshape(-1), bits)
+                       .view(R, n, J), 0.0)  # fmt: skip
+    cost = torch.where(on, cost.double(), 0.0)  # inactive: one option, no segment
+    start, to, dc, dd, ok = _chains(dist.view(R * n, J), cost.view(R * n, J))
+    S = to.shape[1]
+    start = start.view(R, n)
+    slack = budget.double() - cost.gather(2, start[..., None]).sum((1, 2))
+    if S == 0:
+        return start
+    to, dc, dd, ok = (x.view(R, n, S) for x in (to, dc, dd, ok))
+    rho = torch.where(ok, dd / dc.clamp(min=1e-300), -torch.inf).cummin(2).values
+    order = torch.sort(rho.flatten(1), dim=1, descending=True, stable=True).indices
+    dc_s = dc.flatten(1).gather(1, order)
+    pos = torch.arange(n * S, device=cost.device)
+    taken, dead, r = torch.zeros_like(ok), ~ok, slack
+    for _ in range(rounds):  # a round with nothing left to take changes nothing
+        dead = (dead | (~taken & (dc > r[:, None, None]))).int().cummax(2).values.bool()
+        elig = (~taken & ~dead).flatten(1).gather(1, order)
+        csum = torch.cumsum(torch.where(elig, dc_s, 0.0), 1)
+        stop = elig & (csum > r[:, None])
+        f = torch.where(stop.any(1), stop.int().argmax(1), n * S)
+        take = elig & (pos < f[:, None])
+        flat = taken.view(R, n * S)
+        flat.scatter_(1, order, flat.gather(1, order) | take)
+        r = r - torch.where(take, dc_s, 0.0).sum(1)
+    choice = _vertex(start.view(-1), to.view(R * n, S), taken.sum(2).view(-1)).view(R, n)
+    choice = torch.where(slack[:, None] < 0, start, choice)  # infeasible: all cheapest
+    return torch.where(active, choice, 0)
+
+
 def _result(dist, cost, choice, bits, budget, lam, relaxed) -> RDResult:
     def total(t: Tensor, idx: Tensor) -> float:
         return float(t.gather(1, idx[:, None]).sum())

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from tiered_radix.policy.model import Demote, Evict, Keep, Promote, RankAllocation, RateDistortion
 
-from .allocate_rd import rd_allocate
+from .allocate_rd import rd_allocate, rd_choice_rows
 from .decoupled import channel_cost
 from .routing import (
     Constraints,
@@ -168,6 +168,8 @@ def plan_route(store) -> Plan:
             groups,
         )
         return out
+    if not store.coupled and all(g.copies is None for g in groups):
+        return _rd_decoupled_groups(store, groups, cons, head_budget, out)
     head_budget = head_budget.tolist()
     v, k, k_set = {}, {}, {}
     for g, c in zip(groups, cons, strict=True):
@@ -397,3 +399,64 @@ def _rd_decoupled(store, li: int, c: Constraints, cost: Tensor, budgets: list[fl
         res = rd_allocate(kw[h], ks[h], cost_h, a.bits, max(budgets[h] - v_spent[h], 0.0))
         k_tier[h] = res.choice + ts.offset
     return v_tier, k_tier, store.layout.token_mask(k_set, lay.v.n_tokens)
+
+
+def _rd_decoupled_groups(store, groups, cons, head_budget: Tensor, out: Plan) -> Plan:
+    """RDKV's plan as device tensor ops, no host sync: per group of layers one batched
+    allocation of V tokens over every (layer, head), then one of K channels over the kept
+    tokens (:func:`~.allocate_rd.rd_choice_rows`; what :func:`_rd_decoupled` decides per layer
+    and head). Rows share one cost table (no ledger copies), so the allocator's fixed rounds
+    are exact."""
+    v, k, k_set = [None] * store.n_layers, [None] * store.n_layers, [None] * store.n_layers
+    for g, c in zip(groups, cons, strict=True):
+        vt, kt, ks = _rd_decoupled_group(store, g, c, _costs(store, g), head_budget[g.sel])
+        for i, li in enumerate(g.layers):
+            v[li], k[li], k_set[li] = vt[i], kt[i], ks[i]
+    out.k, out.k_set = k, k_set
+    one = [_Group([li], slice(li, li + 1), 0, out.units[li]) for li in range(store.n_layers)]
+    out.tiers = _place(store.stack, [x[None] for x in v], one)
+    return out
+
+
+def _rd_decoupled_group(store, g: _Group, c: Constraints, cost: Tensor, budgets: Tensor):
+    """``cost`` float64 ``[G, H, U, J]``, ``budgets`` float64 ``[G, H]``: V tiers ``[G, H, U]``,
+    K channel tiers ``[G, H, d]`` and the channel set ``[G, H, T]``."""
+    a: RateDistortion = store.policy.allocate
+    ts, H, d = store.tier_set, store.n_heads, store.head_dim
+    G, U = len(g.layers), g.n_units
+    cost_p = cost[..., ts.offset :]
+    J = cost_p.shape[-1]
+    w = _weights_layers(store, g, a.v_weight, store.layout)
+    sig = _weights_layers(store, g, a.sigma, store.layout)
+    active = ~(c.full | c.evict)
+    R = G * H  # one allocator row per (layer, head)
+    v_budget = (a.v_share * budgets).reshape(R)
+    choice = rd_choice_rows(
+        w.reshape(R, U), sig.reshape(R, U), cost_p.reshape(R, U, J), a.bits, v_budget,
+        active.reshape(R, U),
+    )  # fmt: skip
+    v_tier = _finish(store, choice.view(G, H, U), cost_p, c)
+    ev = -1 if ts.evict is None else ts.evict
+    in_set = (v_tier != ev) & ~c.full
+    n_set = torch.zeros(G, H, len(ts.names), dtype=torch.long, device=store.device)
+    n_set.scatter_add_(2, v_tier.clamp(min=0), in_set.long())  # set tokens per V tier
+    chan = UnitLayout("channel", 1, d)
+    kw, ks = _weights_layers(store, g, a.k_weight, chan), _weights_layers(store, g, a.sigma, chan)
+    bits = store.layers[g.layers[0]].k.bits
+    k_cost = channel_cost(n_set.view(R, -1), bits, a.group)[:, ts.offset :]
+    v_cost = cost.gather(-1, v_tier[..., None])[..., 0]
+    v_spent = torch.where(c.full | c.evict, 0.0, v_cost).sum(-1)
+    k_budget = (budgets - v_spent).clamp(min=0.0).reshape(R)
+    every = torch.ones(R, d, dtype=torch.bool, device=store.device)
+    k_choice = rd_choice_rows(
+        kw.reshape(R, d), ks.reshape(R, d), k_cost[:, None, :].expand(R, d, J), a.bits,
+        k_budget, every,
+    )  # fmt: skip
+    k_tier = k_choice.view(G, H, d) + ts.offset
+    return v_tier, k_tier, store.layout.token_mask(in_set, g.n_tokens)
+
+
+def _weights_layers(store, g: _Group, expr, layout: UnitLayout) -> Tensor:
+    """:func:`_weights` of a group's layers, ``[G, H, X]``."""
+    w = store.scores.evaluate_layers(g.layers, expr, layout).double()
+    return torch.nan_to_num(w, nan=0.0, posinf=1e300, neginf=0.0).clamp(min=0)

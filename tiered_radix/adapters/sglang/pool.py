@@ -552,13 +552,14 @@ class TieredKVPool(MHATokenToKVPool):
         precision, or its last routing's pages) while its engine counts the decided bytes, and
         :attr:`zone_full` counts it (``zone_full_routings`` in the stats)."""
         packed, kept = [], []
-        for li, (vb, kb, in_set) in enumerate(decided):
+        host = _on_host(decided)  # page lists are built on the host: one copy, not 3 a layer
+        for li, (vb, kb, in_set) in enumerate(host):
             k, v, _ = self.read_request(rid, li + self.start_layer, windows, n_tokens)
             packed.append(zone_a.pack(
                 k, v, vb, kb, in_set, page_size=self.layout.window, v_group=self.v_group,
                 raw_dtype=self.dtype,
             ))  # fmt: skip
-            kept.append(vb > 0)
+            kept.append(decided[li][0] > 0)  # on the device, as the decode lists read it
         try:
             self.zones.put(rid, packed, n_tokens, kept)
         except ZoneFullError as err:
@@ -627,3 +628,18 @@ class TieredKVPool(MHATokenToKVPool):
     def blocks_free(self) -> tuple[int, int]:
         """Free row blocks and free ledger blocks, over layers."""
         return sum(self.row_stacks.counts()), sum(self.q_stacks.counts())
+
+
+def _on_host(decided: list[tuple]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Every layer's ``(v_bits, k_bits, in_set)`` copied to the host in one transfer (one
+    wait for the device per routing; Zone A page lists are counted on the host)."""
+    parts = [x.reshape(-1).long() for d in decided for x in d]
+    flat = torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.long)
+    out, i = [], 0
+    for d in decided:
+        got = []
+        for x in d:
+            got.append(flat[i : i + x.numel()].view(x.shape).to(x.dtype))
+            i += x.numel()
+        out.append(tuple(got))
+    return out

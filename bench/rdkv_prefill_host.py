@@ -1,0 +1,194 @@
+"""Host cost of RDKV's chunked prefill in the tiered SGLang backend (CPU harness, no GPU).
+
+Drives the CPU harness of ``tests/adapters/sglang_adapter`` (``test_backend.Harness``) at
+Qwen2.5-0.5B's KV shapes (24 layers, 2 KV heads, head dim 64; the harness's 4 query heads) with
+``policies/rdkv.yaml`` and a variant, ``--variant chunks``, that routes after every prefill
+chunk on each chunk's own signals (the shipped file before issue 19's change). A batch of
+prompts is prefilled in ``--chunks`` chunks, then one decode step (where the shipped policy's
+deferred routing runs). Per forward: wall ms, the host seconds of each backend phase
+(``StepTimer``), and from ``torch.profiler`` the top-level ATen ops that launch work and the
+host syncs (``tolist``/``item``/``bool``/``float``/``int`` of a tensor: on CUDA each one waits
+for the device), also per function.
+
+The TriZone kernels are stubbed (extend: zeros and random signals; decode: zeros), so what is
+counted is the host work around them; a chunk that cannot run the extend kernel (a request that
+reads Zone A pages) runs the real gather path (per request and layer: unpack the pages, attend
+in float32), which is what it does on the GPU too.
+
+    python bench/rdkv_prefill_host.py --prompt 4096 --chunks 4 --batch 1 \\
+        --out bench/results/rdkv-prefill-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
+
+DEFERRED = "schedule: after_prefill(defer=true)"
+FUNCS = [  # (module, class or None, attribute): host work listed per function
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_metadata"),
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_gather"),
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_extend_kernel"),
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_observe_extend"),
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_route_due"),
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_repack"),
+    ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "read_request"),
+    ("tiered_radix.formats.zone_a", None, "pack"),
+    ("tiered_radix.adapters.sglang.zones", "ZoneStore", "put"),
+    ("tiered_radix.engine.planner", None, "plan_route"),
+    ("tiered_radix.engine.store", "PendingRoutes", "land"),
+]
+COUNTS = ("extend_batches", "decode_steps", "steady_steps", "graph_steps")  # not seconds
+SYNC_METHODS = ("tolist", "item", "__bool__", "__float__", "__int__")
+
+
+def _wrap(owner, name: str, label: str) -> None:
+    f = getattr(owner, name)
+    static = isinstance(owner.__dict__.get(name), staticmethod) if isinstance(owner, type) else 0
+
+    @functools.wraps(f)
+    def g(*a, **k):
+        with record_function(label):
+            return f(*a, **k)
+
+    setattr(owner, name, staticmethod(g) if static else g)
+
+
+def _stubs(seed: int) -> None:
+    """The kernels out of the way: their host cost on the GPU is a few launches a layer."""
+    from tiered_radix.adapters.sglang import backend, trizone
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def extend_layer(pool, eb, li, q, sm_scale):
+        for x in eb.sig.values():
+            x[li] = torch.rand(x[li].shape, generator=gen) ** 8
+        if eb.qnorm is not None:
+            eb.qnorm[li] = torch.rand(eb.qnorm[li].shape, generator=gen)
+        return torch.zeros_like(q)
+
+    def decode_run(q, layout, plan, mass=None, **kw):
+        if mass is not None:
+            mass.copy_(torch.rand(mass.shape, generator=gen) ** 8)
+        return torch.zeros_like(q)
+
+    trizone.extend_layer = extend_layer
+    backend.decode.run = decode_run
+
+
+def report(events) -> dict:
+    """Top-level launching ATen ops and host syncs of the profiled forward, and per function."""
+    aten = [e for e in events if e.name.startswith("aten::")]
+    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    views = {"aten::view", "aten::reshape", "aten::as_strided", "aten::slice", "aten::select",
+             "aten::unsqueeze", "aten::squeeze", "aten::transpose", "aten::t", "aten::expand",
+             "aten::permute", "aten::detach", "aten::alias", "aten::_reshape_alias",
+             "aten::lift_fresh", "aten::empty", "aten::result_type", "aten::split",
+             "aten::unbind", "aten::chunk", "aten::narrow", "aten::flatten"}  # fmt: skip
+    launch = [e for e in top if e.name not in views]
+    syncs = [e for e in events if e.name.startswith("SYNC:")]
+    out = {"ops": len(launch), "syncs": len(syncs), "by_function": {}}
+    for x in (e for e in events if e.name.startswith("X:")):
+        s, t = x.time_range.start, x.time_range.end
+        r = out["by_function"].setdefault(x.name[2:], {"calls": 0, "ops": 0, "syncs": 0})
+        r["calls"] += 1
+        r["ops"] += sum(1 for e in launch if s <= e.time_range.start and e.time_range.end <= t)
+        r["syncs"] += sum(1 for e in syncs if s <= e.time_range.start and e.time_range.end <= t)
+    return out
+
+
+def run(variant: str, batch: int, args) -> dict:
+    import importlib
+
+    from test_backend import Harness
+
+    from tiered_radix.adapters.sglang.options import KVOptions
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    text = (ROOT / "policies" / "rdkv.yaml").read_text()
+    if variant == "chunks":  # routed after every chunk, on that chunk's signals
+        text = text.replace(DEFERRED, "schedule: after_prefill")
+        text = text.replace("cumulative(colmass)", "colmass")
+        text = text.replace("sqrt(cumulative(qnorm ^ 2))", "qnorm")
+    text = text.replace("budget: 10%", f"budget: {args.budget}%")
+    W = 32
+    pages = batch * (args.prompt // W + 4) + 8
+    zone = batch * args.prompt * args.heads * 4 * args.head_dim + (1 << 20)
+    h = Harness(policy=text, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
+                pages=pages, blocks=PoolBlocks(pages * args.heads + 16, 0, zone),
+                context=args.prompt + 64,
+                options=KVOptions(extend="kernel", decode="kernel"))  # fmt: skip
+    assert h.backend.extend_kernel and h.backend.kernel, "the stubbed kernels should serve"
+    for mod, obj, name in FUNCS:
+        m = importlib.import_module(mod)
+        _wrap(getattr(m, obj) if obj else m, name, f"X:{obj + '.' if obj else ''}{name}")
+    reqs = [
+        h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(args.prompt)]) for i in range(batch)
+    ]
+    c = args.prompt // args.chunks
+    rows = []
+    forwards = [([r.origin_input_ids[k * c : (k + 1) * c] for r in reqs], True, f"chunk {k + 1}")
+                for k in range(args.chunks)]  # fmt: skip
+    forwards.append(([[60 + i] for i in range(batch)], False, "decode 1"))
+    for new, extend, name in forwards:
+        before = dict(h.backend.timer.report().get("host_s", {}))
+        gathered = h.backend.extend_kernel_batches
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            h.step(reqs, new, extend=extend)
+            wall = (time.perf_counter() - t0) * 1e3
+        after = h.backend.timer.report().get("host_s", {})
+        phases = {
+            k: round((v - before.get(k, 0.0)) * 1e3, 2)
+            for k, v in after.items()
+            if k not in COUNTS and v - before.get(k, 0.0) > 0
+        }
+        row = {"forward": name, "wall_ms": round(wall, 1), "phases_ms": phases}
+        if extend:
+            row["extend_kernel"] = h.backend.extend_kernel_batches > gathered
+        row |= report(prof.events())
+        rows.append(row)
+        print(variant, batch, json.dumps({k: v for k, v in row.items() if k != "by_function"}))
+    return {"variant": variant, "batch": batch, "forwards": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variant", nargs="+", default=["chunks", "shipped"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens per request")
+    ap.add_argument("--chunks", type=int, default=4, help="prefill chunks")
+    ap.add_argument("--budget", type=int, default=10, help="percent")
+    ap.add_argument("--out", default=None, help="folder for rdkv_prefill_host.json")
+    args = ap.parse_args()
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel paths run (stubbed) on CPU
+    torch.set_num_threads(1)
+    for m in SYNC_METHODS:
+        _wrap(torch.Tensor, m, f"SYNC:{m}")
+    _stubs(0)
+    res = {"args": vars(args), "torch": torch.__version__, "rows": []}
+    for v in args.variant:
+        for b in args.batch:
+            res["rows"].append(run(v, b, args))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "rdkv_prefill_host.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""RDKV's plan in batched tensor ops (every layer and head in one allocator call for V, one
+for K) decides what the allocator decides per layer and head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_radix.engine import planner
+from tiered_radix.engine.attention import attend
+from tiered_radix.engine.store import TierStore
+from tiered_radix.policy.compiler import compile_text
+from tiered_radix.resources import policies_dir
+
+L, H, HQ, D = 3, 2, 4, 32
+TEXT = (policies_dir() / "rdkv.yaml").read_text()
+POLICIES = {
+    "rdkv": TEXT,
+    "protected-20%": TEXT.replace("budget: 10%", "budget: 20%").replace(
+        "allocate:", "protect: {sinks: 4, recent: 16}\nallocate:"
+    ),
+    "every-2-30%": TEXT.replace("budget: 10%", "budget: 30%").replace(
+        "after_prefill(defer=true)", "after_prefill, every(2)"
+    ),
+}
+
+
+def _store(text: str, seed: int, prompt: int, steps: int) -> TierStore:
+    """A prompt routed after prefill, then ``steps`` decode tokens (a second routing sees
+    evicted units)."""
+    g = torch.Generator().manual_seed(seed)
+    store = TierStore(compile_text(text), n_layers=L, n_heads=H, head_dim=D)
+    for t, n in enumerate([prompt] + [1] * steps):
+        for li in range(L):
+            k, v = (torch.randn(H, n, D, generator=g) for _ in range(2))
+            store.append(li, k * (1 + torch.arange(D) / 8), v)
+            kk, vv, kept = store.view(li)
+            q = torch.randn(HQ, n, D, generator=g)
+            store.observe(li, attend(q, kk, vv, kept, D**-0.5, need=frozenset(
+                {"colmass", "qnorm"} if t == 0 else ()))[1])  # fmt: skip
+        store.route(f"step {t}")
+    return store
+
+
+def _per_head(store) -> planner.Plan:
+    """The per-layer-and-head path (``rd_allocate`` per head, budgets read to the host)."""
+    groups, cons, head_budget, out = planner._budgets(store)
+    hb = head_budget.tolist()
+    v, k, ks = {}, {}, {}
+    for g, c in zip(groups, cons, strict=True):
+        cost = planner._costs(store, g)
+        for i, li in enumerate(g.layers):
+            v[li], k[li], ks[li] = planner._rd_decoupled(store, li, c[i], cost[i], hb[li])
+    out.k, out.k_set = [k[li] for li in range(L)], [ks[li] for li in range(L)]
+    return v, out
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_rdkv_plan_is_the_per_head_plan(name, seed):
+    store = _store(POLICIES[name], seed, prompt=150, steps=3)
+    got = store.plan()
+    v, want = _per_head(store)
+    for li in range(L):
+        u = got.units[li]
+        assert torch.equal(got.tiers[li, :, :u], v[li])
+        assert torch.equal(got.k[li], want.k[li]) and torch.equal(got.k_set[li], want.k_set[li])
+    ev = store.tier_set.evict
+    assert any((x == ev).any() for x in v.values()) and any((x != ev).any() for x in v.values())
