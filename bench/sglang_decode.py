@@ -42,7 +42,8 @@ faster of two calls (after an untimed call of the same shape that compiles the k
 writes ``prefill-summary.json`` under ``--out``: ``{"gpu", "commit", "model", "rows":
 [{"system", "budget", "prompts", "tokens_each", "ttft_s"}]}`` and the tiered rows' host
 milliseconds per extend batch (``extend_attend``, ``route_extend``, ...) in
-``prefill-detail.json``.
+``prefill-detail.json`` (the stats file, which ``flush_cache`` rewrites: every kind flushes
+before and after its timed calls; a deferred prefill routing does not rewrite it).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from sglang_sim import POLICY, Sim, require
 
 require("sglang.srt.mem_cache.radix_cache")
 
-from tiered_radix.adapters.sglang.backend import TieredAttnBackend  # noqa: E402
+from tiered_radix.adapters.sglang.backend import TieredAttnBackend, window_starts  # noqa: E402
 from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa: E402
 from tiered_radix.adapters.sglang.profile import StepProfiler  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
@@ -434,6 +434,13 @@ def test_a_failing_extend_kernel_falls_back_to_the_gather_path(monkeypatch):
     st = h.backend.stats()
     assert st["extend"] == "gather" and "no kernel here" in st["kernel_error"]
     assert all(not o.isnan().any() for o in outs) and h.backend.extend_kernel_batches == 0
+
+
+def test_window_starts_are_the_new_tokens_that_begin_a_window():
+    # a prompt from 0, a chunk from mid-window (its window opened earlier), a decode token
+    # at a window's first position (SGLang's mixed chunks), a prefix hit (page aligned)
+    assert window_starts([0, 30, 32, 64], [70, 5, 1, 40], 32) == [0, 32, 64, 72, 75, 76, 108]
+    assert window_starts([33], [31], 32) == [] and window_starts([], [], 32) == []
 
 
 def test_stats_file_waits_for_a_deferred_routing_and_flush_cache_rewrites_it(tmp_path):
