@@ -10,11 +10,24 @@ the host work around it is counted. Run in the SGLang venv (docs/sglang.md):
 Counts, not times: on the GPU each launching op costs ~5-10 us of host time. The last two
 tables are decode steps under CUDA graphs (the host work before a replay, and the flush after
 it): one that rebuilds its index lists and a steady one.
+
+``--extend``: instead, one extend batch through the extend kernel's path (the GPU default; the
+kernels stubbed out: host work only), split by the backend's phases (``metadata_extend``,
+``write_extend``, ``extend_lists``, ``extend_attend``, ``observe_extend``, ``route_extend``), at
+each of ``--batches`` requests, for a prompt's first chunk and its second (a view that grows),
+with the shipped qevict policy (``--policy``), its routing deferred to after the prompt, and a
+``--kv-stats`` file as the benchmark writes one. Per phase: ATen ops, those that launch work,
+host syncs, tensors made from host values (``torch.tensor``; a host-to-device copy each on
+CUDA), profiled CPU ms, and the unprofiled CPU ms of the same batch (the backend's own timer, a
+second harness). ``--out FILE`` writes the rows as JSON:
+
+    python bench/backend_host_ops.py --extend --layers 24 --batches 1 8 32 --prompt 512
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -79,8 +92,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=400, help="prompt tokens per request")
     ap.add_argument("--gather", choices=("live", "all"), default="live", help="--kv-gather")
+    ap.add_argument("--extend", action="store_true", help="extend batches by phase (docstring)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--policy", default=str(ROOT / "policies" / "qevict.yaml"))
+    ap.add_argument("--out", help="--extend: the rows as JSON")
     a = ap.parse_args()
     os.environ.update(TRITON_INTERPRET="1")
+    if a.extend:
+        extend_phases(a)
+        return
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
     import importlib
 
@@ -159,6 +179,159 @@ def chunked_prefill(a, Harness, policy: str, PoolBlocks, chunks: int = 4) -> Non
         h.step(reqs, [r.origin_input_ids[c : 2 * c] for r in reqs], extend=True)
     report(prof.events(), f"layers={a.layers} batch={a.batch}, prefill chunk 2 of {chunks} "
            f"(gather={a.gather})")  # fmt: skip
+
+
+PHASES = ("metadata_extend", "write_extend", "extend_lists", "extend_attend", "observe_extend",
+          "route_extend")  # fmt: skip
+
+
+def _stub_extend_kernels() -> None:
+    """The extend kernels' launches replaced by their outputs' allocations (and the signal
+    buffers' zeroing, as :func:`~tiered_radix.kernels.extend.signals` does): host work only."""
+    from tiered_radix.kernels import extend
+
+    def run(q, st, ls, p, hkv, **kw):
+        return torch.empty_like(q), torch.empty(q.shape[:2], device=q.device)
+
+    def signals(q, lse, st, ls, p, hkv, need, *, into=None, zeroed=False, **kw):
+        for x in (into or {}).values() if not zeroed else ():
+            x.zero_()
+        return into
+
+    extend.run, extend.signals = run, signals
+
+
+def _phase_ranges(backend) -> None:
+    """The backend's phases (its timer) as profiler ranges ``P:name`` too."""
+    timed = backend._timed
+
+    @contextlib.contextmanager
+    def both(name):
+        with record_function(f"P:{name}"), timed(name):
+            yield
+
+    backend._timed = both
+
+
+def _count_tensor_from_host() -> None:
+    """``torch.tensor(data, device=...)`` calls as ``H2D:tensor`` ranges: on CUDA a copy from
+    pageable host memory, which waits for the stream (tensors made on the host and copied from
+    pinned memory are not counted)."""
+    make = torch.tensor
+
+    def tensor(*args, **kw):
+        if kw.get("device") is None:
+            return make(*args, **kw)
+        with record_function("H2D:tensor"):
+            return make(*args, **kw)
+
+    torch.tensor = tensor
+
+
+def extend_phases(a) -> None:
+    """One extend batch by phase at each of ``a.batches`` (see the module docstring)."""
+    import json
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
+    from test_backend import Harness
+
+    from tiered_radix.adapters.sglang.options import KVOptions
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    _stub_extend_kernels()
+    _wrap(torch.Tensor, "tolist", "SYNC:tolist")
+    _count_tensor_from_host()
+    policy = Path(a.policy).read_text()
+    stats = Path(tempfile.mkdtemp()) / "stats.json"
+    rows = []
+
+    def harness(batch):
+        W = 32
+        pages = batch * (2 * a.prompt // W + 4) + 8
+        h = Harness(
+            policy=policy,
+            head_dim=64,
+            pages=pages,
+            layers=a.layers,
+            blocks=PoolBlocks(pages * 2 + 64, pages + 64),
+            context=2 * a.prompt + 64,
+            requests=batch + 1,
+            options=KVOptions(extend="kernel", stats=str(stats)),
+        )
+        _phase_ranges(h.backend)
+        reqs = [h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(2 * a.prompt)])
+                for i in range(batch)]  # fmt: skip
+        return h, reqs
+
+    for batch in a.batches:
+        h, reqs = harness(batch)  # profiled
+        h2, reqs2 = harness(batch)  # timed
+        for chunk in (1, 2):
+            sl = slice((chunk - 1) * a.prompt, chunk * a.prompt)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                h.step(reqs, [r.origin_input_ids[sl] for r in reqs], extend=True)
+            h2.backend.timer.host_s.clear()
+            h2.step(reqs2, [r.origin_input_ids[sl] for r in reqs2], extend=True)
+            wall = h2.backend.timer.host_s
+            title = (
+                f"layers={a.layers} batch={batch}, extend chunk {chunk} of 2 ({a.prompt} tokens)"
+            )
+            for name, r in phase_rows(prof.events(), title, wall).items():
+                rows.append({"batch": batch, "chunk": chunk, "phase": name, **r})
+    if a.out:
+        Path(a.out).write_text(
+            json.dumps(
+                {"layers": a.layers, "prompt": a.prompt, "policy": a.policy, "rows": rows}, indent=1
+            )
+        )
+
+
+def _under(e, name: str) -> bool:
+    """Whether event ``e`` runs inside an op ``name`` (``_assert_async`` reads its flag on the
+    CPU; on CUDA it asserts on the device, no sync)."""
+    p = e.cpu_parent
+    while p is not None:
+        if p.name == name:
+            return True
+        p = p.cpu_parent
+    return False
+
+
+def phase_rows(events, title: str, wall: dict) -> dict[str, dict]:
+    """Per backend phase (``P:`` ranges): top-level ATen ops, those that launch work, host
+    syncs, ``torch.tensor`` calls, profiled CPU ms, and the unprofiled ms of ``wall`` (phase ->
+    seconds); printed under ``title``."""
+    aten = [e for e in events if e.name.startswith("aten::")]
+    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    sync = [e for e in events if e.name in SYNCS and not _under(e, "aten::_assert_async")]
+    made = [e for e in events if e.name == "H2D:tensor"]
+    out: dict[str, dict] = {}
+    for x in (e for e in events if e.name.startswith("P:")):
+        s, t = x.time_range.start, x.time_range.end
+
+        def within(evs, s=s, t=t):
+            return [e for e in evs if s <= e.time_range.start and e.time_range.end <= t]
+
+        inside = within(top)
+        r = out.setdefault(x.name[2:], {"calls": 0, "ops": 0, "work": 0, "syncs": 0, "h2d": 0,
+                                         "prof_ms": 0.0})  # fmt: skip
+        r["calls"] += 1
+        r["ops"] += len(inside)
+        r["work"] += sum(1 for e in inside if e.name not in VIEWS)
+        r["syncs"] += len(within(sync))
+        r["h2d"] += len(within(made))
+        r["prof_ms"] = round(r["prof_ms"] + (t - s) / 1e3, 2)
+    for name, r in out.items():
+        r["cpu_ms"] = round(1e3 * wall.get(name, 0.0), 2)
+    print(title)
+    print(f"  {'phase':16s} {'calls':>5s} {'ops':>6s} {'work':>6s} {'syncs':>5s} {'h2d':>4s} "
+          f"{'prof ms':>8s} {'cpu ms':>7s}")  # fmt: skip
+    for name in [p for p in PHASES if p in out] + [p for p in out if p not in PHASES]:
+        r = out[name]
+        print(f"  {name:16s} {r['calls']:5d} {r['ops']:6d} {r['work']:6d} {r['syncs']:5d} "
+              f"{r['h2d']:4d} {r['prof_ms']:8.1f} {r['cpu_ms']:7.1f}")  # fmt: skip
+    return out
 
 
 # ops that only make views or metadata: no kernel launch on the GPU

@@ -204,12 +204,13 @@ def _il(unpack: str | None, q: Tensor, W: int) -> bool:
 def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan,
             num_kv_heads: int, need: frozenset[str], *, sm_scale: float,
             into: dict[str, Tensor] | None = None, unpack: str | None = None,
-            num_warps: int | None = None) -> dict[str, Tensor]:  # fmt: skip
+            num_warps: int | None = None, zeroed: bool = False) -> dict[str, Tensor]:  # fmt: skip
     """The signals in ``need`` (``attn``, ``obs_attn``, ``colmass``) of :func:`run`'s attention
     (its ``lse``), each float32 ``[B, H_kv, >= t_max]`` at token positions, summed over the
     query heads of each KV group (positions in no list: 0). ``into``: buffers to fill (zeroed
-    here); ``attn``: the last query row; ``obs_attn``: the last :data:`OBS_WINDOW`; ``colmass``:
-    every row. One launch for all of them."""
+    here, unless ``zeroed``: the caller zeroed them, e.g. every layer's at once); ``attn``: the
+    last query row; ``obs_attn``: the last :data:`OBS_WINDOW`; ``colmass``: every row. One
+    launch for all of them."""
     need = frozenset(need) & {"attn", "obs_attn", "colmass"}
     _check(q, st, ls, p, num_kv_heads)
     if not need:
@@ -225,7 +226,8 @@ def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPl
             if x.shape[:2] != shape[:2] or x.shape[2] < p.t_max or x.stride(2) != 1:
                 raise ExtendInputError(f"{name} buffer must be float32 [{shape[0]}, {shape[1]}, "
                                        f">= {p.t_max}]")  # fmt: skip
-            x.zero_()
+            if not zeroed:
+                x.zero_()
     some = next(iter(into[n] for n in need))
     ptr = {n: into.get(n, some) for n in ("colmass", "obs_attn", "attn")}
     pages = st.pages is not None and st.pages.numel() > 0

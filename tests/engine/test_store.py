@@ -385,6 +385,38 @@ def test_a_dropped_store_keeps_its_tiers_and_the_others_land_as_routed_alone():
     assert len(want[0]) > 0 and len(want[1]) > 0  # the routings move units
 
 
+@pytest.mark.parametrize("name", TOGETHER, ids=[Path(n).name for n in TOGETHER])
+def test_observe_layers_equals_observe_per_layer(name):
+    """Two prefill chunks' signals stacked over layers (observe_layers: one op a cumulative
+    score) leave the scores, and so the routing's tiers, exactly where per-layer observe does;
+    so do signals that cover fewer tokens than the layers hold (the per-layer fallback)."""
+    pol = compile_text(RULES[name]) if name in RULES else load_policy(name)
+    L, h, d = 3, 2, 32
+    g = torch.Generator().manual_seed(5)
+    twins = [TierStore(pol, n_layers=L, n_heads=h, head_dim=d,
+                       budget_override=Budget("fraction", 0.3)) for _ in range(2)]  # fmt: skip
+    for t, short in ((70, 0), (50, 0), (1, 3)):  # two chunks, then a step covering T - 3
+        k, v = torch.randn(L, h, t, d, generator=g), torch.randn(L, h, t, d, generator=g)
+        sig = [signals(g, torch.ones(h, twins[0].n_tokens(0) + t - short, dtype=torch.bool), d,
+                       True) for _ in range(L)]  # fmt: skip
+        for s in twins:
+            for li in range(L):
+                s.append(li, k[li], v[li])
+        for li in range(L):
+            twins[0].observe(li, sig[li])
+        names = ("attn", "colmass", "obs_attn", "qnorm")
+        twins[1].observe_layers(
+            Signals(**{n: torch.stack([getattr(x, n) for x in sig]) for n in names})
+        )
+        assert twins[0].scores._state.keys() == twins[1].scores._state.keys()
+        for node, x in twins[0].scores._state.items():
+            assert torch.equal(x, twins[1].scores._state[node]), node
+    a, b = (s.route("after prefill") for s in twins)
+    assert list(a) == list(b)
+    for li in range(L):
+        assert torch.equal(twins[0].tiers(li), twins[1].tiers(li))
+
+
 def test_transitions_are_exactly_the_tier_changes_and_count_ledger_writes():
     """The step's transitions equal the element-wise difference of the tier maps before and
     after route(), and ``ledger_write`` marks exactly the new ledger entries."""

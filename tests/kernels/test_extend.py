@@ -105,6 +105,23 @@ def test_kernel_matches_its_twin(case, G):
         assert not sig[n][..., p.t_max :].any()
 
 
+def test_signals_into_buffers_the_caller_zeroed_equal_zeroed_here():
+    """``zeroed=True`` (every layer's buffers zeroed at once by the caller) writes what the
+    default (zeroing each call's buffers) does; positions in no list keep what the buffers held,
+    so the zeroing is the caller's."""
+    q, st, ls, p, _ = make_batch([20, 0], [40, 17], seed=6)
+    scale, need = 64**-0.5, frozenset({"attn", "obs_attn", "colmass"})
+    _, lse = extend.run(q, st, ls, p, 2, sm_scale=scale)
+    here = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale)
+    zeros = {n: torch.zeros(p.batch, 2, p.t_max, device=q.device) for n in need}
+    given = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale, into=zeros, zeroed=True)
+    for n in need:
+        assert torch.equal(given[n], here[n])
+    ones = {n: torch.ones(p.batch, 2, p.t_max, device=q.device) for n in need}
+    left = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale, into=ones, zeroed=True)
+    assert all(bool((left[n] == 1).any()) for n in need)  # positions in no list: not zeroed
+
+
 @pytest.mark.parametrize("need", [{"attn"}, {"obs_attn"}, {"colmass", "attn"}])
 def test_only_the_signals_asked_for_are_computed(need):
     q, st, ls, p, _ = make_batch([20, 0], [40, 17], seed=5)

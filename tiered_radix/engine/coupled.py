@@ -68,6 +68,19 @@ def _compact(mask: Tensor, n: int) -> Tensor:
     return torch.searchsorted(count, torch.arange(1, n + 1, device=mask.device))
 
 
+_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def constant(values: list[float], device) -> Tensor:
+    """A float64 device tensor of ``values``, made once per (values, device) and shared by its
+    readers (none writes it)."""
+    key = (tuple(values), str(torch.device(device)))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(values, dtype=torch.float64, device=device)
+    return t
+
+
 class CoupledStack:
     """Units, tiers and copies of every layer (see the module docstring). ``max_tokens``
     reserves room up front; otherwise capacity doubles as tokens arrive."""
@@ -122,9 +135,10 @@ class CoupledStack:
             0 if j == ev else self.stores[j].unit_nbytes if j in self.stores else full
             for j in range(len(tiers.tiers))
         ]  # bytes of one complete unit at each engine tier
-        f64 = dict(dtype=torch.float64, device=device)
-        self.unit_bytes_t = torch.tensor(self.unit_bytes, **f64)  # once: no per-step copies
-        self.copy_bytes_t = torch.tensor([s.unit_nbytes for s in self.stores.values()], **f64)
+        # float64 on the device, made once per (values, device) for every stack: no per-step
+        # copies, and no per-request copy either (a host-to-device wait on CUDA)
+        self.unit_bytes_t = constant(self.unit_bytes, device)
+        self.copy_bytes_t = constant([s.unit_nbytes for s in self.stores.values()], device)
         self._tokens_key, self._tokens = None, None
         self._reserve(max_tokens or 1)
 

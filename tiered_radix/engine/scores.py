@@ -149,6 +149,28 @@ class ScoreEvaluator:
         buf = self._buffer(node, x.shape[-1], x.device)[layer, :, : x.shape[-1]]
         buf.mul_(decay).add_(x)
 
+    def update_layers(self, signals: Signals) -> None:
+        """:meth:`update` of every layer at once, ``signals`` stacked over layers (token signals
+        ``[L, H, T]`` covering every layer's ``T`` tokens, ``qnorm [L, H, d]``): the latest kept
+        per layer (views), a ``cumulative`` of an observed signal itself advanced in one op for
+        all layers; any other accumulated expression takes the per-layer path."""
+        given = {
+            n: getattr(signals, n).float() for n in OBSERVED if getattr(signals, n) is not None
+        }
+        for name, x in given.items():
+            assert x.shape[:2] == (self.n_layers, self.n_heads), (name, x.shape, self.n_layers)
+            for li in range(self.n_layers):
+                self._observed[li][name] = x[li]
+        for node in self._cumulative:
+            arg = node.args[0]
+            if isinstance(arg, Name) and arg.id in given and arg.id not in self._scores:
+                x, decay = given[arg.id], _const(node.kwarg("decay", Num(1.0)))
+                self._buffer(node, x.shape[-1], x.device)[:, :, : x.shape[-1]].mul_(decay).add_(x)
+                continue
+            for li in range(self.n_layers):
+                one = Signals(**{n: x[li] for n, x in given.items()})
+                self._update_node(node, li, one, self._cache(li, None))
+
     def update_attn(self, attn: Tensor) -> None:
         """:meth:`update` of every layer with ``Signals(attn=attn[l])``, ``attn [L, H, T]``
         (one decode step's attention mass of all layers): ``cumulative(attn, ...)`` advances in

@@ -35,8 +35,20 @@ from .planner import Plan, plan_route, plan_routes
 from .routing import EngineConfigError, TierSet, per_layer, spread_shares, total_budget
 from .scores import ScoreEvaluator
 from .shard import HeadShard
-from .signals import CacheState, Signals
+from .signals import TOKEN_SIGNALS, CacheState, Signals
 from .units import UnitLayout
+
+_SHARES: dict[tuple, Tensor] = {}
+
+
+def _fixed_shares(spread, n_layers: int, n_heads: int, device: torch.device) -> Tensor:
+    """:func:`~.routing.spread_shares` of a spread that does not follow the scores, made once
+    per (spread, shape, device) and shared read-only by every store (a store per request)"""
+    key = (spread, n_layers, n_heads, str(device))
+    t = _SHARES.get(key)
+    if t is None:
+        t = _SHARES[key] = spread_shares(spread, n_layers, n_heads, None, device)
+    return t
 
 
 class PendingRoutes:
@@ -166,8 +178,8 @@ class TierStore:
             None
             if policy.spread.kind == "proportional"
             else self.shard.local(
-                spread_shares(policy.spread, n_layers, self.shard.heads_total, None, self.device), 1
-            )
+                _fixed_shares(policy.spread, n_layers, self.shard.heads_total, self.device), 1
+            )  # fmt: skip
         )
         self.scores = ScoreEvaluator(
             policy, n_layers, n_heads, cache=self._cache_state,
@@ -212,6 +224,24 @@ class TierStore:
     def observe(self, layer: int, signals: Signals) -> None:
         """Record one layer's signals and advance cumulative scores (once per step)."""
         self.scores.update(layer, signals)
+
+    def observe_layers(self, signals: Signals) -> None:
+        """Every layer's signals at once, stacked over layers (token signals ``[L, H, T']``,
+        ``qnorm [L, H, d]``): the same as ``observe(l, ...)`` with each layer's, in one batched
+        update where every layer holds the ``T'`` tokens the signals cover (a prefill chunk's
+        signals after its last layer), else layer by layer."""
+        t = self.stack.n_tokens
+        given = {n: getattr(signals, n) for n in (*TOKEN_SIGNALS, "qnorm")}
+        given = {n: x for n, x in given.items() if x is not None}
+        covers = len(set(t)) == 1 and all(
+            x.shape[-1] == t[0] for n, x in given.items() if n in TOKEN_SIGNALS
+        )
+        if not covers:
+            for li in range(self.n_layers):
+                self.observe(li, Signals(**{n: x[li] for n, x in given.items()}))
+            return
+        Signals(**{n: x[0] for n, x in given.items()}).check(self.n_heads, t[0], self.head_dim)
+        self.scores.update_layers(signals)
 
     def observe_attn(self, attn: Tensor) -> None:
         """Every layer's decode-step attention mass at once: ``attn [L, H, T]`` float32 (all

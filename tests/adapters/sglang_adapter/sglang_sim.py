@@ -65,6 +65,7 @@ class Sim:
         kv_heads: slice | None = None,
         options=None,
         kv=None,
+        requests: int = 16,  # request slots (ReqToTokenPool)
     ):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -96,7 +97,7 @@ class Sim:
         self.alloc = PagedTokenToKVPoolAllocator(
             size, self.W, torch.bfloat16, "cpu", self.pool, need_sort=False
         )
-        self.r2t = ReqToTokenPool(16, context, "cpu", False)
+        self.r2t = ReqToTokenPool(requests, context, "cpu", False)
         params = CacheInitParams(False, self.r2t, self.alloc, self.W)
         # kv: the launch's KVConfig (policies a request may name, default budget)
         self.cache = TieredRadixCache(params, policy=self.policy, kv=kv)

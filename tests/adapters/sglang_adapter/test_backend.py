@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang_sim import Sim, require
+from sglang_sim import POLICY, Sim, require
 
 require("sglang.srt.mem_cache.radix_cache")
 
-from tiered_radix.adapters.sglang.backend import TieredAttnBackend  # noqa: E402
+from tiered_radix.adapters.sglang.backend import TieredAttnBackend, window_starts  # noqa: E402
 from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa: E402
 from tiered_radix.adapters.sglang.profile import StepProfiler  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
@@ -434,6 +434,33 @@ def test_a_failing_extend_kernel_falls_back_to_the_gather_path(monkeypatch):
     st = h.backend.stats()
     assert st["extend"] == "gather" and "no kernel here" in st["kernel_error"]
     assert all(not o.isnan().any() for o in outs) and h.backend.extend_kernel_batches == 0
+
+
+def test_window_starts_are_the_new_tokens_that_begin_a_window():
+    # a prompt from 0, a chunk from mid-window (its window opened earlier), a decode token
+    # at a window's first position (SGLang's mixed chunks), a prefix hit (page aligned)
+    assert window_starts([0, 30, 32, 64], [70, 5, 1, 40], 32) == [0, 32, 64, 72, 75, 76, 108]
+    assert window_starts([33], [31], 32) == [] and window_starts([], [], 32) == []
+
+
+def test_stats_file_waits_for_a_deferred_routing_and_flush_cache_rewrites_it(tmp_path):
+    """A prefill routing deferred to the first decode step (after_prefill(defer=true)) moves
+    nothing: the stats file is not rewritten (its snapshot would wait for the forward), the
+    first decode step's routing rewrites it, and so does the tree's reset (flush_cache)."""
+    path = tmp_path / "stats.json"
+    policy = POLICY.replace("schedule: after_prefill", "schedule: after_prefill(defer=true)")
+    h = Harness(policy=policy, options=KVOptions(stats=str(path)))
+    req = h.start("a", list(range(1, 39)))
+    h.step([req], [req.origin_input_ids], extend=True)
+    assert not path.exists() and h.backend.sessions["a"].store.deferred
+    h.step([req], [[50]], extend=False)  # the deferred routing
+    got = json.loads(path.read_text())
+    assert got["routes"] == 2 and got["demote"] + got["evict"] > 0
+    h.finish(req)
+    path.unlink()
+    h.sim.cache.reset()
+    flushed = json.loads(path.read_text())
+    assert flushed["host_s"]["extend_batches"] == 1 and flushed["host_s"]["decode_steps"] == 1
 
 
 def test_stats_file_is_rewritten_after_each_routing(tmp_path):

@@ -173,6 +173,17 @@ def batch_rows(fb) -> tuple[list[int], list[int], list[int]] | None:
     return seqs, [s - 1 for s in seqs], [1] * len(seqs)
 
 
+def window_starts(prefix: list[int], new: list[int], window: int) -> list[int]:
+    """Indices among a batch's new tokens (request after request, ``new[i]`` tokens after
+    ``prefix[i]``) of those at the first position of a window."""
+    out, at = [], 0
+    for pre, n in zip(prefix, new, strict=True):
+        first = -(-pre // window) * window
+        out.extend(range(at + first - pre, at + n, window))
+        at += n
+    return out
+
+
 def due_routings(batch: list[_Req], extend: bool) -> list[tuple[_Req, str]]:
     """After a forward of ``batch``: count each request's prefill or decode step, and return
     those whose schedule (their own policy's) is due now, with the reason the engine records."""
@@ -282,7 +293,13 @@ class TieredAttnBackend(AttentionBackend):
         if tree is None:
             raise PoolConfigError("tiered_triton needs --radix-cache-backend tiered")
         tree.before_close = self.flush
+        tree.after_reset = self._after_reset
         return tree
+
+    def _after_reset(self) -> None:
+        """SGLang's ``flush_cache`` emptied the tree: the stats file is rewritten (a reader
+        that flushes gets the host seconds of forwards that did not route)."""
+        self.counters.publish(self.stats, True)
 
     def init_forward_metadata(self, fb) -> None:
         if fb.forward_mode.is_decode():
@@ -305,7 +322,10 @@ class TieredAttnBackend(AttentionBackend):
         seqs, prefix, new = rows
         self._admit(list(fb.rids), fb.req_pool_indices.tolist(), seqs, prefix, new)
         self.pool.end_step()
-        self.pool.prepare_write(fb.out_cache_loc)  # open new windows, find rows in every layer
+        # open new windows, find rows in every layer (an extend batch's new windows are where
+        # its tokens begin one: known on the host, no sync)
+        starts = window_starts(prefix, new, self.pool.layout.window) if self.extend else None
+        self.pool.prepare_write(fb.out_cache_loc, starts=starts)
 
     def _admit(self, rids, pools, seqs, prefix, new) -> None:
         """The batch's requests: views opened (new requests) and grown to their lengths, their
@@ -581,20 +601,17 @@ class TieredAttnBackend(AttentionBackend):
         return out.to(q3.dtype)
 
     def _observe_extend(self) -> None:
-        """After the last layer: every layer's extend signals to each request's engine (attn
-        alone: all layers in one :meth:`~tiered_radix.engine.store.TierStore.observe_attn`)."""
+        """After the last layer: every layer's extend signals to each request's engine, all
+        layers at once (:meth:`~tiered_radix.engine.store.TierStore.observe_layers`: one op a
+        ``cumulative`` score a request; the latest signals are kept as views of the batch's)."""
         eb = self.ebatch
         self.extend_kernel_batches += 1
         for b, r in enumerate(self.batch):
             store = r.session.store
             t = store.n_tokens(0)
-            if eb.need == {"attn"}:
-                store.observe_attn(eb.sig["attn"][:, b, :, :t])
-                continue
-            for li in range(self.layers):
-                sig = {n: x[li, b, :, :t] for n, x in eb.sig.items()}
-                qn = None if eb.qnorm is None else eb.qnorm[li, b]
-                store.observe(li, Signals(qnorm=qn, **sig))
+            sig = {n: x[:, b, :, :t] for n, x in eb.sig.items()}
+            qn = None if eb.qnorm is None else eb.qnorm[:, b]
+            store.observe_layers(Signals(qnorm=qn, **sig))
 
     def _decode_kernel(self, q3, layer, li: int):
         """One decode token per request: the TriZone kernel over the pool's pages and rows,
@@ -685,7 +702,10 @@ class TieredAttnBackend(AttentionBackend):
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)
         self.counters.routed(moves, self.pool.device, [r.session.store for r, _ in due])
-        self.counters.publish(self.stats, bool(due))
+        # the stats file after a routing that planned: a deferred one (a prefill chunk under
+        # after_prefill(defer=true)) moved nothing, and its snapshot's host sync would wait for
+        # the chunk's forward
+        self.counters.publish(self.stats, any(not r.session.store.deferred for r, _ in due))
         return bool(due)
 
     def _unit_tokens(self) -> int:

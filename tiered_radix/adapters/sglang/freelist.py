@@ -136,7 +136,8 @@ class FreeStacks:
         idx = torch.tensor([ly, pos], dtype=torch.long)
         idx = (idx.pin_memory() if dev.type == "cuda" else idx).to(dev, non_blocking=True)
         out = self.ids[idx[0], idx[1]]
-        self.top.t.copy_(torch.tensor(have, dtype=torch.long), non_blocking=False)
+        top = torch.tensor(have, dtype=torch.long)  # pinned: the copy does not wait for the device
+        self.top.t.copy_(top.pin_memory() if dev.type == "cuda" else top, non_blocking=True)
         self.top.set_host(have)
         self._floor = list(have)
         return out

@@ -220,17 +220,27 @@ class TieredKVPool(MHATokenToKVPool):
         self.rows_k[li].view(-1, d).index_copy_(0, dest[li], k)
         self.rows_v[li].view(-1, d).index_copy_(0, dest[li], v)
 
-    def prepare_write(self, loc: Tensor, layers: list[int] | None = None) -> None:
+    def prepare_write(
+        self, loc: Tensor, layers: list[int] | None = None, starts: list[int] | None = None
+    ) -> None:
         """Before a forward whose new tokens go to slots ``loc [n]``: drop padding slots (window
         0), open the windows in ``layers`` (default: all) and compute each layer's row index of
         every (head, token), so :meth:`set_kv_buffer` with this ``loc`` only copies rows. One
-        host sync (padding), one more where windows open. Undone by :meth:`end_step`."""
+        host sync (padding), one more where windows open. ``starts`` (an extend batch's: the
+        host knows where its windows begin): the indices of ``loc`` whose token is the first
+        of its window, the windows to open; no padding then (checked on the device) and no
+        host sync. Undone by :meth:`end_step`."""
         W = self.layout.window
         lo = loc.long() if isinstance(loc, Tensor) else loc.loc.long()  # or a KVWriteLoc
-        keep = (lo >= W).nonzero().squeeze(1)
-        keep, lo = (None, lo) if keep.numel() == lo.numel() else (keep, lo[keep])
-        win = lo // W
-        self.open_windows(win, layers)
+        if starts is None:
+            keep = (lo >= W).nonzero().squeeze(1)
+            keep, lo = (None, lo) if keep.numel() == lo.numel() else (keep, lo[keep])
+            win = lo // W
+            self.open_windows(win, layers)
+        else:
+            keep, win = None, lo // W
+            _check((lo >= W).all(), "a padding slot among an extend batch's")
+            self.open_windows(win, layers, new=win[self._on_device(starts)])
         ly = list(range(self.layer_num)) if layers is None else layers
         # windows first, then layers: indexing the whole tables by a layer list would copy them
         own = self.owner_all.index_select(2, win)[ly]
@@ -258,25 +268,43 @@ class TieredKVPool(MHATokenToKVPool):
             dest[:, at] = rows
         self.prepared, self.graph_dest = None, dest
 
+    def _on_device(self, values: list[int]) -> Tensor:
+        """int64 ``values`` on the pool's device, copied from pinned memory on CUDA (a copy
+        from pageable memory would wait for the stream)."""
+        t = torch.tensor(values, dtype=torch.long)
+        if torch.device(self.device).type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     def end_step(self) -> None:
         """Forget :meth:`prepare_write`'s and :meth:`graph_write`'s rows: later writes prepare
         their own."""
         self.prepared = self.graph_dest = None
 
-    def open_windows(self, win: Tensor, layers: list[int] | None = None) -> None:
+    def open_windows(
+        self, win: Tensor, layers: list[int] | None = None, new: Tensor | None = None
+    ) -> None:
         """Give the windows among ``win`` that nobody owns their ``FULL`` blocks (every head),
         owned at state full, in ``layers`` (default: all; the backend opens a decode step's new
         windows in every layer before the forward, so their block ids are known up front).
         Which windows are new is read from the first of ``layers``: a window is opened in all
-        layers of a forward, and given back in all of them. One host sync (which are new)."""
+        layers of a forward, and given back in all of them. One host sync (which are new),
+        none where the caller knows them (``new``: distinct windows nobody owns, checked on
+        the device)."""
         layers = list(range(self.layer_num)) if layers is None else layers
-        new = torch.unique(win[self.owner[layers[0]][0, win] < 0])
+        if new is None:
+            new = torch.unique(win[self.owner[layers[0]][0, win] < 0])
+        else:
+            _check((self.owner[layers[0]][0, new] < 0).all(), "opening an owned window")
         if not new.numel():
             return
         n = self.head_num * new.numel()
         self._reclaim_rows(n, layers)
         blocks = self._take(self.row_stacks, {li: n for li in layers}, "row")
-        lt = torch.tensor(layers, device=self.device)[:, None, None]
+        if layers == list(range(self.layer_num)):
+            lt = torch.arange(self.layer_num, device=self.device)[:, None, None]
+        else:
+            lt = self._on_device(layers)[:, None, None]
         h = torch.arange(self.head_num, device=self.device)[None, :, None]
         self.block_all[lt, FULL, h, new] = blocks.view(len(layers), self.head_num, -1).to(
             self.block_all.dtype

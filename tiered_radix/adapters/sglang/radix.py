@@ -109,6 +109,7 @@ class TieredRadixCache(RadixCache):
         self.views: dict[str, RequestView] = {}
         # the attention backend's pending work on the views (a replayed decode step's routing)
         self.before_close: Callable[[], None] | None = None
+        self.after_reset: Callable[[], None] | None = None  # the backend's, after reset()
         n_tiers = len(self.layout.engine_tiers)
         self._next = None  # decoupled windows never move: their requests repack (.zones)
         if self.layout.tier_bits is None:  # [holder state, engine tier] -> the next state
@@ -200,6 +201,13 @@ class TieredRadixCache(RadixCache):
     def open_view(self, req, prefix_len: int) -> RequestView:
         """Borrow the matched prefix (``req_to_token[req, :prefix_len]``, page aligned)."""
         assert prefix_len % self.layout.window == 0
+        if prefix_len == 0:  # nothing matched, nothing to borrow: no device work
+            dev, L, H = self.pool.device, self.pool.layer_num, self.pool.head_num
+            w = torch.empty(0, dtype=torch.long, device=dev)
+            st = self.pool.owner_all.new_empty(L, H, 0)
+            view = RequestView(w, torch.empty(0, dtype=torch.bool, device=dev), st)
+            self.views[req.rid] = view
+            return view
         w = self._windows(req, 0, prefix_len)
         st = self.pool.owner_all[:, :, w]  # [L, H, n]
         torch._assert_async((st >= 0).all(), "borrowing a window nobody owns")
@@ -403,3 +411,5 @@ class TieredRadixCache(RadixCache):
             if owned.numel():
                 pool.release_pages(owned)
         super().reset()
+        if getattr(self, "after_reset", None) is not None:
+            self.after_reset()

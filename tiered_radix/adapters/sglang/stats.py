@@ -2,9 +2,10 @@
 the peak.
 
 Written to the server log every :data:`LOG_EVERY_S` seconds (``tiered-radix: {...}``), when
-``--kv-stats FILE`` names a file rewritten there as JSON after every routing (the GPU test
-and the benchmark read it; one per rank under ``--tp``), and with SGLang's ``--enable-metrics``
-exported as Prometheus series every :data:`~.metrics.METRICS_EVERY_S` seconds (:mod:`.metrics`).
+``--kv-stats FILE`` names a file rewritten there as JSON after every routing that planned (not
+a deferred one) and at SGLang's ``flush_cache`` (the GPU test and the benchmark read it; one
+per rank under ``--tp``), and with SGLang's ``--enable-metrics`` exported as Prometheus series
+every :data:`~.metrics.METRICS_EVERY_S` seconds (:mod:`.metrics`).
 """
 
 from __future__ import annotations

@@ -272,8 +272,8 @@ def build_extend(pool, views, q_lens: list[int], seqs: list[int], group: int,
     ``obs_attn``, ``colmass``, ``qnorm``)."""
     L, H, dev = pool.layer_num, pool.head_num, pool.device
     p = extend.plan(q_lens, seqs, group, dev)
-    sig = {
-        n: torch.empty(L, p.batch, H, p.t_max, dtype=torch.float32, device=dev)
+    sig = {  # zeroed once for every layer (extend_layer's signals fill them)
+        n: torch.zeros(L, p.batch, H, p.t_max, dtype=torch.float32, device=dev)
         for n in need & {"attn", "obs_attn", "colmass"}
     }
     qn = None
@@ -294,7 +294,8 @@ def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> 
     out, lse = extend.run(q, st, ls, eb.plan, H, sm_scale=sm_scale)
     if eb.sig:
         into = {n: x[li] for n, x in eb.sig.items()}
-        extend.signals(q, lse, st, ls, eb.plan, H, eb.need, sm_scale=sm_scale, into=into)
+        extend.signals(q, lse, st, ls, eb.plan, H, eb.need, sm_scale=sm_scale, into=into,
+                       zeroed=True)  # fmt: skip
     if eb.qnorm is not None:
         eb.qnorm[li] = extend.chunk_qnorm(q, eb.plan, H)
     return out
