@@ -99,16 +99,26 @@ def test_rdkv_v_per_token_k_per_channel() -> None:
 
 def test_rdkv_weights() -> None:
     rd = load_policy("rdkv").allocate
-    assert rd.v_weight == Name("colmass")  # w_t = sum_tau a[tau, t]
+    # w_t: the column mass per prompt query that could see t (colmass / (T - t), T - t =
+    # recency + 1 after the prompt) plus the question's mass per query (obs_attn, pooled)
+    per_query = BinOp("/", Name("colmass"), BinOp("+", Name("recency"), Num(1)))
+    obs = Call("pool_max", (Name("obs_attn"),), (("size", Num(7)),))
+    assert rd.v_weight == BinOp("+", per_query, BinOp("/", obs, Num(32)))
     # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d)
     qk = BinOp("*", Name("qnorm"), Name("knorm"))
     assert rd.k_weight == BinOp("/", qk, Call("sqrt", (Name("head_dim"),)))
     assert rd.sigma == Name("sigma")
 
 
-def test_rdkv_weights_once_after_prefill() -> None:
+def test_rdkv_protects_sinks_and_the_question() -> None:
+    p = load_policy("rdkv")
+    assert (p.protect.sinks, p.protect.recent) == (4, 64)
+
+
+def test_rdkv_weights_once_after_the_whole_prompt() -> None:
     p = load_policy("rdkv")
     assert p.schedule.after_prefill and p.schedule.every is None and not p.ledger.write_once
+    assert p.schedule.prefill_defers
 
 
 # ---- baselines, as their comments describe them -----------------------------------------------

@@ -13,7 +13,6 @@ window rows until their routing, then their Zone A pages (``.zones``).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,13 +33,34 @@ from tiered_radix.engine.store import TierStore  # noqa: E402
 from tiered_radix.policy import compile_text, load_policy  # noqa: E402
 
 L, H, HQ, D, VOCAB = 2, 2, 4, 32, 100
-RDKV = load_policy("rdkv")
+# The paper's mechanism alone (V weight colmass, nothing protected, routed after every prefill
+# chunk): what most tests here check of the stack. The shipped policies/rdkv.yaml adds issue
+# 18's choices (protected tokens, per-query and observation-window V weights, one deferred
+# routing); SHIPPED is served in test_a_request_reads_what_its_tier_engine_reads and the
+# plugin test.
+RDKV_TEXT = """\
+policy: rdkv
+budget: 10%
+units:
+  k: channel
+  v: token
+allocate:
+  method: rate_distortion
+  bits: [0, 2, 4, 8, 16]
+  v_weight: colmass
+  k_weight: qnorm * knorm / sqrt(head_dim)
+  sigma: sigma
+  v_share: 50%
+  group: 32
+schedule: after_prefill
+"""
+RDKV = compile_text(RDKV_TEXT, "rdkv.yaml")
+SHIPPED = load_policy("rdkv")
 W = RDKV.allocate.group  # the pool's window: a Zone A page
 # RDKV re-planned every 2 decode steps as well: routing between decode steps
 RDKV_EVERY = compile_text(
-    (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
-    .replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
-)  # fmt: skip
+    RDKV_TEXT.replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
+)
 PREFILL_NEEDS = frozenset({"colmass", "qnorm"})  # what RDKV's weights read on prefill
 
 
@@ -159,7 +179,7 @@ class Reference:
 
     def forward(self, toks: list[int], extend: bool) -> list[torch.Tensor]:
         outs = []
-        need = PREFILL_NEEDS if extend else frozenset()
+        need = self.s.backend.prefill_needs if extend else frozenset()
         for li in range(L):
             q, k, v = self.s.qkv(li, toks, self.pos)
             self.store.append(li, k.transpose(0, 1), v.transpose(0, 1))
@@ -170,7 +190,7 @@ class Reference:
         self.pos += len(toks)
         if extend:
             self.prefills += 1
-            self.store.route(f"after prefill {self.prefills}")
+            self.store.after_prefill(f"after prefill {self.prefills}")
         else:
             if self.store.schedule_due(self.steps):
                 self.store.route(f"decode step {self.steps}")
@@ -182,12 +202,16 @@ def _prompt(seed: int, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("policy", [RDKV, RDKV_EVERY], ids=["rdkv", "rdkv-every-2"])
+@pytest.mark.parametrize(
+    "policy", [RDKV, RDKV_EVERY, SHIPPED], ids=["rdkv-paper", "rdkv-every-2", "rdkv-shipped"]
+)
 def test_a_request_reads_what_its_tier_engine_reads(policy):
     """Two requests in each forward (chunked prefill of 96 + 64 tokens, then 5 decode steps):
     every layer's output equals its own reference store's, bit for bit, and so do the tiers."""
     srv = Server(policy=policy)
-    assert srv.backend.prefill_needs == PREFILL_NEEDS
+    assert srv.backend.prefill_needs == PREFILL_NEEDS | (
+        {"obs_attn"} if policy is SHIPPED else set()
+    )
     a, b = srv.admit("a"), srv.admit("b")
     refs = {"a": Reference(srv, policy), "b": Reference(srv, policy)}
     chunks = {"a": [_prompt(1, 96), _prompt(2, 64)], "b": [_prompt(3, 96), _prompt(4, 64)]}
@@ -297,7 +321,7 @@ def test_decode_through_the_trizone_kernel_reads_the_pages_and_rows(monkeypatch)
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     defer = compile_text(
-        (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+        RDKV_TEXT
         .replace("schedule: after_prefill", "schedule: after_prefill(defer=true)")
         .replace("budget: 10%", "budget: 40%")  # K channels of several widths
     )  # fmt: skip
@@ -338,7 +362,7 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch):
 
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    text = (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+    text = RDKV_TEXT
     text = text.replace("schedule: after_prefill", "schedule: after_prefill, every(4)")
     text = text.replace("budget: 10%", "budget: 40%")
     kw = dict(policy=text, head_dim=64, pages=12, blocks=PoolBlocks(24, 0, 1 << 20),
@@ -467,7 +491,7 @@ def test_the_plugin_serves_rdkv_from_the_shared_stack(monkeypatch):
     plugin.register()
     HookRegistry.apply_hooks()
     try:
-        args = prepare_server_args(["--model-path", "dummy", "--kv-policy", "rdkv"])
+        args = prepare_server_args(["--model-path", "dummy", "--kv-policy", "rdkv"])  # SHIPPED
         assert (args.radix_cache_backend, args.page_size) == ("tiered", W)
         assert not args.disable_decode_cuda_graph and args.attention_backend == "tiered_triton"
         monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
@@ -476,7 +500,7 @@ def test_the_plugin_serves_rdkv_from_the_shared_stack(monkeypatch):
             model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 2),
         )
         full = 2 * 24 * 2 * 64 * 2
-        want = sizing.cell_bytes(RDKV, RDKV.budget, 24, 2, 64, 2)
+        want = sizing.cell_bytes(SHIPPED, SHIPPED.budget, 24, 2, 64, 2)
         assert plugin.cell_size(full, None, kvc, 24) == want
         assert (1 + sizing.ZONE_SLACK * 0.1) * full < want < 1.5 * full
         seen = {}
@@ -498,7 +522,7 @@ def test_the_plugin_serves_rdkv_from_the_shared_stack(monkeypatch):
 # head's budget is its own and ranks would agree without planning together; a spread by
 # attention would not do either (every head's attention mass sums to the same)
 RDKV_TP = compile_text(
-    (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+    RDKV_TEXT
     .replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
     .replace("allocate:", "spread: proportional(sigma)\nallocate:")
 )  # fmt: skip
