@@ -99,9 +99,8 @@ def test_rdkv_v_per_token_k_per_channel() -> None:
 
 def test_rdkv_weights() -> None:
     rd = load_policy("rdkv").allocate
-    # w_t: the column mass per prompt query that could see t (colmass / (T - t), T - t =
-    # recency + 1 after the prompt) plus the question's mass per query (obs_attn, pooled)
-    per_query = BinOp("/", Name("colmass"), BinOp("+", Name("recency"), Num(1)))
+    # w_t: the column mass per prompt query plus the question's mass per query (obs_attn, pooled)
+    per_query = BinOp("/", Name("colmass"), Name("seq_len"))
     obs = Call("pool_max", (Name("obs_attn"),), (("size", Num(7)),))
     assert rd.v_weight == BinOp("+", per_query, BinOp("/", obs, Num(32)))
     # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d)
