@@ -99,12 +99,14 @@ def test_rdkv_v_per_token_k_per_channel() -> None:
 
 def test_rdkv_weights() -> None:
     rd = load_policy("rdkv").allocate
-    # w_t: the column mass per prompt query plus the question's mass per query (obs_attn, pooled)
-    per_query = BinOp("/", Name("colmass"), Name("seq_len"))
+    # w_t: the column mass per prompt query (each prefill chunk's sum, accumulated) plus the
+    # question's mass per query (obs_attn, pooled)
+    per_query = BinOp("/", Call("cumulative", (Name("colmass"),)), Name("seq_len"))
     obs = Call("pool_max", (Name("obs_attn"),), (("size", Num(7)),))
     assert rd.v_weight == BinOp("+", per_query, BinOp("/", obs, Num(32)))
-    # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d)
-    qk = BinOp("*", Name("qnorm"), Name("knorm"))
+    # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d), ||Q[:, c]||^2 summed over the chunks
+    qn = Call("sqrt", (Call("cumulative", (BinOp("^", Name("qnorm"), Num(2)),)),))
+    qk = BinOp("*", qn, Name("knorm"))
     assert rd.k_weight == BinOp("/", qk, Call("sqrt", (Name("head_dim"),)))
     assert rd.sigma == Name("sigma")
 
