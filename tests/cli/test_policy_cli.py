@@ -61,8 +61,9 @@ def test_explain_rdkv_says_what_the_paper_does():
     text = explain(load_policy("rdkv"))
     for phrase in ("V in units of one token, K in units of one channel", "rate-distortion",
                    "{16, 8, 4, 2, 0}", "V units first over 50% of the budget",
-                   "w(V) = cumulative(colmass)",
+                   "w(V) = ((cumulative(colmass) / seq_len) + (pool_max(obs_attn, size=7) / 32))",
                    "w(K) = ((sqrt(cumulative((qnorm ^ 2))) * knorm) / sqrt(head_dim))",
+                   "Protected at full precision: the first 4 tokens",
                    "Routing runs: once after the whole prompt"):
         assert phrase in text, phrase
 

@@ -99,8 +99,11 @@ def test_rdkv_v_per_token_k_per_channel() -> None:
 
 def test_rdkv_weights() -> None:
     rd = load_policy("rdkv").allocate
-    # w_t = sum_tau a[tau, t] over every prompt query: each prefill chunk's sum, accumulated
-    assert rd.v_weight == Call("cumulative", (Name("colmass"),))
+    # w_t: the column mass per prompt query (each prefill chunk's sum, accumulated) plus the
+    # question's mass per query (obs_attn, pooled)
+    per_query = BinOp("/", Call("cumulative", (Name("colmass"),)), Name("seq_len"))
+    obs = Call("pool_max", (Name("obs_attn"),), (("size", Num(7)),))
+    assert rd.v_weight == BinOp("+", per_query, BinOp("/", obs, Num(32)))
     # w_c = ||Q[:, c]|| ||K[:, c]|| / sqrt(d), ||Q[:, c]||^2 summed over the chunks
     qn = Call("sqrt", (Call("cumulative", (BinOp("^", Name("qnorm"), Num(2)),)),))
     qk = BinOp("*", qn, Name("knorm"))
@@ -108,10 +111,15 @@ def test_rdkv_weights() -> None:
     assert rd.sigma == Name("sigma")
 
 
+def test_rdkv_protects_sinks_and_the_question() -> None:
+    p = load_policy("rdkv")
+    assert (p.protect.sinks, p.protect.recent) == (4, 64)
+
+
 def test_rdkv_weights_once_after_the_whole_prompt() -> None:
     p = load_policy("rdkv")
-    s = p.schedule
-    assert s.after_prefill and s.prefill_defers and s.every is None and not p.ledger.write_once
+    assert p.schedule.after_prefill and p.schedule.every is None and not p.ledger.write_once
+    assert p.schedule.prefill_defers
 
 
 # ---- baselines, as their comments describe them -----------------------------------------------

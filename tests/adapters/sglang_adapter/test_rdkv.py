@@ -13,7 +13,6 @@ window rows until their routing, then their Zone A pages (``.zones``).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,8 +33,29 @@ from tiered_radix.engine.store import TierStore  # noqa: E402
 from tiered_radix.policy import compile_text, load_policy  # noqa: E402
 
 L, H, HQ, D, VOCAB = 2, 2, 4, 32, 100
-RDKV = load_policy("rdkv")  # shipped: one routing after the whole prompt (deferred)
-RDKV_TEXT = (Path(__file__).parents[3] / "policies" / "rdkv.yaml").read_text()
+# The paper's mechanism with one routing after the whole prompt (deferred, its weights summed
+# over the prefill chunks): what most tests here check of the stack. The shipped
+# policies/rdkv.yaml adds issue 18's choices (protected tokens, the observation window in the V
+# weight); SHIPPED is served in test_a_request_reads_what_its_tier_engine_reads and the plugin
+# test.
+RDKV_TEXT = """\
+policy: rdkv
+budget: 10%
+units:
+  k: channel
+  v: token
+allocate:
+  method: rate_distortion
+  bits: [0, 2, 4, 8, 16]
+  v_weight: cumulative(colmass)
+  k_weight: sqrt(cumulative(qnorm ^ 2)) * knorm / sqrt(head_dim)
+  sigma: sigma
+  v_share: 50%
+  group: 32
+schedule: after_prefill(defer=true)
+"""
+RDKV = compile_text(RDKV_TEXT, "rdkv.yaml")
+SHIPPED = load_policy("rdkv")
 DEFERRED = "schedule: after_prefill(defer=true)"
 W = RDKV.allocate.group  # the pool's window: a Zone A page
 # RDKV routed after every prefill chunk (a routed request's next chunk reads its Zone A pages)
@@ -184,13 +204,17 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    "policy", [RDKV, RDKV_CHUNKS, RDKV_EVERY], ids=["rdkv", "rdkv-chunks", "rdkv-every-2"]
+    "policy",
+    [RDKV, RDKV_CHUNKS, RDKV_EVERY, SHIPPED],
+    ids=["rdkv-paper", "rdkv-chunks", "rdkv-every-2", "rdkv-shipped"],
 )
 def test_a_request_reads_what_its_tier_engine_reads(policy):
     """Two requests in each forward (chunked prefill of 96 + 64 tokens, then 5 decode steps):
     every layer's output equals its own reference store's, bit for bit, and so do the tiers."""
     srv = Server(policy=policy)
-    assert srv.backend.prefill_needs == PREFILL_NEEDS
+    assert srv.backend.prefill_needs == PREFILL_NEEDS | (
+        {"obs_attn"} if policy is SHIPPED else set()
+    )
     a, b = srv.admit("a"), srv.admit("b")
     refs = {"a": Reference(srv, policy), "b": Reference(srv, policy)}
     chunks = {"a": [_prompt(1, 96), _prompt(2, 64)], "b": [_prompt(3, 96), _prompt(4, 64)]}
@@ -505,7 +529,7 @@ def test_the_plugin_serves_rdkv_from_the_shared_stack(monkeypatch):
     plugin.register()
     HookRegistry.apply_hooks()
     try:
-        args = prepare_server_args(["--model-path", "dummy", "--kv-policy", "rdkv"])
+        args = prepare_server_args(["--model-path", "dummy", "--kv-policy", "rdkv"])  # SHIPPED
         assert (args.radix_cache_backend, args.page_size) == ("tiered", W)
         assert not args.disable_decode_cuda_graph and args.attention_backend == "tiered_triton"
         monkeypatch.setattr(plugin, "attn_tp_size", lambda: 1)
@@ -514,7 +538,7 @@ def test_the_plugin_serves_rdkv_from_the_shared_stack(monkeypatch):
             model_config=SimpleNamespace(get_num_kv_heads=lambda tp: 2),
         )
         full = 2 * 24 * 2 * 64 * 2
-        want = sizing.cell_bytes(RDKV, RDKV.budget, 24, 2, 64, 2)
+        want = sizing.cell_bytes(SHIPPED, SHIPPED.budget, 24, 2, 64, 2)
         assert plugin.cell_size(full, None, kvc, 24) == want
         assert (1 + sizing.ZONE_SLACK * 0.1) * full < want < 1.5 * full
         seen = {}
