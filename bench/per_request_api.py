@@ -18,8 +18,8 @@
    streamed (``stream_options.include_usage``) reports ``usage.kv`` in its usage chunk.
 
 Writes to ``--out`` (default ``bench/results/per-request-api``): ``responses.json`` (the real
-response bodies), ``streamed.json``, ``errors.json`` (the 400 bodies), ``refused.txt``, ``summary.json`` (the
-checks), ``server.log``. Exit status 0 when every check passes.
+response bodies), ``streamed.json``, ``errors.json`` (the 400 bodies), ``refused.txt``,
+``summary.json`` (the checks), ``server.log``. Exit status 0 when every check passes.
 
     python3 -P bench/per_request_api.py --model /tmp/models/qwen2.5-0.5b
 """
