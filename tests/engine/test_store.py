@@ -312,6 +312,22 @@ RULES = {  # rules that decide: the first windows kept, a band capped at INT2
 TOGETHER = [*(str(p) for p in FILES), *RULES]  # + rules, proportional and pyramid spreads
 
 
+def prefilled_stores(pol, prompts, seed: int, h: int = 2, d: int = 32):
+    """Stores of two layers at 30% of the bytes, one per prompt length, each given its prompt
+    and prefill signals from one seeded generator; the stores and that generator."""
+    g = torch.Generator().manual_seed(seed)
+    stores = []
+    for t in prompts:
+        s = TierStore(
+            pol, n_layers=2, n_heads=h, head_dim=d, budget_override=Budget("fraction", 0.3)
+        )
+        for li in range(2):
+            s.append(li, torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g))
+            s.observe(li, signals(g, torch.ones(h, t, dtype=torch.bool), d, True))
+        stores.append(s)
+    return stores, g
+
+
 @pytest.mark.parametrize("prompts", [[100, 164, 37], [64, 64]], ids=["uneven", "even"])
 @pytest.mark.parametrize("name", TOGETHER, ids=[Path(n).name for n in TOGETHER])
 def test_stores_routed_together_decide_as_each_alone(name, prompts):
@@ -319,19 +335,7 @@ def test_stores_routed_together_decide_as_each_alone(name, prompts):
     call) gives each store the tiers and transitions of its own route()."""
     pol = compile_text(RULES[name]) if name in RULES else load_policy(name)
     h, d = 2, 32
-    twins = []
-    for _ in range(2):
-        g = torch.Generator().manual_seed(8)
-        stores = []
-        for t in prompts:
-            s = TierStore(
-                pol, n_layers=2, n_heads=h, head_dim=d, budget_override=Budget("fraction", 0.3)
-            )
-            for li in range(2):
-                s.append(li, torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g))
-                s.observe(li, signals(g, torch.ones(h, t, dtype=torch.bool), d, True))
-            stores.append(s)
-        twins.append((stores, g))
+    twins = [prefilled_stores(pol, prompts, seed=8, h=h, d=d) for _ in range(2)]
     for step in range(4):
         reasons = [f"step {step}"] * len(prompts)
         together = TierStore.route_many(twins[0][0], reasons)
@@ -357,21 +361,7 @@ def test_a_dropped_store_keeps_its_tiers_and_the_others_land_as_routed_alone():
     tiers and step count stay as before the plan, it gives no transitions, and the other
     stores land what their own route() gives."""
     pol = load_policy("qevict")
-    h, d = 2, 32
-    twins = []
-    for _ in range(2):
-        g = torch.Generator().manual_seed(5)
-        stores = []
-        for t in (320, 256, 288):
-            s = TierStore(
-                pol, n_layers=2, n_heads=h, head_dim=d, budget_override=Budget("fraction", 0.3)
-            )
-            for li in range(2):
-                s.append(li, torch.randn(h, t, d, generator=g), torch.randn(h, t, d, generator=g))
-                s.observe(li, signals(g, torch.ones(h, t, dtype=torch.bool), d, True))
-            stores.append(s)
-        twins.append(stores)
-    kept, alone = twins
+    (kept, _), (alone, _) = (prefilled_stores(pol, (320, 256, 288), seed=5) for _ in range(2))
     before = [kept[1].tiers(li).clone() for li in range(2)]
     pending = TierStore.begin_routes(kept, ["a", "b", "c"])
     pending.drop(1)
