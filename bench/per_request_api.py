@@ -1,8 +1,8 @@
 """Per-request KV budgets and policies through the OpenAI API on one GPU server (issue 22).
 
 1. Asks for ``--kv-policy qevict --kv-policies rdkv,full`` (``--refused``): the launch must stop
-   before loading the model, naming why (rdkv repacks routed requests into private Zone A pages, full has token units);
-   its message goes to ``refused.txt``.
+   before loading the model, naming why (rdkv repacks routed requests into private Zone A
+   pages, full has token units); its message goes to ``refused.txt``.
 2. Starts one server with ``--kv-policy qevict --kv-policies <--policies>`` (default
    ``examples/qevict_full70.yaml``, which stores windows as qevict does).
 3. Over one shared ~8K-token prefix (``--prefix-tokens``, cached first at full precision by a
