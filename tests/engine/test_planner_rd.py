@@ -8,16 +8,20 @@ import torch
 
 from tiered_radix.engine import planner
 from tiered_radix.engine.attention import attend
+from tiered_radix.engine.signals import PREFILL_SIGNALS, policy_reads
 from tiered_radix.engine.store import TierStore
 from tiered_radix.policy.compiler import compile_text
 from tiered_radix.resources import policies_dir
 
 L, H, HQ, D = 3, 2, 4, 32
 TEXT = (policies_dir() / "rdkv.yaml").read_text()
+PROTECT = "protect:\n  sinks: 4\n  recent: 64\n"  # the shipped rdkv's
+assert PROTECT in TEXT
 POLICIES = {
     "rdkv": TEXT,
+    "unprotected": TEXT.replace(PROTECT, ""),
     "protected-20%": TEXT.replace("budget: 10%", "budget: 20%").replace(
-        "allocate:", "protect: {sinks: 4, recent: 16}\nallocate:"
+        PROTECT, "protect: {sinks: 4, recent: 16}\n"
     ),
     "every-2-30%": TEXT.replace("budget: 10%", "budget: 30%").replace(
         "after_prefill(defer=true)", "after_prefill, every(2)"
@@ -29,15 +33,17 @@ def _store(text: str, seed: int, prompt: int, steps: int) -> TierStore:
     """A prompt routed after prefill, then ``steps`` decode tokens (a second routing sees
     evicted units)."""
     g = torch.Generator().manual_seed(seed)
-    store = TierStore(compile_text(text), n_layers=L, n_heads=H, head_dim=D)
+    policy = compile_text(text)
+    need = frozenset(policy_reads(policy) & set(PREFILL_SIGNALS))  # what an adapter computes
+    store = TierStore(policy, n_layers=L, n_heads=H, head_dim=D)
     for t, n in enumerate([prompt] + [1] * steps):
         for li in range(L):
             k, v = (torch.randn(H, n, D, generator=g) for _ in range(2))
             store.append(li, k * (1 + torch.arange(D) / 8), v)
             kk, vv, kept = store.view(li)
             q = torch.randn(HQ, n, D, generator=g)
-            store.observe(li, attend(q, kk, vv, kept, D**-0.5, need=frozenset(
-                {"colmass", "qnorm"} if t == 0 else ()))[1])  # fmt: skip
+            store.observe(li, attend(q, kk, vv, kept, D**-0.5,
+                                     need=need if t == 0 else frozenset())[1])  # fmt: skip
         store.route(f"step {t}")
     return store
 
