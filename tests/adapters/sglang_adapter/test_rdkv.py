@@ -180,7 +180,7 @@ class Reference:
 
     def forward(self, toks: list[int], extend: bool) -> list[torch.Tensor]:
         outs = []
-        need = PREFILL_NEEDS if extend else frozenset()
+        need = self.s.backend.prefill_needs if extend else frozenset()
         for li in range(L):
             q, k, v = self.s.qkv(li, toks, self.pos)
             self.store.append(li, k.transpose(0, 1), v.transpose(0, 1))
