@@ -18,9 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .layout import K_BITS, V_BITS, k_sections, pack_pages, unpack_pages, v_sections
-
-_ORDER = {2: 0, 4: 1, 8: 2, 16: 3, 0: 4}  # K widths in page order, dropped channels last
+from . import codecs
+from .layout import K_BITS, V_BITS, k_sections, unpack_pages, v_sections
 
 
 @dataclass(frozen=True)
@@ -49,9 +48,45 @@ class ZoneA:
         return self.img.numel()
 
 
-def _perm(kb: Tensor) -> tuple[Tensor, list[int]]:
-    key = torch.tensor([_ORDER[int(b)] for b in kb.tolist()])
-    return torch.sort(key, stable=True).indices, [int((kb == b).sum()) for b in K_BITS]
+_VIDX = torch.tensor([-1, -1, 0, -1, 1, -1, -1, -1, 2] + [-1] * 7 + [3])  # V width -> list
+_KKEY = torch.tensor([4, -1, 0, -1, 1, -1, -1, -1, 2] + [-1] * 7 + [3])  # K width -> order
+
+
+def _pad16(x: Tensor) -> Tensor:
+    return (x + 15) // 16 * 16
+
+
+def _k_layout(kb: Tensor, P: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per head (host, ``kb [H, d]``): ``perm [H, d]``, channel counts ``[H, 4]`` per width of
+    :data:`K_BITS`, K section offsets ``[H, 7]`` (:func:`~.layout.k_sections`) and each
+    permuted channel's rank among the channels of its width ``[H, d]``."""
+    key = _KKEY[kb.long()]
+    perm = torch.sort(key, dim=1, stable=True).indices
+    onehot = key[..., None] == torch.arange(4)  # [H, d, 4]
+    n = onehot.sum(1)  # [H, 4]
+    sizes = _pad16(n * P * torch.tensor(K_BITS) // 8)
+    o = torch.cumsum(sizes, 1)
+    nq = _pad16(2 * n[:, :3].sum(1, keepdim=True))
+    ks = torch.cat([o - sizes, o[:, 3:], o[:, 3:] + nq, o[:, 3:] + 2 * nq], 1)
+    kp = torch.gather(key, 1, perm)  # width key of each permuted channel
+    rank = torch.arange(kb.shape[1]) - torch.searchsorted(kp, kp, right=False)
+    return perm, n, ks, rank
+
+
+def _v_sizes(P: int, d: int, v_group: int) -> Tensor:
+    """V part bytes per V width of :data:`V_BITS`."""
+    return torch.tensor([v_sections(b, P, d, v_group)[3] for b in V_BITS])
+
+
+def _scatter(out: Tensor, base: Tensor, rows: Tensor) -> None:
+    """``out[base[i] + j] = rows[i, j]`` (uint8 ``rows [M, n]``, host ``base [M]``)."""
+    if rows.numel():
+        dst = base.to(out.device)[:, None] + torch.arange(rows.shape[1], device=out.device)
+        out[dst.flatten()] = rows.reshape(-1)
+
+
+def _bytes(x: Tensor) -> Tensor:
+    return x.contiguous().view(torch.uint8).reshape(x.shape[0], -1)
 
 
 def pack(
@@ -67,44 +102,92 @@ def pack(
 ) -> ZoneA:
     """Pages of the tokens ``in_set`` (bool ``[H, T]``) of K/V ``[H, T, d]`` (any float dtype)
     at V widths ``v_bits [H, T]`` and K channel widths ``k_bits [H, d]`` (both in
-    0/2/4/8/16); 16-bit sections hold ``raw_dtype``."""
+    0/2/4/8/16); 16-bit sections hold ``raw_dtype``.
+
+    Batched over heads and widths: the page lists are counted on the host (``v_bits``,
+    ``k_bits``, ``in_set`` are read there: pass host copies to keep the device unsynced), the
+    bytes are gathered, quantized per width and scattered into the image on ``k``'s device."""
     H, T, d = k.shape
     dev, P = k.device, page_size
-    imgs, offs, toks, table, perms, counts = [], [], [], [], [], []
-    pages = torch.zeros(H, len(V_BITS), dtype=torch.long)
-    off = 0
-    vb_cpu, set_cpu = v_bits.cpu(), in_set.cpu()
-    for h in range(H):
-        perm, n = _perm(k_bits[h].cpu())
-        perms.append(perm)
-        counts.append(n)
-        kh = k[h][:, perm.to(dev)]
-        for i, vb in enumerate(V_BITS):
-            table.append(n + k_sections(n, P) + [0])
-            tp = ((vb_cpu[h] == vb) & set_cpu[h]).nonzero().squeeze(1)
-            npg = -(-tp.numel() // P)
-            if not npg:
-                continue
-            idx = torch.cat([tp, tp[-1:].expand(npg * P - tp.numel())])
-            xk = kh[idx.to(dev)].reshape(npg, P, d)
-            xv = v[h][idx.to(dev)].reshape(npg, P, d)
-            img = pack_pages(xk, xv, n, vb, v_group, raw_dtype)
-            imgs.append(img.reshape(-1))
-            offs += [off + j * img.shape[1] for j in range(npg)]
-            off += img.numel()
-            pt = torch.full((npg * P,), -1, dtype=torch.long)
-            pt[: tp.numel()] = tp
-            toks.append(pt.view(npg, P))
-            pages[h, i] = npg
+    vb, kb, sel = v_bits.cpu().long(), k_bits.cpu().long(), in_set.cpu().bool()
+    perm, n, ks, rank = _k_layout(kb, P)
+    # tokens of each (head, V width) list, in position order: sort by list, then position
+    lst = torch.arange(H)[:, None] * 4 + _VIDX[vb]
+    ok = sel & (_VIDX[vb] >= 0)
+    key = torch.where(ok, lst, H * 4).flatten()
+    order = torch.sort(key, stable=True).indices  # flat h * T + t, listed tokens first
+    cnt = torch.bincount(key, minlength=H * 4 + 1)[: H * 4]
+    npg = (cnt + P - 1) // P  # pages per list
+    psz = (ks[:, 6:7] + _v_sizes(P, d, v_group)).flatten()  # page bytes per list
+    nums = torch.cat([npg, (npg * psz).sum()[None], n.flatten()]).tolist()  # the one host read
+    N, nbytes = sum(nums[: H * 4]), nums[H * 4]
+    counts = [nums[H * 4 + 1 + 4 * h : H * 4 + 5 + 4 * h] for h in range(H)]
+    # per page: its list, head, V width and byte offset; per row: the token (padding: the last)
+    plist = torch.repeat_interleave(torch.arange(H * 4), npg)
+    pfirst = torch.cumsum(npg, 0) - npg  # first page of each list
+    tfirst = torch.cumsum(cnt, 0) - cnt  # first listed token of each list
+    r = (torch.arange(N) - pfirst[plist])[:, None] * P + torch.arange(P)  # rank in its list
+    c = cnt[plist][:, None]
+    flat = order[tfirst[plist][:, None] + torch.minimum(r, c - 1)] if N else order[:0, None]
+    tok = flat % T
+    page_tok = torch.where(r < c, tok, -1).reshape(N, P)
+    ph, pv = plist // 4, plist % 4
+    sizes = psz[plist]
+    page_off = torch.cumsum(sizes, 0) - sizes
+    out = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    if N:
+        _fill(out, k, v, flat, ph, pv, page_off, perm, kb, ks, rank, P, v_group, raw_dtype)
+    k_table = torch.cat([n, ks, torch.zeros(H, 1, dtype=torch.long)], 1)
     return ZoneA(
-        img=torch.cat(imgs) if imgs else torch.zeros(0, dtype=torch.uint8, device=dev),
-        page_off=torch.tensor(offs, dtype=torch.long),
-        page_tok=torch.cat(toks) if toks else torch.zeros(0, P, dtype=torch.long),
-        pages=pages,
-        k_table=torch.tensor(table, dtype=torch.int32),
-        perm=torch.stack(perms),
-        k_counts=counts,
-    )
+        img=out, page_off=page_off, page_tok=page_tok, pages=npg.reshape(H, 4),
+        k_table=k_table.repeat_interleave(4, 0).to(torch.int32), perm=perm, k_counts=counts,
+    )  # fmt: skip
+
+
+def _fill(out, k, v, flat, ph, pv, page_off, perm, kb, ks, rank, P, v_group, raw_dtype):
+    """The page bytes into ``out``: K per (page, channel) width, then V per page width."""
+    N, d = flat.shape[0], k.shape[2]
+    dev = k.device
+    fl = flat.to(dev)
+    xv = v.reshape(-1, d)[fl]  # [N, P, d]
+    xk = k.reshape(-1, d)[fl]  # [N, P, d], channels permuted below
+    pch = perm[ph]  # [N, d] original channel of each permuted one
+    kt = torch.gather(xk, 2, pch.to(dev)[:, None, :].expand(N, P, d)).transpose(1, 2)
+    kt = kt.reshape(N * d, P)  # rows (page, permuted channel), quantized along tokens
+    kbp = torch.gather(kb, 1, perm)[ph].flatten()  # width of each row
+    rk = rank[ph].flatten()
+    base, hd = page_off.repeat_interleave(d), ph.repeat_interleave(d)  # per row
+    n = torch.stack([(kb == b).sum(1) for b in K_BITS[:3]], 1)
+    q_before = (torch.cumsum(n, 1) - n)[hd]  # quantized channels before each width's
+    for j, b in enumerate(K_BITS):
+        rows = (kbp == b).nonzero().squeeze(1)  # host: no device wait
+        if not rows.numel():
+            continue
+        hh = hd[rows]
+        at = base[rows] + ks[hh, j] + rk[rows] * (P * b // 8)
+        x = kt[rows.to(dev)]
+        if b == 16:
+            _scatter(out, at, _bytes(x.to(raw_dtype)))
+            continue
+        q = codecs.quantize(x, b, P)
+        _scatter(out, at, q.codes)
+        pg = base[rows] + 2 * (q_before[rows, j] + rk[rows])
+        _scatter(out, pg + ks[hh, 4], _bytes(q.scale))
+        _scatter(out, pg + ks[hh, 5], _bytes(q.lo))
+    vo = page_off + ks[ph, 6]
+    for i, b in enumerate(V_BITS):
+        pages = (pv == i).nonzero().squeeze(1)
+        if not pages.numel():
+            continue
+        x = xv[pages.to(dev)]
+        at = vo[pages]
+        if b == 16:
+            _scatter(out, at, _bytes(x.to(raw_dtype)))
+            continue
+        q = codecs.quantize(x, b, v_group)
+        vs = v_sections(b, P, d, v_group)
+        for o, t in ((vs[0], q.codes), (vs[1], q.scale), (vs[2], q.lo)):
+            _scatter(out, at + o, _bytes(t))
 
 
 def unpack(
