@@ -106,3 +106,17 @@ def test_unpack_reads_the_packed_tokens_back():
         assert torch.equal(kk[h][:, raw][t], k[h][:, raw][t].float())
         assert (kk[h][:, kb[h] == 0][t] == 0).all()
     assert vv[~in_set].isnan().all()
+
+
+def test_pack_layers_packs_each_layer_as_the_reference_does():
+    kw = dict(page_size=32, v_group=32, raw_dtype=torch.bfloat16)
+    layers = [_inputs(10 + li, 2, 150, 64, p_set=0.0 if li == 1 else 0.6) for li in range(4)]
+    ks, vs, vbs, kbs, sets = zip(*layers, strict=True)
+    got = zone_a.pack_layers(ks, vs, torch.stack(vbs), torch.stack(kbs), torch.stack(sets), **kw)
+    assert len(got) == 4
+    for z, (k, v, vb, kb, in_set) in zip(got, layers, strict=True):
+        ref = _pack_ref(k, v, vb, kb, in_set, **kw)
+        assert torch.equal(z.img, ref.img)
+        for name in ("page_off", "page_tok", "pages", "k_table", "perm"):
+            assert torch.equal(getattr(z, name), getattr(ref, name)), name
+        assert z.k_counts == ref.k_counts

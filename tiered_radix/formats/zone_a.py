@@ -13,6 +13,8 @@ kernel's list ``(h, vb)`` is a contiguous run of them.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,55 +104,92 @@ def pack(
 ) -> ZoneA:
     """Pages of the tokens ``in_set`` (bool ``[H, T]``) of K/V ``[H, T, d]`` (any float dtype)
     at V widths ``v_bits [H, T]`` and K channel widths ``k_bits [H, d]`` (both in
-    0/2/4/8/16); 16-bit sections hold ``raw_dtype``.
+    0/2/4/8/16); 16-bit sections hold ``raw_dtype``. One layer of :func:`pack_layers`."""
+    return pack_layers(
+        [k], [v], v_bits[None], k_bits[None], in_set[None], page_size=page_size,
+        v_group=v_group, raw_dtype=raw_dtype,
+    )[0]  # fmt: skip
 
-    Batched over heads and widths: the page lists are counted on the host (``v_bits``,
-    ``k_bits``, ``in_set`` are read there: pass host copies to keep the device unsynced), the
-    bytes are gathered, quantized per width and scattered into the image on ``k``'s device."""
-    H, T, d = k.shape
-    dev, P = k.device, page_size
-    vb, kb, sel = v_bits.cpu().long(), k_bits.cpu().long(), in_set.cpu().bool()
+
+def pack_layers(
+    k: Sequence[Tensor],
+    v: Sequence[Tensor],
+    v_bits: Tensor,
+    k_bits: Tensor,
+    in_set: Tensor,
+    *,
+    page_size: int,
+    v_group: int,
+    raw_dtype: torch.dtype,
+) -> list[ZoneA]:
+    """:func:`pack` of ``L`` layers at once: ``k[l], v[l] [H, T, d]``, ``v_bits, in_set
+    [L, H, T]``, ``k_bits [L, H, d]``.
+
+    Batched over layers, heads and widths: the page lists are counted on the host in one read
+    (``v_bits``, ``k_bits``, ``in_set`` are read there: pass host copies to keep the device
+    unsynced); the bytes are gathered (two indexings a layer), quantized per width and
+    scattered into one image on ``k``'s device, which the layers' zones view."""
+    L, (H, T, d) = len(k), k[0].shape
+    G, dev, P = L * H, k[0].device, page_size
+    vb, sel = v_bits.cpu().long().reshape(G, T), in_set.cpu().bool().reshape(G, T)
+    kb = k_bits.cpu().long().reshape(G, d)
     perm, n, ks, rank = _k_layout(kb, P)
-    # tokens of each (head, V width) list, in position order: sort by list, then position
-    lst = torch.arange(H)[:, None] * 4 + _VIDX[vb]
-    ok = sel & (_VIDX[vb] >= 0)
-    key = torch.where(ok, lst, H * 4).flatten()
-    order = torch.sort(key, stable=True).indices  # flat h * T + t, listed tokens first
-    cnt = torch.bincount(key, minlength=H * 4 + 1)[: H * 4]
+    # tokens of each (row, V width) list, in position order: sort by list, then position
+    vi = _VIDX[vb]
+    key = torch.where(sel & (vi >= 0), torch.arange(G)[:, None] * 4 + vi, G * 4).flatten()
+    order = torch.sort(key, stable=True).indices  # flat g * T + t, listed tokens first
+    cnt = torch.bincount(key, minlength=G * 4 + 1)[: G * 4]
     npg = (cnt + P - 1) // P  # pages per list
     psz = (ks[:, 6:7] + _v_sizes(P, d, v_group)).flatten()  # page bytes per list
-    nums = torch.cat([npg, (npg * psz).sum()[None], n.flatten()]).tolist()  # the one host read
-    N, nbytes = sum(nums[: H * 4]), nums[H * 4]
-    counts = [nums[H * 4 + 1 + 4 * h : H * 4 + 5 + 4 * h] for h in range(H)]
-    # per page: its list, head, V width and byte offset; per row: the token (padding: the last)
-    plist = torch.repeat_interleave(torch.arange(H * 4), npg)
+    per_layer = torch.stack([npg, npg * psz]).reshape(2, L, H * 4).sum(2)
+    nums = torch.cat([per_layer.flatten(), n.flatten()]).tolist()  # the one host read
+    pages_l, bytes_l, counts = nums[:L], nums[L : 2 * L], nums[2 * L :]
+    # per page: its list, row, V width and byte offset; per row: the token (padding: the last)
+    N = sum(pages_l)
+    plist = torch.repeat_interleave(torch.arange(G * 4), npg)
     pfirst = torch.cumsum(npg, 0) - npg  # first page of each list
     tfirst = torch.cumsum(cnt, 0) - cnt  # first listed token of each list
     r = (torch.arange(N) - pfirst[plist])[:, None] * P + torch.arange(P)  # rank in its list
     c = cnt[plist][:, None]
     flat = order[tfirst[plist][:, None] + torch.minimum(r, c - 1)] if N else order[:0, None]
-    tok = flat % T
-    page_tok = torch.where(r < c, tok, -1).reshape(N, P)
+    page_tok = torch.where(r < c, flat % T, -1).reshape(N, P)
     ph, pv = plist // 4, plist % 4
     sizes = psz[plist]
     page_off = torch.cumsum(sizes, 0) - sizes
-    out = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+    out = torch.zeros(sum(bytes_l), dtype=torch.uint8, device=dev)
     if N:
-        _fill(out, k, v, flat, ph, pv, page_off, perm, kb, ks, rank, P, v_group, raw_dtype)
-    k_table = torch.cat([n, ks, torch.zeros(H, 1, dtype=torch.long)], 1)
-    return ZoneA(
-        img=out, page_off=page_off, page_tok=page_tok, pages=npg.reshape(H, 4),
-        k_table=k_table.repeat_interleave(4, 0).to(torch.int32), perm=perm, k_counts=counts,
-    )  # fmt: skip
+        fl = (flat % (H * T)).to(dev)  # within its layer
+        p0 = [0, *itertools.accumulate(pages_l)]
+        spans = [(li, p0[li], p0[li + 1]) for li in range(L) if pages_l[li]]
+        xk = torch.cat([k[li].reshape(-1, d)[fl[a:b]] for li, a, b in spans])
+        xv = torch.cat([v[li].reshape(-1, d)[fl[a:b]] for li, a, b in spans])
+        _fill(out, xk, xv, ph, pv, page_off, perm, kb, ks, rank, v_group, raw_dtype)
+    k_table = torch.cat([n, ks, torch.zeros(G, 1, dtype=torch.long)], 1)
+    k_table = k_table.repeat_interleave(4, 0).to(torch.int32).reshape(L, H * 4, 12)
+    return _split(out, page_off, page_tok, npg.reshape(L, H, 4), k_table,
+                  perm.reshape(L, H, d), counts, pages_l, bytes_l)  # fmt: skip
 
 
-def _fill(out, k, v, flat, ph, pv, page_off, perm, kb, ks, rank, P, v_group, raw_dtype):
-    """The page bytes into ``out``: K per (page, channel) width, then V per page width."""
-    N, d = flat.shape[0], k.shape[2]
-    dev = k.device
-    fl = flat.to(dev)
-    xv = v.reshape(-1, d)[fl]  # [N, P, d]
-    xk = k.reshape(-1, d)[fl]  # [N, P, d], channels permuted below
+def _split(out, page_off, page_tok, pages, k_table, perm, counts, pages_l, bytes_l):
+    """Each layer's zone: views of the layers' pages, offsets from its own first byte."""
+    zones, p, b = [], 0, 0
+    for li, (np_, nb) in enumerate(zip(pages_l, bytes_l, strict=True)):
+        H = pages.shape[1]
+        zones.append(ZoneA(
+            img=out[b : b + nb], page_off=page_off[p : p + np_] - b,
+            page_tok=page_tok[p : p + np_], pages=pages[li], k_table=k_table[li],
+            perm=perm[li], k_counts=[counts[4 * (li * H + h) : 4 * (li * H + h) + 4]
+                                    for h in range(H)],
+        ))  # fmt: skip
+        p, b = p + np_, b + nb
+    return zones
+
+
+def _fill(out, xk, xv, ph, pv, page_off, perm, kb, ks, rank, v_group, raw_dtype):
+    """The bytes of pages ``xk, xv [N, P, d]`` (K channels in input order) of rows ``ph`` at
+    V widths ``pv`` into ``out``: K per (page, channel) width, then V per page width."""
+    N, P, d = xk.shape
+    dev = xk.device
     pch = perm[ph]  # [N, d] original channel of each permuted one
     kt = torch.gather(xk, 2, pch.to(dev)[:, None, :].expand(N, P, d)).transpose(1, 2)
     kt = kt.reshape(N * d, P)  # rows (page, permuted channel), quantized along tokens
