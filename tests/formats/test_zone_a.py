@@ -26,7 +26,7 @@ def _pack_ref(k, v, v_bits, k_bits, in_set, *, page_size, v_group, raw_dtype):
         n = [int((kb == b).sum()) for b in K_BITS]
         perms.append(perm)
         counts.append(n)
-        kh = k[h][:, perm]
+        kh = k[h][:, perm.to(dev)]
         for i, vb in enumerate(V_BITS):
             table.append(n + k_sections(n, P) + [0])
             tp = ((v_bits[h] == vb) & in_set[h]).nonzero().squeeze(1)
@@ -34,8 +34,8 @@ def _pack_ref(k, v, v_bits, k_bits, in_set, *, page_size, v_group, raw_dtype):
             if not npg:
                 continue
             idx = torch.cat([tp, tp[-1:].expand(npg * P - tp.numel())])
-            xk = kh[idx].reshape(npg, P, d)
-            xv = v[h][idx].reshape(npg, P, d)
+            xk = kh[idx.to(dev)].reshape(npg, P, d)
+            xv = v[h][idx.to(dev)].reshape(npg, P, d)
             img = pack_pages(xk, xv, n, vb, v_group, raw_dtype)
             imgs.append(img.reshape(-1))
             offs += [off + j * img.shape[1] for j in range(npg)]
@@ -74,13 +74,18 @@ CASES = [
 ]
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("raw_dtype", [torch.bfloat16, torch.float16])
-def test_pack_writes_the_reference_pages_bit_for_bit(case, raw_dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_writes_the_reference_pages_bit_for_bit(case, raw_dtype, device):
     k, v, vb, kb, in_set = _inputs(**case)
+    k, v = k.to(device), v.to(device)  # the lists stay on the host, as repack passes them
     kw = dict(page_size=32, v_group=32, raw_dtype=raw_dtype)
     got, ref = zone_a.pack(k, v, vb, kb, in_set, **kw), _pack_ref(k, v, vb, kb, in_set, **kw)
-    assert torch.equal(got.img, ref.img)
+    assert got.img.device == k.device and torch.equal(got.img, ref.img)
     for name in ("page_off", "page_tok", "pages", "k_table", "perm"):
         a, b = getattr(got, name), getattr(ref, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
