@@ -125,3 +125,12 @@ def test_pack_layers_packs_each_layer_as_the_reference_does():
         for name in ("page_off", "page_tok", "pages", "k_table", "perm"):
             assert torch.equal(getattr(z, name), getattr(ref, name)), name
         assert z.k_counts == ref.k_counts
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 64])
+def test_pack_at_other_page_sizes_writes_the_reference_pages(page_size):
+    k, v, vb, kb, in_set = _inputs(20 + page_size, 2, 173, 64)
+    kw = dict(page_size=page_size, v_group=16, raw_dtype=torch.float16)
+    got, ref = zone_a.pack(k, v, vb, kb, in_set, **kw), _pack_ref(k, v, vb, kb, in_set, **kw)
+    assert torch.equal(got.img, ref.img) and torch.equal(got.page_off, ref.page_off)
+    assert torch.equal(got.page_tok, ref.page_tok) and torch.equal(got.k_table, ref.k_table)

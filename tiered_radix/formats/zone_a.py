@@ -80,11 +80,19 @@ def _v_sizes(P: int, d: int, v_group: int) -> Tensor:
     return torch.tensor([v_sections(b, P, d, v_group)[3] for b in V_BITS])
 
 
-def _scatter(out: Tensor, base: Tensor, rows: Tensor) -> None:
-    """``out[base[i] + j] = rows[i, j]`` (uint8 ``rows [M, n]``, host ``base [M]``)."""
-    if rows.numel():
-        dst = base.to(out.device)[:, None] + torch.arange(rows.shape[1], device=out.device)
-        out[dst.flatten()] = rows.reshape(-1)
+_WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _scatter(out: Tensor, base: Tensor, rows: Tensor, stride: int = 16) -> None:
+    """``out[base[i] + j] = rows[i, j]`` (uint8 ``rows [M, n]``, host ``base [M]``, each a
+    multiple of 16 plus a multiple of ``stride``), in the widest words that divide both ``n``
+    and ``stride`` (a quarter of the index for 4-byte words)."""
+    if not rows.numel():
+        return
+    w = next(w for w in _WORDS if rows.shape[1] % w == 0 and stride % w == 0)
+    o, r = out.view(_WORDS[w]), rows.contiguous().view(_WORDS[w])
+    dst = (base // w).to(out.device)[:, None] + torch.arange(r.shape[1], device=out.device)
+    o[dst.flatten()] = r.reshape(-1)
 
 
 def _bytes(x: Tensor) -> Tensor:
@@ -206,13 +214,13 @@ def _fill(out, xk, xv, ph, pv, page_off, perm, kb, ks, rank, v_group, raw_dtype)
         at = base[rows] + ks[hh, j] + rk[rows] * (P * b // 8)
         x = kt[rows.to(dev)]
         if b == 16:
-            _scatter(out, at, _bytes(x.to(raw_dtype)))
+            _scatter(out, at, _bytes(x.to(raw_dtype)), P * b // 8)
             continue
         q = codecs.quantize(x, b, P)
-        _scatter(out, at, q.codes)
+        _scatter(out, at, q.codes, P * b // 8)
         pg = base[rows] + 2 * (q_before[rows, j] + rk[rows])
-        _scatter(out, pg + ks[hh, 4], _bytes(q.scale))
-        _scatter(out, pg + ks[hh, 5], _bytes(q.lo))
+        _scatter(out, pg + ks[hh, 4], _bytes(q.scale), 2)
+        _scatter(out, pg + ks[hh, 5], _bytes(q.lo), 2)
     vo = page_off + ks[ph, 6]
     for i, b in enumerate(V_BITS):
         pages = (pv == i).nonzero().squeeze(1)
