@@ -46,6 +46,7 @@ FUNCS = [  # (module, class or None, attribute): host work listed per function
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_repack"),
     ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "read_request"),
     ("tiered_radix.formats.zone_a", None, "pack"),
+    ("tiered_radix.formats.zone_a", None, "pack_layers"),
     ("tiered_radix.adapters.sglang.zones", "ZoneStore", "put"),
     ("tiered_radix.engine.planner", None, "plan_route"),
     ("tiered_radix.engine.store", "PendingRoutes", "land"),

@@ -52,6 +52,9 @@ from .sizing import PoolBlocks, block_id_dtype, plan_blocks, pool_bytes, table_k
 from .zones import ZoneFullError, ZoneStore
 
 log = logging.getLogger(__name__)
+# float32 K/V bytes one Zone A pack reads at once (repack): the layers of a request are packed
+# together (one pass, not one a layer) up to this, so a long request stays in a bounded copy
+_PACK_BYTES = 1 << 30
 
 
 def _check(ok: Tensor, what: str) -> None:
@@ -579,15 +582,20 @@ class TieredKVPool(MHATokenToKVPool):
         request the scheduler runs): the request keeps reading what it held (its rows at full
         precision, or its last routing's pages) while its engine counts the decided bytes, and
         :attr:`zone_full` counts it (``zone_full_routings`` in the stats)."""
-        packed, kept = [], []
+        packed = []
         host = _on_host(decided)  # page lists are built on the host: one copy, not 3 a layer
-        for li, (vb, kb, in_set) in enumerate(host):
-            k, v, _ = self.read_request(rid, li + self.start_layer, windows, n_tokens)
-            packed.append(zone_a.pack(
-                k, v, vb, kb, in_set, page_size=self.layout.window, v_group=self.v_group,
-                raw_dtype=self.dtype,
-            ))  # fmt: skip
-            kept.append(decided[li][0] > 0)  # on the device, as the decode lists read it
+        H, d = self.head_num, self.head_dim
+        group = max(1, _PACK_BYTES // (8 * H * max(n_tokens, 1) * d))  # layers a pack
+        for l0 in range(0, len(host), group):
+            part = host[l0 : l0 + group]
+            kv = [self.read_request(rid, li + self.start_layer, windows, n_tokens)[:2]
+                  for li in range(l0, l0 + len(part))]  # fmt: skip
+            vb, kb, in_set = (torch.stack(x) for x in zip(*part, strict=True))
+            packed += zone_a.pack_layers(
+                [k for k, _ in kv], [v for _, v in kv], vb, kb, in_set,
+                page_size=self.layout.window, v_group=self.v_group, raw_dtype=self.dtype,
+            )  # fmt: skip
+        kept = [d[0] > 0 for d in decided]  # on the device, as the decode lists read it
         try:
             self.zones.put(rid, packed, n_tokens, kept)
         except ZoneFullError as err:

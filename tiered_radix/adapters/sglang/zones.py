@@ -91,18 +91,33 @@ class Placed:
     lists: PageLists
 
 
-def _lists(z: zone_a.ZoneA, base: int, n_tokens: int, kept: Tensor, dev) -> PageLists:
-    H = z.perm.shape[0]
-    tok = z.page_tok.to(dev)
-    in_page = torch.zeros(H, n_tokens, dtype=torch.bool, device=dev)
-    head = torch.repeat_interleave(torch.arange(H), z.pages.sum(1)).to(dev)  # page -> head
-    valid = tok >= 0
-    in_page[head[:, None].expand_as(tok)[valid], tok[valid]] = True
-    return PageLists(
-        off=(z.page_off + base).to(dev), ntok=valid.sum(1).to(torch.int32), tok=tok,
-        counts=z.pages.flatten().to(dev), k_table=z.k_table.to(dev),
-        perm=z.perm.to(device=dev, dtype=torch.int32), rows=kept.to(dev) & ~in_page,
-    )  # fmt: skip
+def _lists(zones: list[zone_a.ZoneA], offs: list[int], n_tokens: int, kept: list[Tensor],
+           dev) -> list[PageLists]:  # fmt: skip
+    """Every placed layer's decode lists, built at once: one host-to-device copy per field,
+    the tokens in a page marked with one index write (padding to a spare column: no mask,
+    so no device wait)."""
+    L, H = len(zones), zones[0].perm.shape[0]
+    n = [z.page_off.numel() for z in zones]
+    npg = torch.tensor(n)
+    pages = torch.stack([z.pages for z in zones])  # [L, H, 4]
+    base = torch.repeat_interleave(torch.tensor(offs, dtype=torch.long), npg)
+    off = (torch.cat([z.page_off for z in zones]) + base).to(dev)
+    tok = torch.cat([z.page_tok for z in zones]).to(dev)
+    row = torch.repeat_interleave(torch.arange(L * H), pages.sum(2).flatten()).to(dev)
+    in_page = torch.zeros(L * H, n_tokens + 1, dtype=torch.bool, device=dev)
+    in_page[row[:, None].expand_as(tok), torch.where(tok >= 0, tok, n_tokens)] = True
+    rows = torch.stack(kept).to(dev) & ~in_page[:, :n_tokens].reshape(L, H, n_tokens)
+    ntok = (tok >= 0).sum(1).to(torch.int32)
+    counts = pages.reshape(L, H * 4).to(dev)
+    k_table = torch.stack([z.k_table for z in zones]).to(dev)
+    perm = torch.stack([z.perm for z in zones]).to(device=dev, dtype=torch.int32)
+    out, p = [], 0
+    for li in range(L):
+        s = slice(p, p + n[li])
+        out.append(PageLists(off=off[s], ntok=ntok[s], tok=tok[s], counts=counts[li],
+                             k_table=k_table[li], perm=perm[li], rows=rows[li]))  # fmt: skip
+        p += n[li]
+    return out
 
 
 class ZoneStore:
@@ -151,9 +166,10 @@ class ZoneStore:
             if z.nbytes:
                 self.bytes_all[li, off : off + z.nbytes] = z.img.to(self.bytes_all.device)
         dev = self.bytes_all.device
+        lists = _lists(zones, offs, n_tokens, kept, dev) if zones else []
         self.placed[rid] = [
-            Placed(z, off, n_tokens, k, _lists(z, off, n_tokens, k, dev))
-            for z, off, k in zip(zones, offs, kept, strict=True)
+            Placed(z, off, n_tokens, k, ls)
+            for z, off, k, ls in zip(zones, offs, kept, lists, strict=True)
         ]
 
     def drop(self, rid: str) -> None:
