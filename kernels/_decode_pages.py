@@ -26,6 +26,26 @@ from tiered_radix.kernels._decode_common import (
 
 
 @triton.jit
+def _attend_page(
+    s, m, l_i, acc, arena8, arena16, arenadt, v_base, tm, t, g, pid, page_unit_ptr, score_ptr, G,
+    DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    MASS: tl.constexpr, IL: tl.constexpr,
+):  # fmt: skip
+    """A general page's V (VB bits at v_base, tokens tm) folded into the online softmax over its
+    masked logits s [G_PAD, P]; with MASS its side output: one log2-sum-exp2 per head where the
+    page is one unit, its logits per token where it is not. The tail of every general-page
+    loop (sections, gathered K, K blocks)."""
+    v = _v_page(arena8, arena16, arenadt, v_base, tm, DT, VB, VG, D, P, IL)
+    m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
+    if MASS:
+        unit = tl.load(page_unit_ptr + pid)
+        gm2 = g < G
+        _store_lse(score_ptr, pid * P, m, p, g, gm2 & _bcast(unit >= 0, g), G)
+        _store_logits(score_ptr, pid * P + t, s, tm & _bcast(unit < 0, t), g, gm2, G)
+    return m, l_i, acc
+
+
+@triton.jit
 def _pages(
     m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt, page_off_ptr,
     page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
@@ -88,13 +108,9 @@ def _pages(
             s = _k_section(s, q_ptr, perm_row, q_row, gm, nq, n16, arena8, arena16, arenadt,
                            base, o16, o_sc, o_lo, DT, 16, D, G_PAD, P, IL)  # fmt: skip
         s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
-        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, IL)
-        m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
-        if MASS:
-            unit = tl.load(page_unit_ptr + pid)
-            gm2 = g < G
-            _store_lse(score_ptr, pid * P, m, p, g, gm2 & _bcast(unit >= 0, g), G)
-            _store_logits(score_ptr, pid * P + t, s, tm & _bcast(unit < 0, t), g, gm2, G)
+        m, l_i, acc = _attend_page(s, m, l_i, acc, arena8, arena16, arenadt, base + k_bytes, tm,
+                                   t, g, pid, page_unit_ptr, score_ptr, G, DT, VB, VG, D, P,
+                                   MASS, IL)  # fmt: skip
     return m, l_i, acc
 
 
@@ -204,13 +220,9 @@ def _pages_g(
                       P)  # fmt: skip
         s = tl.dot(qp, k.to(DT)) * qk_scale
         s = tl.where(tm[None, :], s, float("-inf"))
-        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, IL)
-        m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
-        if MASS:
-            unit = tl.load(page_unit_ptr + pid)
-            gm2 = g < G
-            _store_lse(score_ptr, pid * P, m, p, g, gm2 & _bcast(unit >= 0, g), G)
-            _store_logits(score_ptr, pid * P + t, s, tm & _bcast(unit < 0, t), g, gm2, G)
+        m, l_i, acc = _attend_page(s, m, l_i, acc, arena8, arena16, arenadt, base + k_bytes, tm,
+                                   t, g, pid, page_unit_ptr, score_ptr, G, DT, VB, VG, D, P,
+                                   MASS, IL)  # fmt: skip
     return m, l_i, acc
 
 
@@ -334,11 +346,7 @@ def _pages_b(
             s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2 + n4 + n8, n16, arena8, arena16,
                           arenadt, base, o16, o_sc, o_lo, DT, 16, KC, G_PAD, P, IL)  # fmt: skip
         s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
-        v = _v_page(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, IL)
-        m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
-        if MASS:
-            unit = tl.load(page_unit_ptr + pid)
-            gm2 = g < G
-            _store_lse(score_ptr, pid * P, m, p, g, gm2 & _bcast(unit >= 0, g), G)
-            _store_logits(score_ptr, pid * P + t, s, tm & _bcast(unit < 0, t), g, gm2, G)
+        m, l_i, acc = _attend_page(s, m, l_i, acc, arena8, arena16, arenadt, base + k_bytes, tm,
+                                   t, g, pid, page_unit_ptr, score_ptr, G, DT, VB, VG, D, P,
+                                   MASS, IL)  # fmt: skip
     return m, l_i, acc
