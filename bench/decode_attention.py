@@ -78,7 +78,10 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
     ],
     "rdkv": [  # GPU run 16: gather 1.36x / 1.12x the default, the other gather rows slower
         ("", {}, (64, 128)),
-        # Zone A's uniform path (k_path="blocks"); _blocks_r128 is the SGLang adapter's plan
+        # Zone A's uniform path (k_path="blocks", blocks of 32 channels unless said);
+        # _blocks_r128 is the SGLang adapter's plan. GPU run 17: blocks of 16 with interleave
+        # unpacking were wrong (max |diff| 0.075; plan() refuses them on CUDA since), the
+        # 32-channel row the fastest (1.080 ms at Llama 128K x 8)
         ("_blocks_r128", {"k_path": "blocks", "max_regs": 128}, (64, 128)),
         ("_gather", {"k_path": "gather"}, (64, 128)),
         ("_blocks", {"k_path": "blocks"}, (64, 128)),
@@ -86,11 +89,10 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
          (64, 128)),
         ("_blocks_l2_r128", {"k_path": "blocks", "page_prefetch": "l2", "max_regs": 128},
          (64, 128)),
-        # shift unpacking: the fallback if tl.interleave of [16, 8]-byte blocks is miscompiled
-        # on sm_90 as [D, 4/8]-byte rows were at 16-token pages (GPU runs 6-7)
         ("_blocks_shift_r128", {"k_path": "blocks", "unpack": "shift", "max_regs": 128},
          (64, 128)),
-        ("_blocks32_r128", {"k_path": "blocks", "k_block": 32, "max_regs": 128}, (64, 128)),
+        # blocks of 16 channels: shift unpacking on CUDA (run 17: 1.216 ms)
+        ("_blocks16_r128", {"k_path": "blocks", "k_block": 16, "max_regs": 128}, (64, 128)),
         # num_stages 1: Triton's pipeliner off for the per-width block loops
         ("_blocks_st1_r128", {"k_path": "blocks", "num_stages": 1, "max_regs": 128}, (64, 128)),
     ],

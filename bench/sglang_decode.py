@@ -3,12 +3,15 @@
 Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`` at a time:
 
 - ``plain``: SGLang 0.5.17 with its Triton attention backend, bf16 KV, CUDA graphs on;
-- ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), decode CUDA graphs on;
+- ``tiered``: ``kv_policy=POLICY`` (default qevict at its 10% budget), decode CUDA graphs on,
+  the launch's defaults (SGLang's overlap scheduler on since GPU run 17; through run 17
+  ``tiered`` ran without it, as ``tiered_serial`` does now);
   ``--chunk N`` sets SGLang's ``chunked_prefill_size`` for every kind (plain too, so both
   prefill in the same chunks); without it each kind keeps SGLang's default (GPU run 15 and
   earlier ran the tiered kinds at 2,048 and plain at SGLang's default);
-- ``tiered_overlap``: ``tiered`` with SGLang's overlap scheduler on (``kv_overlap=True``;
-  ``tiered``, like every run before GPU run 12, runs without it);
+- ``tiered_serial``: ``tiered`` without the overlap scheduler (``kv_overlap=False``);
+- ``tiered_overlap``: ``tiered`` with ``kv_overlap=True`` said (the default now; runs 12-17
+  compared it with the serial ``tiered``);
 - ``plain_serial``: ``plain`` without the overlap scheduler (``disable_overlap_schedule``);
 - ``tiered_eager``: the same with CUDA graphs off (what every run before GPU run 8 measured);
 - ``tiered_step``: ``tiered`` observing each replayed step's attention on the host
@@ -117,7 +120,7 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
     kw = _engine_kwargs(kind, a, a.context)
     if kind.startswith("tiered"):
         kw.update(kv_stats=str(stats), kv_device_times=True)  # two CUDA events a replay
-        kw["kv_overlap"] = kind == "tiered_overlap"
+        kw["kv_overlap"] = kind != "tiered_serial"
         # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
         kw["kv_observe"] = "step" if kind == "tiered_step" else "fold"
         if a.profile:  # a window of decode steps (.profile)
@@ -336,7 +339,7 @@ def main() -> None:
             print(kind, "FAILED", repr(e)[:2000], flush=True)
         Path(a.out, "sglang_decode.json").write_text(json.dumps(res, indent=1))
     by = {r["kind"]: r for r in res["runs"] if "rows" in r}
-    for kind in ("tiered", "tiered_overlap", "tiered_step", "tiered_eager"):
+    for kind in ("tiered", "tiered_serial", "tiered_overlap", "tiered_step", "tiered_eager"):
         if {"plain", kind} <= by.keys():
             for pr, tr in zip(by["plain"]["rows"], by[kind]["rows"], strict=False):
                 tr["ratio_vs_plain"] = tr["decode_ms_per_token"] / pr["decode_ms_per_token"]

@@ -72,7 +72,7 @@ class DecodePlan:
     max_regs: int | None = None
     # k_path="blocks": channels a K block (16 or 32) and the next page's prefetch ("l1", "l2",
     # "none"; always "none" under the CPU interpreter, which has no inline PTX)
-    k_block: int = 16
+    k_block: int = 32
     page_prefetch: str = "l1"
 
 
@@ -83,22 +83,37 @@ def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16)
     return int(max(1, min(want, cap, 128)))
 
 
-# tl.interleave unpacking of pages under 32 tokens (K rows of 4 or 8 bytes) is miscompiled on
-# the H200 under Triton 3.6: wrong outputs from 5 tests at page_size 16, all right with
-# shift-and-reshape unpacking and under the interpreter (GPU runs 6 and 7, bench/decode_notes.md).
+# tl.interleave unpacking is miscompiled on the H200 under Triton 3.6 in two shapes, both right
+# with shift-and-reshape unpacking and under the interpreter (bench/decode_notes.md):
+# - pages under 32 tokens (K rows of 4 or 8 bytes): wrong outputs from 5 tests at page_size 16
+#   (GPU runs 6 and 7);
+# - k_path="blocks" with blocks of 16 channels: max |diff| 0.075 against the section path at
+#   Llama-3-8B 128K x 8, pages of 32 (GPU run 17); blocks of 32 channels: 2.4e-4.
 IL_MIN_PAGE_CUDA = 32
+IL_MIN_K_BLOCK_CUDA = 32
 
 
-def _unpack(unpack: str | None, layout: TriZoneLayout) -> str:
-    small_cuda = layout.k_pool.device.type == "cuda" and layout.page_size < IL_MIN_PAGE_CUDA
+def _unpack(unpack: str | None, device_type: str, page_size: int, has_pages: bool,
+            k_path: str, k_block: int) -> str:  # fmt: skip
+    """The sub-byte unpacking for a plan: ``unpack`` if given and safe, else interleave where
+    it compiles right, shift where it does not (see above)."""
+    cuda = device_type == "cuda"
+    small_page = cuda and page_size < IL_MIN_PAGE_CUDA
+    small_block = cuda and k_path == "blocks" and k_block < IL_MIN_K_BLOCK_CUDA
     if unpack is None:
-        return "shift" if small_cuda else "interleave"
+        return "shift" if small_page or small_block else "interleave"
     if unpack not in ("interleave", "shift"):
         raise DecodeInputError(f"unpack={unpack!r}: use 'interleave' or 'shift'")
-    if unpack == "interleave" and small_cuda and layout.page_ids.numel():
+    if unpack == "interleave" and has_pages and small_page:
         raise DecodeInputError(
-            f"unpack='interleave' with {layout.page_size}-token pages gives wrong results on CUDA "
+            f"unpack='interleave' with {page_size}-token pages gives wrong results on CUDA "
             f"(Triton 3.6, sm_90); use unpack='shift' or pages of >= {IL_MIN_PAGE_CUDA} tokens"
+        )
+    if unpack == "interleave" and has_pages and small_block:
+        raise DecodeInputError(
+            f"unpack='interleave' with k_path='blocks' and k_block={k_block} gives wrong "
+            f"results on CUDA (Triton 3.6, sm_90); use unpack='shift' or k_block="
+            f"{IL_MIN_K_BLOCK_CUDA}"
         )
     return unpack
 
@@ -122,7 +137,7 @@ def plan(
     num_stages: int | None = None,
     g_pad: int | None = None,
     max_regs: int | None = None,
-    k_block: int = 16,
+    k_block: int = 32,
     page_prefetch: str = "l1",
 ) -> DecodePlan:
     """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
@@ -136,8 +151,9 @@ def plan(
     general page path, as for per-channel K).  GPU run 3 found it failing to compile under Triton
     3.6 (fixed since, bench/decode_notes.md); bench/compile_check.py compiles every config.
     unpack: ``"interleave"`` or ``"shift"`` (see :class:`DecodePlan`); default
-    interleave, but shift on CUDA for pages under :data:`IL_MIN_PAGE_CUDA` tokens, where
-    interleave is refused.
+    interleave, but shift on CUDA for pages under :data:`IL_MIN_PAGE_CUDA` tokens and for
+    ``k_path="blocks"`` with blocks under :data:`IL_MIN_K_BLOCK_CUDA` channels, where
+    interleave is refused (miscompiled by Triton 3.6 on sm_90).
     k_path: how general pages (per-channel K widths, RDKV) read K: ``"sections"`` (default: one
     masked [D, P] pass per K width present, channel counts known at run time) or ``"gather"``
     (one [D, P] tile a page, each (channel, token) code gathered from its 32-bit word; the
@@ -164,7 +180,8 @@ def plan(
         raise DecodeInputError(f"page_prefetch={page_prefetch!r}: use 'l1', 'l2' or 'none'")
     if prefetch not in ("manual", "pipeliner"):
         raise DecodeInputError(f"prefetch={prefetch!r}: use 'manual' or 'pipeliner'")
-    unpack = _unpack(unpack, layout)
+    unpack = _unpack(unpack, layout.k_pool.device.type, layout.page_size,
+                     bool(layout.page_ids.numel()), k_path, k_block)  # fmt: skip
     hkv, d = layout.num_kv_heads, layout.head_dim
     if num_q_heads % hkv:
         raise DecodeInputError(f"num_q_heads={num_q_heads} is not a multiple of H_kv={hkv}")

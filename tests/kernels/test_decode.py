@@ -129,6 +129,7 @@ VARIANTS = {
         k_path="gather", prefetch="pipeliner", num_stages=8, num_warps=8, max_regs=128
     ),
     "k_blocks": dict(k_path="blocks"),
+    "k_blocks_16": dict(k_path="blocks", k_block=16),
     "k_blocks_32_w2": dict(k_path="blocks", k_block=32, num_warps=2),
     "k_blocks_shift_r128": dict(k_path="blocks", unpack="shift", max_regs=128),
     "pipeliner_st3": dict(prefetch="pipeliner", num_stages=3),
@@ -386,25 +387,40 @@ def test_plan_errors():
         decode.plan(lay, num_q_heads=2, g_pad=6)
 
 
-def test_default_unpack_on_cuda_shifts_small_pages():
-    """tl.interleave unpacking is miscompiled on the H200 at 16-token pages (GPU runs 6 and 7):
-    there the default is the shift unpacking and an explicit interleave is refused; rows-only
-    layouts, larger pages and the CPU keep interleave."""
-    from types import SimpleNamespace
+def test_default_unpack_on_cuda_shifts_where_interleave_is_miscompiled():
+    """tl.interleave unpacking is miscompiled on the H200 at 16-token pages (GPU runs 6 and 7)
+    and on k_path="blocks" with 16-channel blocks (GPU run 17): there the default is the shift
+    unpacking and an explicit interleave is refused; rows-only layouts, larger pages and blocks,
+    the other K paths and the CPU keep interleave."""
 
-    def layout(device: str, page: int, pages: int = 3):
-        pool = SimpleNamespace(device=torch.device(device))
-        return SimpleNamespace(k_pool=pool, page_ids=torch.zeros(pages), page_size=page)
+    def unpack(value, device, page, pages=3, k_path="sections", k_block=32):
+        return decode._unpack(value, device, page, pages > 0, k_path, k_block)
 
-    assert decode._unpack(None, layout("cuda", 16)) == "shift"
-    assert decode._unpack(None, layout("cuda", 32)) == "interleave"
-    assert decode._unpack(None, layout("cpu", 16)) == "interleave"
-    assert decode._unpack("shift", layout("cuda", 64)) == "shift"
-    assert decode._unpack("interleave", layout("cuda", 16, pages=0)) == "interleave"
+    assert unpack(None, "cuda", 16) == "shift"
+    assert unpack(None, "cuda", 32) == "interleave"
+    assert unpack(None, "cpu", 16) == "interleave"
+    assert unpack("shift", "cuda", 64) == "shift"
+    assert unpack("interleave", "cuda", 16, pages=0) == "interleave"
+    assert unpack(None, "cuda", 32, k_path="blocks", k_block=16) == "shift"
+    assert unpack(None, "cuda", 32, k_path="blocks", k_block=32) == "interleave"
+    assert unpack(None, "cuda", 32, k_path="sections", k_block=16) == "interleave"
+    assert unpack(None, "cpu", 32, k_path="blocks", k_block=16) == "interleave"
     with pytest.raises(decode.DecodeInputError, match="16-token pages gives wrong results"):
-        decode._unpack("interleave", layout("cuda", 16))
+        unpack("interleave", "cuda", 16)
+    with pytest.raises(decode.DecodeInputError, match="k_block=16 gives wrong results"):
+        unpack("interleave", "cuda", 32, k_path="blocks", k_block=16)
     with pytest.raises(decode.DecodeInputError, match="use 'interleave' or 'shift'"):
-        decode._unpack("bytes", layout("cpu", 32))
+        unpack("bytes", "cpu", 32)
+
+
+def test_blocks_default_to_32_channels():
+    """k_path="blocks" plans blocks of 32 channels unless told (the fastest blocks row and
+    right on the H200 with interleave unpacking: GPU run 17)."""
+    q, k, v, tp = make_case(5, [40], 1, 2, 64, torch.float16, [2, 16], None, None, 1)
+    lay = build_trizone(k, v, tp, page_size=32)
+    p = decode.plan(lay, num_q_heads=2, k_path="blocks")
+    assert (p.k_block, p.unpack) == (32, "interleave")
+    assert decode.plan(lay, num_q_heads=2, k_path="blocks", k_block=16).k_block == 16
 
 
 def test_side_output_off_and_accumulates():

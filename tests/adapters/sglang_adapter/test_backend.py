@@ -47,16 +47,19 @@ class Harness:
     """A scheduler stand-in: allocates slots, builds forward batches, runs every layer."""
 
     def __init__(
-        self, q_heads: slice = slice(0, HQ), tp_group=None, options: KVOptions | None = None, **sim
-    ) -> None:
+        self, q_heads: slice = slice(0, HQ), tp_group=None, options: KVOptions | None = None,
+        overlap_schedule: bool = False, **sim,
+    ) -> None:  # fmt: skip
         """``q_heads`` of the model's ``HQ`` query heads (a tensor-parallel rank's slice, with
         ``kv_heads=`` for the Sim and SGLang's ``tp_group`` stand-in); ``options`` the launch's
-        ``--kv-*`` flags, for the pool and the backend."""
+        ``--kv-*`` flags, for the pool and the backend; ``overlap_schedule``: SGLang's overlap
+        scheduler runs (its server args say so; the harness steps in either order)."""
         self.sim = Sim(**({"pages": 60} | sim), options=options)
         context = SimpleNamespace(context_len=self.sim.r2t.req_to_token.shape[1])
         runner = SimpleNamespace(
-            token_to_kv_pool=self.sim.pool, tp_group=tp_group, model_config=context
-        )
+            token_to_kv_pool=self.sim.pool, tp_group=tp_group, model_config=context,
+            server_args=SimpleNamespace(disable_overlap_schedule=not overlap_schedule),
+        )  # fmt: skip
         kv = sim.get("kv")  # a launch's policy set: the backend computes what any reads
         self.backend = TieredAttnBackend(runner, options, kv.served().policies if kv else None)
         g = torch.Generator().manual_seed(11)

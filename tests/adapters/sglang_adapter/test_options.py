@@ -42,5 +42,7 @@ def test_flags_and_keywords_build_the_same_options():
     assert KVOptions.from_args(kwargs, pop=True) == want and kwargs == {"model_path": "m"}
     assert KVOptions.from_dict(want.to_dict()) == want
     assert KVOptions.from_args(vars(p.parse_args([]))) == KVOptions()  # unset: the defaults
+    assert KVOptions().overlap and not KVOptions.from_args(
+        vars(p.parse_args(["--no-kv-overlap"]))).overlap  # fmt: skip
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-extend", "flash"])

@@ -89,21 +89,25 @@ def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, 
                                                                       decode_graphs):  # fmt: skip
     """Windows the TriZone kernel pages (qevict's 32) keep SGLang's decode CUDA graphs; token
     units (full) decode through PyTorch gathers, which a graph cannot hold. Prefill graphs are
-    always off, and so is the overlap scheduler (unless ``--kv-overlap``)."""
+    always off; the overlap scheduler stays on (``--no-kv-overlap`` turns it off)."""
     args = prepare_server_args([*BARE, "--kv-policy", policy])
     assert args.disable_decode_cuda_graph is not decode_graphs
-    assert args.disable_prefill_cuda_graph and args.disable_overlap_schedule
+    assert args.disable_prefill_cuda_graph and not args.disable_overlap_schedule
 
 
-def test_the_overlap_scheduler_is_off_unless_asked_for(baseline):
-    """``--kv-overlap`` (``kv_overlap=True``) leaves SGLang's overlap scheduler on (GPU run 12:
-    the same tokens, slower decode)."""
-    args = prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-overlap"])
-    assert not args.disable_overlap_schedule
-    assert config.current().options.overlap
-    assert not ServerArgs(model_path="dummy", kv_policy="qevict", kv_overlap=True
-                          ).disable_overlap_schedule  # fmt: skip
-    assert ServerArgs(model_path="dummy", kv_policy="qevict").disable_overlap_schedule
+def test_the_overlap_scheduler_is_on_unless_turned_off(baseline):
+    """SGLang's overlap scheduler stays on by default (GPU run 17: faster decode at batch 1 and
+    8); ``--no-kv-overlap`` (``kv_overlap=False``) turns it off, ``--kv-overlap`` says the
+    default, and a user's own ``--disable-overlap-schedule`` still holds."""
+    for flags, disabled, overlap in (([], False, True), (["--kv-overlap"], False, True),
+                                     (["--no-kv-overlap"], True, False),
+                                     (["--disable-overlap-schedule"], True, True)):  # fmt: skip
+        args = prepare_server_args([*BARE, "--kv-policy", "qevict", *flags])
+        assert args.disable_overlap_schedule is disabled, flags
+        assert config.current().options.overlap is overlap, flags
+    assert ServerArgs(model_path="dummy", kv_policy="qevict", kv_overlap=False
+                      ).disable_overlap_schedule  # fmt: skip
+    assert not ServerArgs(model_path="dummy", kv_policy="qevict").disable_overlap_schedule
 
 
 def test_kv_flags_become_one_options_object_in_spawned_processes(baseline, tmp_path):

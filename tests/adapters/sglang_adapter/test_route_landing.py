@@ -1,7 +1,7 @@
-"""Under ``--kv-overlap`` a decode step's routing is planned at once and lands (units and blocks
-move) at the next step's metadata, so the host never waits for the device when it routes: the
-step after it still reads the old tiers, and once it lands the tiers, owner states and bytes
-are those of the serial order's routing."""
+"""Under SGLang's overlap scheduler (``--kv-overlap``, the default) a decode step's routing is
+planned at once and lands (units and blocks move) at the next step's metadata, so the host never
+waits for the device when it routes: the step after it still reads the old tiers, and once it lands
+the tiers, owner states and bytes are those of the serial order's routing."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ require("sglang.srt.mem_cache.radix_cache")
 
 from test_backend import KERNEL_POLICY, Harness  # noqa: E402
 
-from tiered_radix.adapters.sglang.options import KVOptions  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
 
 POLICY = """
@@ -39,7 +38,7 @@ def tiers(h: Harness, rid: str) -> list[torch.Tensor]:
 
 
 def test_an_overlapped_routing_lands_one_step_late_as_the_serial_one():
-    serial, late = Harness(policy=POLICY), Harness(policy=POLICY, options=KVOptions(overlap=True))
+    serial, late = Harness(policy=POLICY), Harness(policy=POLICY, overlap_schedule=True)
     runs = []
     for h in (serial, late):
         req = h.start("a", list(range(1, 39)))
@@ -68,7 +67,7 @@ GRAPH_POLICY = KERNEL_POLICY.replace("after_prefill, every(3)", "every(2)")
 
 def _graph_harness(overlap: bool) -> Harness:
     h = Harness(policy=GRAPH_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
-                options=KVOptions(overlap=overlap))  # fmt: skip
+                overlap_schedule=overlap)  # fmt: skip
     h.backend.init_cuda_graph_state(2, 2)
     h.capture(2)
     return h

@@ -39,16 +39,16 @@ output is not observed per step: the graph's buffer sums the steps (with the sco
 and :meth:`fold_pending` hands them to the engines at once, before routing or a list rebuild.
 Batches over the buffers' capacity run eagerly.
 
-The overlap scheduler (``--kv-overlap``; off by default): SGLang prepares and
-launches step t+1 before it processes step t's tokens, so a request that finished at step t runs
-one more step (its token is dropped) and its view closes (``before_close`` -> :meth:`flush`)
-after step t+1 was launched. Other requests' steps, scores and routings are as in the serial
-order (each store is its own). A routing that lands one step late (``--kv-overlap``'s
+The overlap scheduler (on unless ``--no-kv-overlap`` or SGLang's ``--disable-overlap-schedule``):
+SGLang prepares and launches step t+1 before it processes step t's tokens, so a request that
+finished at step t runs one more step (its token is dropped) and its view closes (``before_close``
+-> :meth:`flush`) after step t+1 was launched. Other requests' steps, scores and routings are as in
+the serial order (each store is its own). A routing that lands one step late (``late_landing``'s
 ``landing``) drops the parts of requests whose view closed before it landed (finished, aborted,
-retracted, flushed): their windows stay at the states their close left. On the device every
-piece of work runs in the order the host issued it: SGLang's forward stream waits for its
-schedule stream before each forward, and the plugin's :func:`~.plugin.graph_execute` makes the
-schedule stream wait for the whole replay.
+retracted, flushed): their windows stay at the states their close left. On the device every piece of
+work runs in the order the host issued it: SGLang's forward stream waits for its schedule stream
+before each forward, and the plugin's :func:`~.plugin.graph_execute` makes the schedule stream wait
+for the whole replay.
 
 Tensor parallelism (``--tp N``): each rank's pool holds its ``H / N`` KV heads and each request's
 store is built with that rank's :class:`~tiered_radix.engine.shard.HeadShard` over SGLang's TP
@@ -260,6 +260,11 @@ class TieredAttnBackend(AttentionBackend):
         self.graph_bs: int | None = None  # the captured batch size this step runs at, if any
         self.pending = False  # a captured step's observe/route waits for flush()
         self.landing: tuple | None = None  # a routing planned, moving at the next flush()
+        # a decode routing lands one step late only where SGLang's overlap scheduler runs: not
+        # under --no-kv-overlap, a user's --disable-overlap-schedule or a runner without
+        # server args (a serial stand-in)
+        args = getattr(runner, "server_args", None)
+        self.late_landing = options.overlap and not getattr(args, "disable_overlap_schedule", True)
         self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
         self.pool_of: dict[str, int] = {}  # rid -> req_pool_idx, for the same
         self.replay_rids: list[str] | None = None  # the next replay's, from the plugin's hook
@@ -649,9 +654,9 @@ class TieredAttnBackend(AttentionBackend):
     # -- routing ---------------------------------------------------------------------------
     def _route_due(self) -> bool:
         """Route the batch's requests whose schedule is due; whether blocks moved now. Under
-        ``--kv-overlap`` a decode step's routing is planned and its masks computed now, and it
-        lands (units and blocks move) at the next :meth:`flush`, so the host does not wait for
-        the device here: the next step still reads the old tiers (it lands one step late)."""
+        SGLang's overlap scheduler a decode step's routing is planned and its masks computed
+        now, and it lands (units and blocks move) at the next :meth:`flush`, so the host does
+        not wait for the device here: the next step still reads the old tiers (one step late)."""
         self._land()
         alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
         self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
@@ -661,7 +666,7 @@ class TieredAttnBackend(AttentionBackend):
         # planned together (one pass over their stacked layers), then one pool move for all
         stores = [r.session.store for r, _ in due]
         pending = TierStore.begin_routes(stores, [why for _, why in due], prefill=self.extend)
-        if due and self.options.overlap and not self.extend:
+        if due and self.late_landing and not self.extend:
             self.landing = (due, pending)
             return False
         return self._moved(due, pending)

@@ -10,9 +10,11 @@ the environment.
 =====================  ==========================  ===============================================
 flag                   default                     what it selects
 =====================  ==========================  ===============================================
-``--kv-overlap``       off                         keep SGLang's overlap scheduler on (GPU run 12:
-                                                   same tokens, slower decode; docs/sglang.md);
-                                                   a decode routing lands one step late
+``--kv-overlap``       on                          SGLang's overlap scheduler (GPU run 17: decode
+                                                   3.67 / 5.72 ms a token at batch 1 / 8 against
+                                                   4.05 / 5.77 off; docs/sglang.md); a decode
+                                                   routing lands one step late.
+                                                   ``--no-kv-overlap``: the serial order
 ``--kv-decode``        ``kernel``                  decode attention: the TriZone kernel, or
                                                    ``gather`` (PyTorch over gathered rows)
 ``--kv-extend``        ``kernel`` CUDA, ``exact`` CPU  extend attention: the TriZone extend kernel
@@ -34,6 +36,7 @@ flag                   default                     what it selects
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -62,7 +65,7 @@ class KVOptions:
         OptionsError: a value outside its choices.
     """
 
-    overlap: bool = False
+    overlap: bool = True
     decode: str = "kernel"
     extend: str | None = None
     gather: str | None = None
@@ -120,7 +123,7 @@ class KVOptions:
 
 # (field, metavar or None for a switch, help) of every --kv-* option flag, in --help order
 FLAGS = (
-    ("overlap", None, "keep SGLang's overlap scheduler on (off by default: slower decode)"),
+    ("overlap", None, "SGLang's overlap scheduler (default on; --no-kv-overlap: serial order)"),
     ("decode", "{kernel,gather}", "decode attention: TriZone kernel (default) or PyTorch"),
     ("extend", "{kernel,sdpa,exact}", "extend attention (default: kernel on CUDA, exact on CPU)"),
     ("gather", "{live,all}", "extend reads live windows or all (default: all on CUDA)"),
@@ -134,12 +137,16 @@ FLAGS = (
 
 
 def add_flags(group) -> None:
-    """The ``--kv-*`` option flags on an argparse group (``None`` defaults: unset)."""
+    """The ``--kv-*`` option flags on an argparse group (``None`` defaults: unset). Switches
+    that default to on also take ``--no-kv-NAME``."""
     kinds = {"graph_tokens": int, "graph_splits": int}
     choices = {"decode": DECODE, "extend": EXTEND, "gather": GATHER, "observe": OBSERVE}
     for name, metavar, help_ in FLAGS:
         flag = "--kv-" + name.replace("_", "-")
-        if metavar is None:
+        if metavar is None and getattr(KVOptions, name):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_)  # fmt: skip
+        elif metavar is None:
             group.add_argument(flag, action="store_true", default=None, help=help_)
         else:
             group.add_argument(flag, default=None, metavar=metavar, type=kinds.get(name, str),

@@ -10,7 +10,7 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
 - ``ServerArgs.from_cli_args`` (AROUND): validates the policy (a :class:`PolicyError` prints
   ``file:line:col`` and exits with status 2, no traceback), selects ``--radix-cache-backend
   tiered``, ``--page-size W`` and ``--attention-backend tiered_triton`` (and turns prefill CUDA
-  graphs off, and the overlap scheduler unless ``--kv-overlap``), and exports the policy,
+  graphs off, and the overlap scheduler under ``--no-kv-overlap``), and exports the policy,
   budget and options to the processes SGLang spawns (:mod:`.config`);
 - ``ServerArgs.__init__`` (AROUND): the same for ``sglang.Engine(..., kv_policy=...)`` (and
   ``kv_budget=``, ``kv_decode=``, ... for the options), where a bad policy raises
@@ -126,8 +126,8 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
 
 # Extend gathers rows per request on the host between layers: no prefill CUDA graphs. Decode
 # graphs stay as the user has them (the backend captures them, :mod:`.graph`). The overlap
-# scheduler is off unless --kv-overlap: GPU run 12 served the same tokens with it but decoded
-# slower (6.64 ms a token at batch 1 against 3.53 serially; docs/sglang.md).
+# scheduler stays as the user has it unless --no-kv-overlap: GPU run 17 decoded faster with it
+# (3.67 / 5.72 ms a token at batch 1 / 8 against 4.05 / 5.77 serially; docs/sglang.md).
 def forced(options: KVOptions) -> dict:
     """ServerArgs fields every tiered launch sets, whatever the user gave."""
     out = {"disable_prefill_cuda_graph": True}
