@@ -50,7 +50,7 @@ FUNCS = [  # (module, class or None, attribute): host work listed per function
     ("tiered_radix.adapters.sglang.trizone", None, "extend_layer"),
     ("tiered_radix.kernels.extend", None, "run"),
     ("tiered_radix.kernels.extend", None, "signals"),
-    ("tiered_radix.kernels.extend", None, "chunk_qnorm"),
+    ("tiered_radix.kernels.extend", None, "qnorm_of"),
     ("tiered_radix.engine.store", "TierStore", "observe_layers"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_observe_extend"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_route_due"),
@@ -100,9 +100,11 @@ def _stubs(seed: int) -> None:
 
     gen = torch.Generator().manual_seed(seed)
 
-    def attn(args, kw):  # q, q_st, q_sh, out, o_st, o_sh, lse, ...
+    def attn(args, kw):  # q, q_st, q_sh, out, o_st, o_sh, lse, ..., qnorm_sq (position 25)
         args[3].zero_()
         args[6].zero_()
+        if kw["QNORM"]:
+            args[25].copy_(torch.rand(args[25].shape, generator=gen))
 
     def sig(args, kw):  # ..., colmass, obs, attn (positions 17-19)
         for on, x in zip(("COLMASS", "OBS", "LAST"), args[17:20], strict=True):

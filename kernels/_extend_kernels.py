@@ -78,14 +78,16 @@ def _page_kv(arena8, arena16, page_bytes, ent_blk, ent_win, e, ok, seq, D: tl.co
 def _extend_attn_kernel(
     q_ptr, q_st, q_sh, out_ptr, o_st, o_sh, lse_ptr, rows_k, rows_v, arena8, arena16, page_bytes,
     ent_blk, ent_win, n_rows, n_pages, list_stride, tile_b, tile_m, q_start, q_len, seq_len,
-    qk_scale, H_KV, G,
+    qk_scale, H_KV, G, qsq_ptr, qsq_sb,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     W: tl.constexpr, WPI: tl.constexpr, PPI: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr,
-    PAGES: tl.constexpr, IL: tl.constexpr,
+    PAGES: tl.constexpr, IL: tl.constexpr, QNORM: tl.constexpr,
 ):  # fmt: skip
     """One tile of BLOCK_M query tokens of one request x one KV head (all its query heads):
     online softmax over the request's page windows, then its row windows up to the tile's last
-    query (causal: key position <= query position); writes out and lse (log2, per query row)."""
+    query (causal: key position <= query position); writes out and lse (log2, per query row).
+    QNORM: also the tile's sum of q^2 per channel over its rows (float32 [D]) at
+    qsq[b, m0 // BLOCK_M, h] (row b at qsq_sb, then [tiles, H_KV, D] contiguous)."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_b + tile)
@@ -94,6 +96,10 @@ def _extend_attn_kernel(
     tq = tl.load(q_len + b)
     seq = tl.load(seq_len + b)
     q, tok, g, rok = _q_rows(q_ptr, q_st, q_sh, q0, m0, tq, h, G, D, G_PAD, BLOCK_M)
+    if QNORM:  # rows outside the tile's tokens and group load as 0
+        qf = q.to(tl.float32)
+        at = b.to(tl.int64) * qsq_sb + ((m0 // BLOCK_M) * H_KV + h) * D + tl.arange(0, D)
+        tl.store(qsq_ptr + at, tl.sum(qf * qf, 0))
     qd = q.to(DT)
     qpos = seq - tq + tok
     MR: tl.constexpr = BLOCK_M * G_PAD

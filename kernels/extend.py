@@ -9,10 +9,12 @@ in neither. The chunk's own K/V are already written to their windows' row blocks
 is the last row windows of every list.
 
 ``plan()`` once per batch (host lists of lengths: one host-to-device copy), ``run()`` per layer
-(one launch, varlen over the batch, causal within the chunk, no host sync), ``signals()`` per
-layer when the policy reads attention (a second launch over the same lists with ``run()``'s lse:
-``attn`` of the last query, ``obs_attn`` of the last :data:`OBS_WINDOW`, ``colmass`` of all),
-:func:`chunk_qnorm` a tensor op. :func:`extend_ref` is the PyTorch twin of ``run`` + ``signals``.
+(one launch, varlen over the batch, causal within the chunk, no host sync; with ``qnorm_sq`` it
+also writes each query tile's sum of squares per channel, which :func:`qnorm_of` turns into
+``qnorm``, e.g. once for every layer), ``signals()`` per layer when the policy reads attention
+(a second launch over the same lists with ``run()``'s lse: ``attn`` of the last query,
+``obs_attn`` of the last :data:`OBS_WINDOW`, ``colmass`` of all). :func:`extend_ref` is the
+PyTorch twin of ``run`` + ``signals``, :func:`chunk_qnorm` that of ``qnorm_of(qnorm_sq)``.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class ExtendPlan:
     block_m: int
     n_tiles: int
     t_max: int
+    tiles_max: int  # the most tiles of one request
     q_start: Tensor
     q_len: Tensor
     seq_len: Tensor
@@ -118,7 +121,8 @@ def plan(q_lens: list[int], seqs: list[int], group: int, device, block_m: int | 
     both = both.to(device, non_blocking=True)
     B, T = len(q_lens), len(tb)
     return ExtendPlan(
-        B, group, g_pad, bm, T, max(seqs), both[:B], both[B : 2 * B], both[2 * B : 3 * B],
+        B, group, g_pad, bm, T, max(seqs), -(-max(q_lens) // bm), both[:B], both[B : 2 * B],
+        both[2 * B : 3 * B],
         both[3 * B : 3 * B + T], both[3 * B + T :], tuple(q_lens), tuple(seqs),
     )  # fmt: skip
 
@@ -164,30 +168,56 @@ def _check(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, hkv: int) 
 def run(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, num_kv_heads: int, *,
         sm_scale: float, out: Tensor | None = None, lse: Tensor | None = None,
         wpi: int | None = None, ppi: int | None = None, num_warps: int | None = None,
-        unpack: str | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+        unpack: str | None = None,
+        qnorm_sq: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Attention of q ``[n, H_q, d]`` (``p``'s requests' new tokens) over their window lists;
     returns out ``[n, H_q, d]`` (q's dtype) and lse float32 ``[n, H_q]`` (log2 domain, for
     :func:`signals`). ``wpi``/``ppi``: row/page windows an iteration (default 64 tokens' worth /
     1 page); ``unpack``: ``"interleave"`` or ``"shift"`` (default: interleave, shift for pages
-    under 32 tokens on CUDA)."""
+    under 32 tokens on CUDA). ``qnorm_sq``: float32 ``[B, >= p.tiles_max, H_kv, d]`` (the last
+    three dims contiguous) that gets, at ``[b, j, h]``, the sum of q^2 per channel over request
+    ``b``'s ``j``-th tile of ``p.block_m`` tokens and KV group ``h``'s query heads; entries of
+    tiles a request does not have are left as they are (zero them: :func:`qnorm_of` sums them)."""
     _check(q, st, ls, p, num_kv_heads)
     n, hq, d = q.shape
     W = st.rows_k.shape[1]
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(n, hq, dtype=torch.float32, device=q.device) if lse is None else lse
+    if qnorm_sq is not None:
+        _check_qsq(qnorm_sq, p, num_kv_heads, d)
     pages = st.pages is not None and st.pages.numel() > 0
-    arena = st.pages.view(-1) if pages else st.rows_k.new_zeros(16, dtype=torch.uint8)
+    arena = _arena(st, pages)
     il = _il(unpack, q, W)
     _extend_attn_kernel[(p.n_tiles, num_kv_heads)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, st.rows_k, st.rows_v,
         arena, arena.view(torch.float16), st.pages.shape[1] if pages else 16, ls.blk, ls.win,
         ls.rows, ls.pages, ls.n_max, p.tile_b, p.tile_m, p.q_start, p.q_len, p.seq_len,
-        sm_scale * LOG2E, num_kv_heads, p.group,
+        sm_scale * LOG2E, num_kv_heads, p.group, lse if qnorm_sq is None else qnorm_sq,
+        0 if qnorm_sq is None else qnorm_sq.stride(0),
         DT=_dt(q), D=d, G_PAD=p.g_pad, BLOCK_M=p.block_m, W=W, WPI=wpi or max(1, 64 // W),
-        PPI=ppi or 1, VB=st.bits, VG=st.v_group, PAGES=pages, IL=il,
+        PPI=ppi or 1, VB=st.bits, VG=st.v_group, PAGES=pages, IL=il, QNORM=qnorm_sq is not None,
         num_warps=num_warps or (4 if d == 64 else 8), num_stages=2,
     )  # fmt: skip
     return out, lse
+
+
+def _check_qsq(x: Tensor, p: ExtendPlan, hkv: int, d: int) -> None:
+    B, T = p.batch, p.tiles_max
+    ok = x.dim() == 4 and x.shape[0] == B and x.shape[1] >= T and x.shape[2:] == (hkv, d)
+    if not (ok and x.dtype == torch.float32 and x.stride()[1:] == (hkv * d, d, 1)):
+        raise ExtendInputError(f"qnorm_sq must be float32 [{B}, >= {T}, {hkv}, {d}] with its "
+                               "last three dims contiguous")  # fmt: skip
+
+
+def _arena(st: LayerStore, pages: bool) -> Tensor:
+    """The page bytes, or (no pages: never read) a byte view of the rows, so no allocation."""
+    return st.pages.view(-1) if pages else st.rows_k.view(-1).view(torch.uint8)
+
+
+def qnorm_of(qnorm_sq: Tensor) -> Tensor:
+    """float32 ``[..., B, H_kv, d]``: ``qnorm`` (:func:`chunk_qnorm`) from :func:`run`'s
+    per-tile sums ``[..., B, tiles, H_kv, d]`` (any leading dims: every layer's at once)."""
+    return qnorm_sq.sum(-3).sqrt()
 
 
 def _il(unpack: str | None, q: Tensor, W: int) -> bool:
@@ -231,7 +261,7 @@ def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPl
     some = next(iter(into[n] for n in need))
     ptr = {n: into.get(n, some) for n in ("colmass", "obs_attn", "attn")}
     pages = st.pages is not None and st.pages.numel() > 0
-    arena = st.pages.view(-1) if pages else st.rows_k.new_zeros(16, dtype=torch.uint8)
+    arena = _arena(st, pages)
     wpi = max(1, 64 // W)
     tiles = -(-ls.n_max // wpi)
     _extend_signals_kernel[(p.batch * tiles, num_kv_heads)](

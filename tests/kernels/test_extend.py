@@ -90,7 +90,12 @@ def test_kernel_matches_its_twin(case, G):
     scale = 64**-0.5
     out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
     lse = torch.full(q.shape[:2], float("nan"), device=q.device)
-    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out, lse=lse)
+    qsq = torch.zeros(p.batch, p.tiles_max, 2, 64, device=q.device)
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out, lse=lse, qnorm_sq=qsq)
+    qnorm = extend.chunk_qnorm(q, p, 2)
+    torch.testing.assert_close(extend.qnorm_of(qsq), qnorm, rtol=1e-5, atol=1e-5)
+    out2, lse2 = extend.run(q, st, ls, p, 2, sm_scale=scale)  # the qnorm changes nothing else
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
     need = frozenset({"attn", "obs_attn", "colmass"})
     bufs = {n: torch.full((p.batch, 2, p.t_max + 3), float("nan"), device=q.device) for n in need}
     sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale, into=bufs)
@@ -141,9 +146,11 @@ def test_twin_and_kernel_match_attend_on_the_gathered_rows():
     q, st, ls, p, _ = make_batch([40, 3], [50, 29], G=2, seed=9)
     scale = 64**-0.5
     need = frozenset({"attn", "obs_attn", "colmass"})
-    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale)
+    qsq = torch.zeros(p.batch, p.tiles_max, 2, 64, device=q.device)
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, qnorm_sq=qsq)
     sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale)
     qn = extend.chunk_qnorm(q, p, 2)
+    torch.testing.assert_close(extend.qnorm_of(qsq), qn, rtol=1e-5, atol=1e-5)
     q0 = 0
     for b, (tq, seq) in enumerate(zip(p.q_lens, p.seqs, strict=True)):
         kv = [extend.gather_kv(st, ls, b, h, 2, seq) for h in range(2)]
@@ -175,6 +182,8 @@ def test_bad_inputs_are_refused():
         extend.plan([5], [4], 2, "cpu")
     with pytest.raises(extend.ExtendInputError, match="lists for"):
         extend.run(q, st, ls, extend.plan([20], [20], 4, q.device), 1, sm_scale=1.0)
+    with pytest.raises(extend.ExtendInputError, match="qnorm_sq"):
+        extend.run(q, st, ls, p, 2, sm_scale=1.0, qnorm_sq=torch.zeros(1, 1, 2, 32))
 
 
 @pytest.mark.parametrize("block_m, ppi, unpack", [(32, 1, None), (16, 2, None), (16, 1, "shift")])
@@ -183,7 +192,13 @@ def test_tile_variants_match_the_twin(block_m, ppi, unpack):
     unpacking that 16-token pages take on CUDA."""
     q, st, ls, _, _ = make_batch([70, 0], [50, 33], G=3, seed=4)
     p = extend.plan([50, 33], [120, 33], 3, q.device, block_m=block_m)
-    out, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125, ppi=ppi, unpack=unpack)
+    assert p.tiles_max == -(-50 // block_m)
+    qsq = torch.full((p.batch, p.tiles_max + 1, 2, 64), 0.0, device=q.device)
+    qsq[:, -1] = 7.0  # past the plan's tiles: left as given
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125, ppi=ppi, unpack=unpack, qnorm_sq=qsq)
+    assert bool((qsq[:, -1] == 7.0).all())
+    qn = extend.qnorm_of(qsq[:, :-1])
+    torch.testing.assert_close(qn, extend.chunk_qnorm(q, p, 2), rtol=1e-5, atol=1e-5)
     need = frozenset({"attn", "colmass"})
     sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, unpack=unpack)
     ro, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125, need=need)

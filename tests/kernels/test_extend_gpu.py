@@ -24,9 +24,12 @@ def check(prefix, chunk, seed, **mix):
     q, st, ls, p, kind = make_batch(prefix, chunk, seed=seed, **QWEN, **mix)
     scale = 64**-0.5
     out = torch.full_like(q, float("nan"))
-    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out)
+    qsq = torch.zeros(p.batch, p.tiles_max, 2, 64, device="cuda")
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out, qnorm_sq=qsq)
     sig = extend.signals(q, lse, st, ls, p, 2, NEED, sm_scale=scale)
     torch.cuda.synchronize()
+    qn = extend.chunk_qnorm(q, p, 2)
+    torch.testing.assert_close(extend.qnorm_of(qsq), qn, rtol=1e-4, atol=1e-4)
     ro, rl, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=scale, need=NEED)
     assert not out.isnan().any()
     assert rel(out, ro) < 2e-2, rel(out, ro)  # bf16 operands of the dots
@@ -66,9 +69,12 @@ def test_lists_plan_kernels_and_qnorm_never_sync_with_the_host():
     try:
         ls = extend.window_lists(kind, rb, pb)
         p = extend.plan([2048, 37], [8192, 137], 7, "cuda")
-        _, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125)
+        qsq = torch.zeros(p.batch, p.tiles_max, 2, 64, device="cuda")
+        _, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125, qnorm_sq=qsq)
         extend.signals(q, lse, st, ls, p, 2, NEED, sm_scale=0.125)
+        qn = extend.qnorm_of(qsq)
         extend.chunk_qnorm(q, p, 2)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    torch.testing.assert_close(qn, extend.chunk_qnorm(q, p, 2), rtol=1e-4, atol=1e-4)
