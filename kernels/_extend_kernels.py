@@ -145,21 +145,24 @@ def _extend_attn_kernel(
 @triton.jit
 def _column_sums(
     q_ptr, q_st, q_sh, lse_ptr, kt, pos, valid, q0, tq, seq, h, G, H_KV, qk_scale, r_lo,
-    colmass_ptr, obs_ptr, attn_ptr, sig_row,
+    colmass_ptr, obs_ptr, attn_ptr, sig_row, split, SPLITS,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     COLMASS: tl.constexpr, OBS: tl.constexpr, LAST: tl.constexpr, OBS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Probabilities exp2(s - lse) of keys kT [D, N] (positions pos, valid) for query tokens from
     r_lo on (those that can see a key: from the first key's position on), summed over the rows
     and query heads of the group: colmass (every row), obs (the last OBS_WINDOW), attn (the
-    last); stored at sig_row + pos."""
+    last); stored at sig_row + pos. Of those rows' blocks of BLOCK_M tokens, only the
+    split-th of SPLITS equal runs (the sums of the runs add up to all rows')."""
     kd = kt.to(DT)
     first = tl.min(tl.where(valid, pos, 2147483647), 0)
     lo = tl.maximum(r_lo, first - (seq - tq))
+    per = ((tq - lo + BLOCK_M - 1) // BLOCK_M + SPLITS - 1) // SPLITS  # blocks a split
+    start = lo + split * per * BLOCK_M
     cm = tl.sum(tl.zeros_like(kt).to(tl.float32), 0)  # [N] (kt: rows bf16, pages float32)
     ob = cm
     la = cm
-    for m0 in range(lo, tq, BLOCK_M):
+    for m0 in range(start, tl.minimum(start + per * BLOCK_M, tq), BLOCK_M):
         q, tok, g, rok = _q_rows(q_ptr, q_st, q_sh, q0, m0, tq, h, G, D, G_PAD, BLOCK_M)
         lse = tl.load(lse_ptr + (q0 + tok).to(tl.int64) * (H_KV * G) + h * G + g, mask=rok,
                       other=0.0)  # fmt: skip
@@ -169,10 +172,13 @@ def _column_sums(
         p = tl.where(see, tl.exp2(s - lse[:, None]), 0.0)
         if COLMASS:
             cm += tl.sum(p, 0)
+        # obs and attn: only the blocks that hold their rows (the others would add zeros)
         if OBS:
-            ob += tl.sum(tl.where((tok >= tq - OBS_WINDOW)[:, None], p, 0.0), 0)
+            if m0 + BLOCK_M > tq - OBS_WINDOW:
+                ob += tl.sum(tl.where((tok >= tq - OBS_WINDOW)[:, None], p, 0.0), 0)
         if LAST:
-            la += tl.sum(tl.where((tok == tq - 1)[:, None], p, 0.0), 0)
+            if m0 + BLOCK_M >= tq:
+                la += tl.sum(tl.where((tok == tq - 1)[:, None], p, 0.0), 0)
     at = sig_row + pos
     if COLMASS:
         tl.store(colmass_ptr + at, cm, mask=valid)
@@ -186,20 +192,22 @@ def _column_sums(
 def _extend_signals_kernel(
     q_ptr, q_st, q_sh, lse_ptr, rows_k, rows_v, arena8, arena16, page_bytes, ent_blk, ent_win,
     n_rows, n_pages, list_stride, q_start, q_len, seq_len, colmass_ptr, obs_ptr, attn_ptr,
-    sig_sb, sig_sh, qk_scale, H_KV, G, TILES,
+    sig_sb, sig_sh, sig_ss, qk_scale, H_KV, G, TILES, SPLITS,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     W: tl.constexpr, WPI: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, PAGES: tl.constexpr,
     IL: tl.constexpr, COLMASS: tl.constexpr, OBS: tl.constexpr, LAST: tl.constexpr,
     OBS_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """Program (request b, key tile k) x KV head: the row windows and the page windows at list
-    entries [k * WPI, (k + 1) * WPI) of list (b, h), each loaded once, against the query rows
-    whose signals are asked for (every row with COLMASS, else the last OBS_WINDOW or the last);
-    signals [B, H, T_max] float32 at each key's position (positions in no list keep 0)."""
+    """Program (request b, key tile k, split s) x KV head: the row windows and the page windows
+    at list entries [k * WPI, (k + 1) * WPI) of list (b, h), each loaded once, against the s-th
+    of SPLITS runs of the query rows whose signals are asked for (every row with COLMASS, else
+    the last OBS_WINDOW or the last); signals [SPLITS, B, H, T_max] float32 (split s at
+    sig_ss * s) at each key's position (positions in no list keep 0)."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b = pid // TILES
-    k0 = (pid % TILES) * WPI
+    b = pid // (TILES * SPLITS)
+    k0 = (pid // SPLITS % TILES) * WPI
+    split = pid % SPLITS
     q0 = tl.load(q_start + b)
     tq = tl.load(q_len + b)
     seq = tl.load(seq_len + b)
@@ -212,14 +220,14 @@ def _extend_signals_kernel(
         r_lo = tl.maximum(tq - OBS_WINDOW, 0)
     else:
         r_lo = tq - 1
-    sig_row = b.to(tl.int64) * sig_sb + h * sig_sh
+    sig_row = split.to(tl.int64) * sig_ss + b.to(tl.int64) * sig_sb + h * sig_sh
     e = k0 + tl.arange(0, WPI)
     if k0 < nr:
         k, v, pos, valid = _row_kv(rows_k, rows_v, ent_blk + base, ent_win + base, e, e < nr, seq,
                                    D, W, WPI * W)  # fmt: skip
         _column_sums(q_ptr, q_st, q_sh, lse_ptr, tl.trans(k), pos, valid, q0, tq, seq, h, G, H_KV,
-                     qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, DT, D, G_PAD,
-                     BLOCK_M, COLMASS, OBS, LAST, OBS_WINDOW)  # fmt: skip
+                     qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, split, SPLITS,
+                     DT, D, G_PAD, BLOCK_M, COLMASS, OBS, LAST, OBS_WINDOW)  # fmt: skip
     if PAGES:
         npg = tl.load(n_pages + li)
         if k0 < npg:
@@ -227,5 +235,6 @@ def _extend_signals_kernel(
                                          ent_win + base + nr, e, e < npg, seq, D, W, WPI, VB, VG,
                                          IL)  # fmt: skip
             _column_sums(q_ptr, q_st, q_sh, lse_ptr, kt, pos, valid, q0, tq, seq, h, G, H_KV,
-                         qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, DT, D, G_PAD,
-                         BLOCK_M, COLMASS, OBS, LAST, OBS_WINDOW)  # fmt: skip
+                         qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, split,
+                         SPLITS, DT, D, G_PAD, BLOCK_M, COLMASS, OBS, LAST,
+                         OBS_WINDOW)  # fmt: skip

@@ -33,6 +33,9 @@ OBS_WINDOW = 32  # as adapters/transformers/attention.py (SnapKV's observation w
 ROW, PAGE, ABSENT = 0, 1, 2  # window kinds of :func:`window_lists`
 # tl.interleave unpacking is miscompiled for pages under 32 tokens on the H200 (decode.py)
 IL_MIN_PAGE_CUDA = 32
+# signal_splits: a grid of ~4 waves of the H200's 132 SMs at 2 programs each; a split reads at
+# least 16 blocks of query rows (its key tile's load amortised), and at most 8 partial sums
+SIGNAL_PROGRAMS, SPLIT_MIN_BLOCKS, MAX_SPLITS = 1024, 16, 8
 
 
 class ExtendInputError(ValueError):
@@ -78,7 +81,8 @@ def window_lists(kind: Tensor, row_blk: Tensor, page_blk: Tensor) -> WindowLists
 class ExtendPlan:
     """One extend batch: request ``b``'s queries are rows ``q_start[b] : q_start[b] + q_len[b]``
     of q (the last ``q_len`` of its ``seq_len`` tokens); tiles (``tile_b``, ``tile_m``: request
-    and first query token) of ``block_m`` tokens. int32 device tensors; host sizes."""
+    and first query token) of ``block_m`` tokens, the tiles whose last query is furthest first.
+    int32 device tensors; host sizes."""
 
     batch: int
     group: int
@@ -106,13 +110,15 @@ def plan(q_lens: list[int], seqs: list[int], group: int, device, block_m: int | 
     bm = block_m or max(16, 128 // g_pad)
     if bm & (bm - 1):
         raise ExtendInputError(f"block_m={bm} must be a power of two")
-    starts, tb, tm, s = [], [], [], 0
-    for b, q in enumerate(q_lens):
+    starts, tiles, s = [], [], 0
+    for b, (q, seq) in enumerate(zip(q_lens, seqs, strict=True)):
         starts.append(s)
         s += q
-        for m0 in range(0, q, bm):
-            tb.append(b)
-            tm.append(m0)
+        tiles.extend((seq - q + min(m0 + bm, q), b, m0) for m0 in range(0, q, bm))
+    # the tiles that read the most keys (their last query's position) launch first, so the
+    # long ones do not trail at the end of the grid
+    tiles.sort(key=lambda x: -x[0])
+    tb, tm = [b for _, b, _ in tiles], [m0 for _, _, m0 in tiles]
     host = torch.tensor([starts, list(q_lens), list(seqs)], dtype=torch.int32)
     tiles = torch.tensor([tb, tm], dtype=torch.int32)
     both = torch.cat([host.flatten(), tiles.flatten()])
@@ -234,28 +240,34 @@ def _il(unpack: str | None, q: Tensor, W: int) -> bool:
 def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan,
             num_kv_heads: int, need: frozenset[str], *, sm_scale: float,
             into: dict[str, Tensor] | None = None, unpack: str | None = None,
-            num_warps: int | None = None, zeroed: bool = False) -> dict[str, Tensor]:  # fmt: skip
+            num_warps: int | None = None, zeroed: bool = False,
+            splits: int = 1) -> dict[str, Tensor]:  # fmt: skip
     """The signals in ``need`` (``attn``, ``obs_attn``, ``colmass``) of :func:`run`'s attention
     (its ``lse``), each float32 ``[B, H_kv, >= t_max]`` at token positions, summed over the
     query heads of each KV group (positions in no list: 0). ``into``: buffers to fill (zeroed
     here, unless ``zeroed``: the caller zeroed them, e.g. every layer's at once); ``attn``: the
     last query row; ``obs_attn``: the last :data:`OBS_WINDOW`; ``colmass``: every row. One
-    launch for all of them."""
+    launch for all of them. ``splits`` > 1 (:func:`signal_splits`): each key tile's query rows
+    are read by that many programs, each writing its partial sums: the buffers are
+    ``[splits, B, H_kv, >= t_max]`` and the signals their sum over the first dim."""
     need = frozenset(need) & {"attn", "obs_attn", "colmass"}
     _check(q, st, ls, p, num_kv_heads)
     if not need:
         return {}
+    if splits < 1:
+        raise ExtendInputError(f"splits={splits} must be at least 1")
     W, d = st.rows_k.shape[1:]
-    shape = (p.batch, num_kv_heads, p.t_max)
+    lead = (splits,) if splits > 1 else ()
+    shape = (*lead, p.batch, num_kv_heads, p.t_max)
     into = dict(into or {})
     for name in need:
         if name not in into:
             into[name] = torch.zeros(shape, dtype=torch.float32, device=q.device)
         else:
             x = into[name]
-            if x.shape[:2] != shape[:2] or x.shape[2] < p.t_max or x.stride(2) != 1:
-                raise ExtendInputError(f"{name} buffer must be float32 [{shape[0]}, {shape[1]}, "
-                                       f">= {p.t_max}]")  # fmt: skip
+            if x.shape[:-1] != shape[:-1] or x.shape[-1] < p.t_max or x.stride(-1) != 1:
+                dims = ", ".join(str(n) for n in shape[:-1])
+                raise ExtendInputError(f"{name} buffer must be float32 [{dims}, >= {p.t_max}]")
             if not zeroed:
                 x.zero_()
     some = next(iter(into[n] for n in need))
@@ -264,17 +276,33 @@ def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPl
     arena = _arena(st, pages)
     wpi = max(1, 64 // W)
     tiles = -(-ls.n_max // wpi)
-    _extend_signals_kernel[(p.batch * tiles, num_kv_heads)](
+    sb, sh = some.stride(-3), some.stride(-2)
+    _extend_signals_kernel[(p.batch * tiles * splits, num_kv_heads)](
         q, q.stride(0), q.stride(1), lse, st.rows_k, st.rows_v, arena, arena.view(torch.float16),
         st.pages.shape[1] if pages else 16, ls.blk, ls.win, ls.rows, ls.pages, ls.n_max,
         p.q_start, p.q_len, p.seq_len, ptr["colmass"], ptr["obs_attn"], ptr["attn"],
-        some.stride(0), some.stride(1), sm_scale * LOG2E, num_kv_heads, p.group, tiles,
+        sb, sh, some.stride(0) if splits > 1 else 0, sm_scale * LOG2E, num_kv_heads, p.group,
+        tiles, splits,
         DT=_dt(q), D=d, G_PAD=p.g_pad, BLOCK_M=p.block_m, W=W, WPI=wpi, VB=st.bits,
         VG=st.v_group, PAGES=pages, IL=_il(unpack, q, W), COLMASS="colmass" in need,
         OBS="obs_attn" in need, LAST="attn" in need, OBS_WINDOW=OBS_WINDOW,
         num_warps=num_warps or (4 if d == 64 else 8), num_stages=2,
     )  # fmt: skip
     return {n: into[n] for n in need}
+
+
+def signal_splits(p: ExtendPlan, n_max: int, window: int, num_kv_heads: int,
+                  need: frozenset[str], programs: int = SIGNAL_PROGRAMS) -> int:  # fmt: skip
+    """The ``splits`` for :func:`signals` over lists of ``n_max`` windows of ``window`` tokens:
+    1 without ``colmass`` (its programs read a few rows each); with it, a program reads every
+    query row after its keys, so a batch of few requests has few programs, the longest (a
+    chunk's first keys) reading all the chunk's rows: splits bring the grid to about
+    ``programs`` programs, each split at least :data:`SPLIT_MIN_BLOCKS` blocks of rows."""
+    if "colmass" not in need:
+        return 1
+    tiles = p.batch * -(-n_max // max(1, 64 // window)) * num_kv_heads
+    blocks = -(-max(p.q_lens) // p.block_m)
+    return max(1, min(MAX_SPLITS, programs // tiles, blocks // SPLIT_MIN_BLOCKS))
 
 
 def chunk_qnorm(q: Tensor, p: ExtendPlan, num_kv_heads: int) -> Tensor:

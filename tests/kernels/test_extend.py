@@ -204,3 +204,54 @@ def test_tile_variants_match_the_twin(block_m, ppi, unpack):
     ro, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125, need=need)
     assert rel(out, ro) < 1e-2
     assert all(rel(sig[n], rs[n]) < TOL for n in need)
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_rows_sum_to_the_signals_of_one_program(splits):
+    """``splits``: each key tile's query rows read by several programs, each writing partial
+    sums; their sum is the signals (up to float order), the last queries' ``obs_attn`` and
+    ``attn`` included where the observation window spans two splits (16-token blocks)."""
+    q, st, ls, _, _ = make_batch([70, 0], [90, 130], G=3, seed=8)
+    p = extend.plan([90, 130], [160, 130], 3, q.device, block_m=16)
+    need = frozenset({"attn", "obs_attn", "colmass"})
+    _, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125)
+    one = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125)
+    parts = {n: torch.full((splits, p.batch, 2, p.t_max), 5.0, device=q.device) for n in need}
+    got = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, into=parts, splits=splits)
+    _, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125, need=need)
+    for n in need:
+        assert got[n] is parts[n] and got[n].shape[0] == splits
+        torch.testing.assert_close(got[n].sum(0), one[n], rtol=1e-5, atol=1e-6)
+        assert rel(got[n].sum(0), rs[n]) < TOL
+    # every split holds a part of colmass; request 0's prefix keys see its 90 queries (6
+    # blocks): its last 32 (rows 58-89) are in the last run of 3 blocks (2 splits), in the last
+    # two runs of 2 blocks (3 splits: both write parts of obs_attn)
+    assert all(bool(got["colmass"][s].any()) for s in range(splits))
+    holding = (got["obs_attn"][:, 0, :, :70] != 0).sum(0)
+    assert bool((holding[holding > 0] == splits - 1).all()) and bool(holding.any())
+    with pytest.raises(extend.ExtendInputError, match="buffer must be"):
+        extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, into=one, splits=splits)
+
+
+def test_signal_splits_fill_a_small_grid_only_for_colmass():
+    """One 8K-token chunk (Qwen's 2 KV heads, 32-token windows: 256 key-tile programs) splits
+    its rows 4 ways; a chunk over a 30K prefix (938 programs) does not split, nor does a policy
+    without colmass, nor a chunk too short for 16 blocks a split."""
+    col = frozenset({"colmass", "obs_attn"})
+    p = extend.plan([8192], [8192], 7, "cpu")
+    assert extend.signal_splits(p, 256, 32, 2, col) == 4
+    assert extend.signal_splits(p, 256, 32, 2, frozenset({"attn", "obs_attn"})) == 1
+    p30 = extend.plan([8192], [30000], 7, "cpu")
+    assert extend.signal_splits(p30, 938, 32, 2, col) == 1
+    p_short = extend.plan([600], [600], 7, "cpu")  # 38 blocks of 16 tokens: 2 splits at most
+    assert extend.signal_splits(p_short, 19, 32, 2, col) == 2
+
+
+def test_plan_tiles_are_every_tile_once_the_furthest_first():
+    p = extend.plan([40, 100, 5], [40, 300, 5], 2, "cpu", block_m=16)
+    tiles = list(zip(p.tile_b.tolist(), p.tile_m.tolist(), strict=True))
+    want = {(b, m) for b, q in enumerate([40, 100, 5]) for m in range(0, q, 16)}
+    assert sorted(tiles) == sorted(want) and p.n_tiles == len(want) and p.tiles_max == 7
+    seqs, q_lens = [40, 300, 5], [40, 100, 5]
+    last = [seqs[b] - q_lens[b] + min(m + 16, q_lens[b]) for b, m in tiles]
+    assert last == sorted(last, reverse=True)
