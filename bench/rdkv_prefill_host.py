@@ -95,8 +95,9 @@ class _Stub:
 
 def _stubs(seed: int) -> None:
     """The kernels out of the way: their host cost on the GPU is one launch each."""
-    from tiered_radix.adapters.sglang import backend
     from tiered_radix.kernels import extend
+
+    from tiered_radix.adapters.sglang import backend
 
     gen = torch.Generator().manual_seed(seed)
 
@@ -204,7 +205,12 @@ def run(variant: str, batch: int, args) -> dict:
             row["extend_kernel"] = h.backend.extend_kernel_batches > gathered
         row |= report(prof.events())
         rows.append(row)
-        print(args.policy, variant, batch, json.dumps({k: v for k, v in row.items() if k != "by_function"}))
+        print(
+            args.policy,
+            variant,
+            batch,
+            json.dumps({k: v for k, v in row.items() if k != "by_function"}),
+        )
     return {"policy": args.policy, "variant": variant, "batch": batch, "forwards": rows}
 
 
