@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
 
 DEFERRED = "schedule: after_prefill(defer=true)"
-FUNCS = [  # (module, class or None, attribute): host work listed per function
+FUNCS = [  # (module, class or None, attribute): host work listed per function (where present)
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_metadata"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_admit"),
     ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "prepare_write"),
@@ -50,6 +50,7 @@ FUNCS = [  # (module, class or None, attribute): host work listed per function
     ("tiered_radix.adapters.sglang.trizone", None, "extend_layer"),
     ("tiered_radix.kernels.extend", None, "run"),
     ("tiered_radix.kernels.extend", None, "signals"),
+    ("tiered_radix.kernels.extend", None, "chunk_qnorm"),
     ("tiered_radix.kernels.extend", None, "qnorm_of"),
     ("tiered_radix.engine.store", "TierStore", "observe_layers"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_observe_extend"),
@@ -104,7 +105,7 @@ def _stubs(seed: int) -> None:
     def attn(args, kw):  # q, q_st, q_sh, out, o_st, o_sh, lse, ..., qnorm_sq (position 25)
         args[3].zero_()
         args[6].zero_()
-        if kw["QNORM"]:
+        if kw.get("QNORM"):
             args[25].copy_(torch.rand(args[25].shape, generator=gen))
 
     def sig(args, kw):  # ..., colmass, obs, attn (positions 17-19)
@@ -178,7 +179,9 @@ def run(variant: str, batch: int, args) -> dict:
     assert h.backend.extend_kernel and h.backend.kernel, "the stubbed kernels should serve"
     for mod, obj, name in FUNCS:
         m = importlib.import_module(mod)
-        _wrap(getattr(m, obj) if obj else m, name, f"X:{obj + '.' if obj else ''}{name}")
+        owner = getattr(m, obj) if obj else m
+        if hasattr(owner, name):  # an older tree may not have it
+            _wrap(owner, name, f"X:{obj + '.' if obj else ''}{name}")
     reqs = [
         h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(args.prompt)]) for i in range(batch)
     ]
