@@ -14,10 +14,10 @@ a chunk of 2,048 new tokens per request over a prefix of P tokens, per (batch, P
 - ``kernel+attn``: plus ``extend.signals`` for ``attn`` (what qevict reads);
 - ``kernel+snap``: plus ``obs_attn`` and ``colmass`` (SnapKV/RDKV-style reads);
 - ``rdkv qnorm ops``: what rdkv's prefill launched per layer before (``kernel+snap`` with its
-  query rows in one program a key tile, plus ``chunk_qnorm``'s tensor ops); ``rdkv``: the
-  kernel writing the qnorm sums, the signals pass with each key tile's rows split
-  (``extend.signal_splits``, printed as ``S``); ``rdkv s1``: the same unsplit. Run it over
-  rows only, as rdkv prefills (``--full 1 --quant 0``), at its chunk (``--chunk 4096``);
+  query rows in one program a key tile, plus ``chunk_qnorm``'s tensor ops); ``rdkv S<n>``: the
+  kernel writing the qnorm sums, the signals pass with each request's rows split in runs
+  (``extend.signal_splits``, at most ``n``); ``rdkv s1``: the same unsplit. Run it over rows
+  only, as rdkv prefills (``--full 1 --quant 0``), at its chunk (``--chunk 4096``);
 - ``gather_sdpa``: what ``TieredAttnBackend._gather`` did per request and layer on CUDA: every
   prefix window gathered (rows, pages dequantized) then ``attend_sdpa`` (masked SDPA + the last
   query's ``attend``);
@@ -184,7 +184,7 @@ def run_case(batch: int, prefix: int, chunk: int, a, dev, scale: float) -> list[
 
         runs[name] = both
     snap = frozenset({"obs_attn", "colmass"})
-    splits = extend.signal_splits(p, ls.n_max, W, HKV, snap)
+    splits = extend.signal_splits(p, W, HKV, snap)
     qsq = torch.zeros(p.batch, p.tiles_max, HKV, D, device=dev)
 
     def rdkv_ops():
@@ -197,8 +197,8 @@ def run_case(batch: int, prefix: int, chunk: int, a, dev, scale: float) -> list[
         extend.signals(q, lse, st, ls, p, HKV, snap, sm_scale=scale, splits=s)
 
     runs["rdkv qnorm ops"] = rdkv_ops
-    runs[f"rdkv S{splits}"] = rdkv
-    runs["rdkv s1"] = lambda: rdkv(1)
+    runs[f"rdkv S{splits.most}"] = rdkv
+    runs["rdkv s1"] = lambda: rdkv(None)
     runs["gather_sdpa"] = lambda: gather_sdpa(q, st, ls, p, kind, attend_sdpa, scale)
     try:
         name, fn = dense(q, batch, prefix, chunk, dev, scale)

@@ -145,7 +145,7 @@ def _extend_attn_kernel(
 @triton.jit
 def _column_sums(
     q_ptr, q_st, q_sh, lse_ptr, kt, pos, valid, q0, tq, seq, h, G, H_KV, qk_scale, r_lo,
-    colmass_ptr, obs_ptr, attn_ptr, sig_row, split, SPLITS,
+    colmass_ptr, obs_ptr, attn_ptr, sig_row, split, n_split,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     COLMASS: tl.constexpr, OBS: tl.constexpr, LAST: tl.constexpr, OBS_WINDOW: tl.constexpr,
 ):  # fmt: skip
@@ -153,11 +153,11 @@ def _column_sums(
     r_lo on (those that can see a key: from the first key's position on), summed over the rows
     and query heads of the group: colmass (every row), obs (the last OBS_WINDOW), attn (the
     last); stored at sig_row + pos. Of those rows' blocks of BLOCK_M tokens, only the
-    split-th of SPLITS equal runs (the sums of the runs add up to all rows')."""
+    split-th of n_split equal runs (the sums of the runs add up to all rows')."""
     kd = kt.to(DT)
     first = tl.min(tl.where(valid, pos, 2147483647), 0)
     lo = tl.maximum(r_lo, first - (seq - tq))
-    per = ((tq - lo + BLOCK_M - 1) // BLOCK_M + SPLITS - 1) // SPLITS  # blocks a split
+    per = ((tq - lo + BLOCK_M - 1) // BLOCK_M + n_split - 1) // n_split  # blocks a split
     start = lo + split * per * BLOCK_M
     cm = tl.sum(tl.zeros_like(kt).to(tl.float32), 0)  # [N] (kt: rows bf16, pages float32)
     ob = cm
@@ -192,7 +192,7 @@ def _column_sums(
 def _extend_signals_kernel(
     q_ptr, q_st, q_sh, lse_ptr, rows_k, rows_v, arena8, arena16, page_bytes, ent_blk, ent_win,
     n_rows, n_pages, list_stride, q_start, q_len, seq_len, colmass_ptr, obs_ptr, attn_ptr,
-    sig_sb, sig_sh, sig_ss, qk_scale, H_KV, G, TILES, SPLITS,
+    sig_sr, sig_sh, split_off, split_n, qk_scale, H_KV, G, TILES, S_MAX,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     W: tl.constexpr, WPI: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, PAGES: tl.constexpr,
     IL: tl.constexpr, COLMASS: tl.constexpr, OBS: tl.constexpr, LAST: tl.constexpr,
@@ -200,41 +200,45 @@ def _extend_signals_kernel(
 ):  # fmt: skip
     """Program (request b, key tile k, split s) x KV head: the row windows and the page windows
     at list entries [k * WPI, (k + 1) * WPI) of list (b, h), each loaded once, against the s-th
-    of SPLITS runs of the query rows whose signals are asked for (every row with COLMASS, else
-    the last OBS_WINDOW or the last); signals [SPLITS, B, H, T_max] float32 (split s at
-    sig_ss * s) at each key's position (positions in no list keep 0)."""
+    of split_n[b] runs of the query rows whose signals are asked for (every row with COLMASS,
+    else the last OBS_WINDOW or the last); signals [rows, H, T_max] float32, request b's run s
+    at row split_off[b] + s, at each key's position (positions in no list keep 0). Programs
+    with s >= split_n[b] (up to S_MAX runs a request) do nothing."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b = pid // (TILES * SPLITS)
-    k0 = (pid // SPLITS % TILES) * WPI
-    split = pid % SPLITS
-    q0 = tl.load(q_start + b)
-    tq = tl.load(q_len + b)
-    seq = tl.load(seq_len + b)
-    li = b * H_KV + h
-    base = li.to(tl.int64) * list_stride
-    nr = tl.load(n_rows + li)
-    if COLMASS:
-        r_lo = tq * 0
-    elif OBS:
-        r_lo = tl.maximum(tq - OBS_WINDOW, 0)
-    else:
-        r_lo = tq - 1
-    sig_row = split.to(tl.int64) * sig_ss + b.to(tl.int64) * sig_sb + h * sig_sh
-    e = k0 + tl.arange(0, WPI)
-    if k0 < nr:
-        k, v, pos, valid = _row_kv(rows_k, rows_v, ent_blk + base, ent_win + base, e, e < nr, seq,
-                                   D, W, WPI * W)  # fmt: skip
-        _column_sums(q_ptr, q_st, q_sh, lse_ptr, tl.trans(k), pos, valid, q0, tq, seq, h, G, H_KV,
-                     qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, split, SPLITS,
-                     DT, D, G_PAD, BLOCK_M, COLMASS, OBS, LAST, OBS_WINDOW)  # fmt: skip
-    if PAGES:
-        npg = tl.load(n_pages + li)
-        if k0 < npg:
-            kt, v, pos, valid = _page_kv(arena8, arena16, page_bytes, ent_blk + base + nr,
-                                         ent_win + base + nr, e, e < npg, seq, D, W, WPI, VB, VG,
-                                         IL)  # fmt: skip
-            _column_sums(q_ptr, q_st, q_sh, lse_ptr, kt, pos, valid, q0, tq, seq, h, G, H_KV,
-                         qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, split,
-                         SPLITS, DT, D, G_PAD, BLOCK_M, COLMASS, OBS, LAST,
+    b = pid // (TILES * S_MAX)
+    k0 = (pid // S_MAX % TILES) * WPI
+    split = pid % S_MAX
+    n_split = tl.load(split_n + b)
+    if split < n_split:
+        q0 = tl.load(q_start + b)
+        tq = tl.load(q_len + b)
+        seq = tl.load(seq_len + b)
+        li = b * H_KV + h
+        base = li.to(tl.int64) * list_stride
+        nr = tl.load(n_rows + li)
+        if COLMASS:
+            r_lo = tq * 0
+        elif OBS:
+            r_lo = tl.maximum(tq - OBS_WINDOW, 0)
+        else:
+            r_lo = tq - 1
+        sig_row = (tl.load(split_off + b) + split).to(tl.int64) * sig_sr + h * sig_sh
+        e = k0 + tl.arange(0, WPI)
+        if k0 < nr:
+            k, v, pos, valid = _row_kv(rows_k, rows_v, ent_blk + base, ent_win + base, e, e < nr,
+                                       seq, D, W, WPI * W)  # fmt: skip
+            _column_sums(q_ptr, q_st, q_sh, lse_ptr, tl.trans(k), pos, valid, q0, tq, seq, h, G,
+                         H_KV, qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, split,
+                         n_split, DT, D, G_PAD, BLOCK_M, COLMASS, OBS, LAST,
                          OBS_WINDOW)  # fmt: skip
+        if PAGES:
+            npg = tl.load(n_pages + li)
+            if k0 < npg:
+                kt, v, pos, valid = _page_kv(arena8, arena16, page_bytes, ent_blk + base + nr,
+                                             ent_win + base + nr, e, e < npg, seq, D, W, WPI,
+                                             VB, VG, IL)  # fmt: skip
+                _column_sums(q_ptr, q_st, q_sh, lse_ptr, kt, pos, valid, q0, tq, seq, h, G,
+                             H_KV, qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row,
+                             split, n_split, DT, D, G_PAD, BLOCK_M, COLMASS, OBS, LAST,
+                             OBS_WINDOW)  # fmt: skip

@@ -241,33 +241,33 @@ def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPl
             num_kv_heads: int, need: frozenset[str], *, sm_scale: float,
             into: dict[str, Tensor] | None = None, unpack: str | None = None,
             num_warps: int | None = None, zeroed: bool = False,
-            splits: int = 1) -> dict[str, Tensor]:  # fmt: skip
+            splits: SignalSplits | None = None) -> dict[str, Tensor]:  # fmt: skip
     """The signals in ``need`` (``attn``, ``obs_attn``, ``colmass``) of :func:`run`'s attention
     (its ``lse``), each float32 ``[B, H_kv, >= t_max]`` at token positions, summed over the
     query heads of each KV group (positions in no list: 0). ``into``: buffers to fill (zeroed
     here, unless ``zeroed``: the caller zeroed them, e.g. every layer's at once); ``attn``: the
     last query row; ``obs_attn``: the last :data:`OBS_WINDOW`; ``colmass``: every row. One
-    launch for all of them. ``splits`` > 1 (:func:`signal_splits`): each key tile's query rows
-    are read by that many programs, each writing its partial sums: the buffers are
-    ``[splits, B, H_kv, >= t_max]`` and the signals their sum over the first dim."""
+    launch for all of them. ``splits`` (:func:`signal_splits`; default: none): request ``b``'s
+    query rows are read in ``splits.n[b]`` runs, each writing its partial sums to its own row of
+    the buffers, ``[splits.rows, H_kv, >= t_max]``; :meth:`SignalSplits.total` adds them."""
     need = frozenset(need) & {"attn", "obs_attn", "colmass"}
     _check(q, st, ls, p, num_kv_heads)
     if not need:
         return {}
-    if splits < 1:
-        raise ExtendInputError(f"splits={splits} must be at least 1")
     W, d = st.rows_k.shape[1:]
-    lead = (splits,) if splits > 1 else ()
-    shape = (*lead, p.batch, num_kv_heads, p.t_max)
+    sp = splits or signal_splits(p, W, num_kv_heads, frozenset())
+    if len(sp.n) != p.batch:
+        raise ExtendInputError(f"splits for {len(sp.n)} requests, the plan has {p.batch}")
+    shape = (sp.rows, num_kv_heads, p.t_max)
     into = dict(into or {})
     for name in need:
         if name not in into:
             into[name] = torch.zeros(shape, dtype=torch.float32, device=q.device)
         else:
             x = into[name]
-            if x.shape[:-1] != shape[:-1] or x.shape[-1] < p.t_max or x.stride(-1) != 1:
-                dims = ", ".join(str(n) for n in shape[:-1])
-                raise ExtendInputError(f"{name} buffer must be float32 [{dims}, >= {p.t_max}]")
+            if x.shape[:2] != shape[:2] or x.shape[2] < p.t_max or x.stride(2) != 1:
+                raise ExtendInputError(f"{name} buffer must be float32 [{shape[0]}, {shape[1]}, "
+                                       f">= {p.t_max}]")  # fmt: skip
             if not zeroed:
                 x.zero_()
     some = next(iter(into[n] for n in need))
@@ -276,13 +276,13 @@ def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPl
     arena = _arena(st, pages)
     wpi = max(1, 64 // W)
     tiles = -(-ls.n_max // wpi)
-    sb, sh = some.stride(-3), some.stride(-2)
-    _extend_signals_kernel[(p.batch * tiles * splits, num_kv_heads)](
+    B = p.batch
+    _extend_signals_kernel[(B * tiles * sp.most, num_kv_heads)](
         q, q.stride(0), q.stride(1), lse, st.rows_k, st.rows_v, arena, arena.view(torch.float16),
         st.pages.shape[1] if pages else 16, ls.blk, ls.win, ls.rows, ls.pages, ls.n_max,
         p.q_start, p.q_len, p.seq_len, ptr["colmass"], ptr["obs_attn"], ptr["attn"],
-        sb, sh, some.stride(0) if splits > 1 else 0, sm_scale * LOG2E, num_kv_heads, p.group,
-        tiles, splits,
+        some.stride(0), some.stride(1), sp.table[:B], sp.table[B : 2 * B], sm_scale * LOG2E,
+        num_kv_heads, p.group, tiles, sp.most,
         DT=_dt(q), D=d, G_PAD=p.g_pad, BLOCK_M=p.block_m, W=W, WPI=wpi, VB=st.bits,
         VG=st.v_group, PAGES=pages, IL=_il(unpack, q, W), COLMASS="colmass" in need,
         OBS="obs_attn" in need, LAST="attn" in need, OBS_WINDOW=OBS_WINDOW,
@@ -291,18 +291,64 @@ def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPl
     return {n: into[n] for n in need}
 
 
-def signal_splits(p: ExtendPlan, n_max: int, window: int, num_kv_heads: int,
-                  need: frozenset[str], programs: int = SIGNAL_PROGRAMS) -> int:  # fmt: skip
-    """The ``splits`` for :func:`signals` over lists of ``n_max`` windows of ``window`` tokens:
-    1 without ``colmass`` (its programs read a few rows each); with it, a program reads every
-    query row after its keys, so a batch of few requests has few programs, the longest (a
-    chunk's first keys) reading all the chunk's rows: splits bring the grid to about
-    ``programs`` programs, each split at least :data:`SPLIT_MIN_BLOCKS` blocks of rows."""
+@dataclass(frozen=True)
+class SignalSplits:
+    """How :func:`signals` splits each request's query rows: request ``b`` in ``n[b]`` runs,
+    whose partial sums are rows ``off[b] : off[b] + n[b]`` of the signal buffers (``rows`` in
+    all, ``most`` runs at most). ``table``: int32 device ``[2 B + 2 most B]``: ``off``, ``n``,
+    then per run ``s`` the row ``off[b] + min(s, n[b] - 1)`` and whether ``s < n[b]``."""
+
+    n: tuple[int, ...]
+    rows: int
+    most: int
+    table: Tensor
+
+    @classmethod
+    def of(cls, n: list[int], device) -> SignalSplits:
+        """``n[b]`` runs for request ``b`` (host ints >= 1); one host-to-device copy."""
+        if not n or min(n) < 1:
+            raise ExtendInputError(f"runs per request {n} must be at least 1 each")
+        B, most = len(n), max(n)
+        off = [sum(n[:b]) for b in range(B)]
+        rows = [o + min(s, k - 1) for s in range(most) for o, k in zip(off, n, strict=True)]
+        on = [int(s < k) for s in range(most) for k in n]
+        host = torch.tensor(off + list(n) + rows + on, dtype=torch.int32)
+        if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the device
+            host = host.pin_memory()
+        return cls(tuple(n), sum(n), most, host.to(device, non_blocking=True))
+
+    def total(self, x: Tensor) -> Tensor:
+        """``x [..., rows, H, T]`` -> each request's sum of its runs ``[..., B, H, T]``, added in
+        run order (``x`` itself without splits): a request's signals do not depend on the
+        other requests of its batch, nor on how many runs they take."""
+        if self.most == 1:
+            return x
+        B = len(self.n)
+        at = self.table[2 * B :].view(2, self.most, B)
+        rows, on = at[0].long(), at[1].float()[:, :, None, None]
+        acc = x.index_select(-3, rows[0])
+        for s in range(1, self.most):
+            acc = acc + x.index_select(-3, rows[s]) * on[s]  # after its runs: + 0.0, exact
+        return acc
+
+
+def signal_splits(p: ExtendPlan, window: int, num_kv_heads: int, need: frozenset[str],
+                  programs: int = SIGNAL_PROGRAMS) -> SignalSplits:  # fmt: skip
+    """:class:`SignalSplits` for :func:`signals` over windows of ``window`` tokens, each request
+    by its own sizes only (its signals do not depend on its batch). Without ``colmass`` one run
+    (a program reads a few rows); with it, a program reads every query row after its keys, so a
+    request with few key tiles has few programs, the longest (a chunk's first keys) reading all
+    the chunk's rows: runs bring the request alone to about ``programs`` programs, each run
+    at least :data:`SPLIT_MIN_BLOCKS` blocks of rows, at most :data:`MAX_SPLITS` runs."""
+    n, wpi = [], max(1, 64 // window)
+    for q, seq in zip(p.q_lens, p.seqs, strict=True):
+        wins = -(-seq // window)
+        tiles = -(-wins // wpi) * num_kv_heads
+        blocks = -(-q // p.block_m)
+        n.append(max(1, min(MAX_SPLITS, programs // tiles, blocks // SPLIT_MIN_BLOCKS)))
     if "colmass" not in need:
-        return 1
-    tiles = p.batch * -(-n_max // max(1, 64 // window)) * num_kv_heads
-    blocks = -(-max(p.q_lens) // p.block_m)
-    return max(1, min(MAX_SPLITS, programs // tiles, blocks // SPLIT_MIN_BLOCKS))
+        n = [1] * p.batch
+    return SignalSplits.of(n, p.q_len.device)
 
 
 def chunk_qnorm(q: Tensor, p: ExtendPlan, num_kv_heads: int) -> Tensor:

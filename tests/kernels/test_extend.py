@@ -206,45 +206,61 @@ def test_tile_variants_match_the_twin(block_m, ppi, unpack):
     assert all(rel(sig[n], rs[n]) < TOL for n in need)
 
 
-@pytest.mark.parametrize("splits", [2, 3])
-def test_split_rows_sum_to_the_signals_of_one_program(splits):
-    """``splits``: each key tile's query rows read by several programs, each writing partial
-    sums; their sum is the signals (up to float order), the last queries' ``obs_attn`` and
-    ``attn`` included where the observation window spans two splits (16-token blocks)."""
+@pytest.mark.parametrize("runs", [(2, 3), (3, 1)])
+def test_split_rows_sum_to_the_signals_of_one_program(runs):
+    """Each request's query rows read in ``runs[b]`` runs, each writing partial sums to its own
+    row of the buffers; their totals are the signals (up to float order), the last queries'
+    ``obs_attn`` and ``attn`` included where the observation window spans two runs (16-token
+    blocks). A request's totals are the same bits alone as in the batch."""
     q, st, ls, _, _ = make_batch([70, 0], [90, 130], G=3, seed=8)
     p = extend.plan([90, 130], [160, 130], 3, q.device, block_m=16)
     need = frozenset({"attn", "obs_attn", "colmass"})
     _, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125)
     one = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125)
-    parts = {n: torch.full((splits, p.batch, 2, p.t_max), 5.0, device=q.device) for n in need}
-    got = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, into=parts, splits=splits)
+    sp = extend.SignalSplits.of(list(runs), q.device)
+    parts = {n: torch.full((sum(runs), 2, p.t_max), 5.0, device=q.device) for n in need}
+    got = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, into=parts, splits=sp)
     _, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125, need=need)
     for n in need:
-        assert got[n] is parts[n] and got[n].shape[0] == splits
-        torch.testing.assert_close(got[n].sum(0), one[n], rtol=1e-5, atol=1e-6)
-        assert rel(got[n].sum(0), rs[n]) < TOL
-    # every split holds a part of colmass; request 0's prefix keys see its 90 queries (6
-    # blocks): its last 32 (rows 58-89) are in the last run of 3 blocks (2 splits), in the last
-    # two runs of 2 blocks (3 splits: both write parts of obs_attn)
-    assert all(bool(got["colmass"][s].any()) for s in range(splits))
-    holding = (got["obs_attn"][:, 0, :, :70] != 0).sum(0)
-    assert bool((holding[holding > 0] == splits - 1).all()) and bool(holding.any())
+        assert got[n] is parts[n]
+        torch.testing.assert_close(sp.total(got[n]), one[n], rtol=1e-5, atol=1e-6)
+        assert rel(sp.total(got[n]), rs[n]) < TOL
+    # every run of request 0 holds a part of colmass; its prefix keys see its 90 queries (6
+    # blocks): the last 32 (rows 58-89) are in the last run of 3 blocks (2 runs), in the last
+    # two runs of 2 blocks (3 runs: both write parts of obs_attn)
+    assert all(bool(got["colmass"][r].any()) for r in range(runs[0]))
+    holding = (got["obs_attn"][: runs[0], :, :70] != 0).sum(0)
+    assert bool((holding[holding > 0] == runs[0] - 1).all()) and bool(holding.any())
+    # request 1 alone (its own plan, lists, lse) in runs[1] runs: its totals, bit for bit
+    H, N = 2, ls.n_max
+    mine = extend.WindowLists(ls.blk.view(2, H * N)[1], ls.win.view(2, H * N)[1],
+                              ls.rows.view(2, H)[1], ls.pages.view(2, H)[1], N)  # fmt: skip
+    p1 = extend.plan([130], [130], 3, q.device, block_m=16)
+    q1 = q[90:].contiguous()
+    _, lse1 = extend.run(q1, st, mine, p1, 2, sm_scale=0.125)
+    sp1 = extend.SignalSplits.of([runs[1]], q.device)
+    alone = extend.signals(q1, lse1, st, mine, p1, 2, need, sm_scale=0.125, splits=sp1)
+    for n in need:
+        assert torch.equal(sp1.total(alone[n])[0], sp.total(got[n])[1, :, :130])
     with pytest.raises(extend.ExtendInputError, match="buffer must be"):
-        extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, into=one, splits=splits)
+        extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, into=one, splits=sp)
+    with pytest.raises(extend.ExtendInputError, match="splits for 1 requests"):
+        extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, splits=sp1)
 
 
 def test_signal_splits_fill_a_small_grid_only_for_colmass():
-    """One 8K-token chunk (Qwen's 2 KV heads, 32-token windows: 256 key-tile programs) splits
-    its rows 4 ways; a chunk over a 30K prefix (938 programs) does not split, nor does a policy
-    without colmass, nor a chunk too short for 16 blocks a split."""
+    """A request alone decides its runs: an 8K-token chunk (Qwen's 2 KV heads, 32-token
+    windows: 256 key-tile programs) 4, a 4K chunk with no prefix 8; a chunk over a 30K prefix
+    (938 programs) 1, as a policy without colmass, and a chunk too short for 16 blocks a run."""
     col = frozenset({"colmass", "obs_attn"})
-    p = extend.plan([8192], [8192], 7, "cpu")
-    assert extend.signal_splits(p, 256, 32, 2, col) == 4
-    assert extend.signal_splits(p, 256, 32, 2, frozenset({"attn", "obs_attn"})) == 1
-    p30 = extend.plan([8192], [30000], 7, "cpu")
-    assert extend.signal_splits(p30, 938, 32, 2, col) == 1
-    p_short = extend.plan([600], [600], 7, "cpu")  # 38 blocks of 16 tokens: 2 splits at most
-    assert extend.signal_splits(p_short, 19, 32, 2, col) == 2
+    p = extend.plan([8192, 4096, 8192, 600], [8192, 4096, 30000, 600], 7, "cpu")
+    assert extend.signal_splits(p, 32, 2, col).n == (4, 8, 1, 2)
+    assert extend.signal_splits(p, 32, 2, frozenset({"attn", "obs_attn"})).n == (1, 1, 1, 1)
+    sp = extend.signal_splits(p, 32, 2, col)
+    assert sp.rows == 15 and sp.most == 8
+    assert sp.table[:8].tolist() == [0, 4, 12, 13, 4, 8, 1, 2]
+    with pytest.raises(extend.ExtendInputError, match="at least 1"):
+        extend.SignalSplits.of([2, 0], "cpu")
 
 
 def test_plan_tiles_are_every_tile_once_the_furthest_first():

@@ -20,15 +20,15 @@ QWEN = dict(H=2, G=7, d=64, W=32, bits=2, v_group=32, dev="cuda")
 NEED = frozenset({"attn", "obs_attn", "colmass"})
 
 
-def check(prefix, chunk, seed, splits: int = 1, **mix):
+def check(prefix, chunk, seed, splits=None, **mix):
     q, st, ls, p, kind = make_batch(prefix, chunk, seed=seed, **QWEN, **mix)
     scale = 64**-0.5
     out = torch.full_like(q, float("nan"))
     qsq = torch.zeros(p.batch, p.tiles_max, 2, 64, device="cuda")
     out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out, qnorm_sq=qsq)
     sig = extend.signals(q, lse, st, ls, p, 2, NEED, sm_scale=scale, splits=splits)
-    if splits > 1:
-        sig = {n: x.sum(0) for n, x in sig.items()}
+    if splits is not None:
+        sig = {n: splits.total(x) for n, x in sig.items()}
     torch.cuda.synchronize()
     qn = extend.chunk_qnorm(q, p, 2)
     torch.testing.assert_close(extend.qnorm_of(qsq), qn, rtol=1e-4, atol=1e-4)
@@ -57,8 +57,8 @@ def test_rdkv_chunks_split_their_colmass_rows(prefix):
     """rdkv's prefill at 32 x 8K (4,096-token chunks over window rows only): the signals
     pass splits each key tile's rows (extend.signal_splits: 8 and 4 ways); the sums match."""
     p = extend.plan([4096], [prefix + 4096], 7, "cuda")
-    splits = extend.signal_splits(p, (prefix + 4096) // 32, 32, 2, NEED)
-    assert splits == (8 if prefix == 0 else 4)
+    splits = extend.signal_splits(p, 32, 2, NEED)
+    assert splits.n == (8 if prefix == 0 else 4,)
     check([prefix], [4096], seed=7, splits=splits, p_page=0.0, p_evict=0.0)
 
 

@@ -255,22 +255,22 @@ def window_attn(batch: DecodeBatch, window: int) -> Tensor:
 @dataclass
 class ExtendBatch:
     """One extend forward through the extend kernel: the plan, every layer's window lists, and
-    per layer the signals the policy reads (``sig[name]`` float32 ``[L, S, B, H, T_max]`` at
-    token positions, ``S = splits`` partial sums, :meth:`signals`; ``qnorm_sq`` the attention
-    kernel's per-tile sums of q^2, float32 ``[L, B, tiles, H, d]``, :meth:`qnorm`), filled by
-    :func:`extend_layer`."""
+    per layer the signals the policy reads (``sig[name]`` float32 ``[L, rows, H, T_max]`` at
+    token positions, each request's partial sums in ``splits.n[b]`` rows, :meth:`signals`;
+    ``qnorm_sq`` the attention kernel's per-tile sums of q^2, float32 ``[L, B, tiles, H, d]``,
+    :meth:`qnorm`), filled by :func:`extend_layer`."""
 
     plan: extend.ExtendPlan
     lists: extend.WindowLists
     need: frozenset[str]
     sig: dict[str, Tensor]
     qnorm_sq: Tensor | None
-    splits: int = 1
+    splits: extend.SignalSplits
 
     def signals(self) -> dict[str, Tensor]:
         """float32 ``[L, B, H, T_max]`` per signal: every layer's at once (after the last
-        layer; one sum a signal when the kernel split its rows)."""
-        return {n: x.sum(1) if self.splits > 1 else x[:, 0] for n, x in self.sig.items()}
+        layer; the runs' partial sums added where the kernel split a request's rows)."""
+        return {n: self.splits.total(x) for n, x in self.sig.items()}
 
     def qnorm(self) -> Tensor | None:
         """float32 ``[L, B, H, d]``: every layer's ``qnorm`` at once (after the last layer)."""
@@ -284,17 +284,16 @@ def build_extend(pool, views, q_lens: list[int], seqs: list[int], group: int,
     ``obs_attn``, ``colmass``, ``qnorm``)."""
     L, H, dev = pool.layer_num, pool.head_num, pool.device
     p = extend.plan(q_lens, seqs, group, dev)
-    lists = extend_lists(pool, views)
-    S = extend.signal_splits(p, lists.n_max, pool.layout.window, H, need)
+    splits = extend.signal_splits(p, pool.layout.window, H, need)
     sig = {  # zeroed once for every layer (extend_layer's signals fill them)
-        n: torch.zeros(L, S, p.batch, H, p.t_max, dtype=torch.float32, device=dev)
+        n: torch.zeros(L, splits.rows, H, p.t_max, dtype=torch.float32, device=dev)
         for n in need & {"attn", "obs_attn", "colmass"}
     }
     qsq = None
     if "qnorm" in need:  # zeroed: requests with fewer tiles leave theirs
         qsq = torch.zeros(L, p.batch, p.tiles_max, H, pool.head_dim, dtype=torch.float32,
                           device=dev)  # fmt: skip
-    return ExtendBatch(p, lists, frozenset(need), sig, qsq, S)
+    return ExtendBatch(p, extend_lists(pool, views), frozenset(need), sig, qsq, splits)
 
 
 def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> Tensor:
@@ -309,7 +308,7 @@ def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> 
     qsq = None if eb.qnorm_sq is None else eb.qnorm_sq[li]
     out, lse = extend.run(q, st, ls, eb.plan, H, sm_scale=sm_scale, qnorm_sq=qsq)
     if eb.sig:
-        into = {n: x[li] if eb.splits > 1 else x[li, 0] for n, x in eb.sig.items()}
+        into = {n: x[li] for n, x in eb.sig.items()}
         extend.signals(q, lse, st, ls, eb.plan, H, eb.need, sm_scale=sm_scale, into=into,
                        zeroed=True, splits=eb.splits)  # fmt: skip
     return out
