@@ -281,7 +281,7 @@ def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPl
         q, q.stride(0), q.stride(1), lse, st.rows_k, st.rows_v, arena, arena.view(torch.float16),
         st.pages.shape[1] if pages else 16, ls.blk, ls.win, ls.rows, ls.pages, ls.n_max,
         p.q_start, p.q_len, p.seq_len, ptr["colmass"], ptr["obs_attn"], ptr["attn"],
-        some.stride(0), some.stride(1), sp.table[:B], sp.table[B : 2 * B], sm_scale * LOG2E,
+        some.stride(0), some.stride(1), sp.table[:B], sp.table[B:], sm_scale * LOG2E,
         num_kv_heads, p.group, tiles, sp.most,
         DT=_dt(q), D=d, G_PAD=p.g_pad, BLOCK_M=p.block_m, W=W, WPI=wpi, VB=st.bits,
         VG=st.v_group, PAGES=pages, IL=_il(unpack, q, W), COLMASS="colmass" in need,
@@ -295,13 +295,16 @@ def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPl
 class SignalSplits:
     """How :func:`signals` splits each request's query rows: request ``b`` in ``n[b]`` runs,
     whose partial sums are rows ``off[b] : off[b] + n[b]`` of the signal buffers (``rows`` in
-    all, ``most`` runs at most). ``table``: int32 device ``[2 B + 2 most B]``: ``off``, ``n``,
-    then per run ``s`` the row ``off[b] + min(s, n[b] - 1)`` and whether ``s < n[b]``."""
+    all, ``most`` runs at most). ``table``: int32 device ``[2 B]``, ``off`` then ``n`` (the
+    kernel's); ``run_rows`` int64 ``[most, B]``: run ``s``'s row, ``off[b] + min(s, n[b] - 1)``,
+    and ``run_on`` float32 ``[most, B, 1, 1]``: whether ``s < n[b]`` (:meth:`total`'s, most > 1)."""
 
     n: tuple[int, ...]
     rows: int
     most: int
     table: Tensor
+    run_rows: Tensor
+    run_on: Tensor
 
     @classmethod
     def of(cls, n: list[int], device) -> SignalSplits:
@@ -315,7 +318,12 @@ class SignalSplits:
         host = torch.tensor(off + list(n) + rows + on, dtype=torch.int32)
         if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the device
             host = host.pin_memory()
-        return cls(tuple(n), sum(n), most, host.to(device, non_blocking=True))
+        dev = host.to(device, non_blocking=True)
+        if most == 1:  # total() adds nothing
+            return cls(tuple(n), sum(n), 1, dev[: 2 * B], dev[2 * B : 3 * B], dev[3 * B :])
+        at = dev[2 * B :].view(2, most, B)
+        run_on = at[1].float()[:, :, None, None]
+        return cls(tuple(n), sum(n), most, dev[: 2 * B], at[0].long(), run_on)
 
     def total(self, x: Tensor) -> Tensor:
         """``x [..., rows, H, T]`` -> each request's sum of its runs ``[..., B, H, T]``, added in
@@ -323,12 +331,9 @@ class SignalSplits:
         other requests of its batch, nor on how many runs they take."""
         if self.most == 1:
             return x
-        B = len(self.n)
-        at = self.table[2 * B :].view(2, self.most, B)
-        rows, on = at[0].long(), at[1].float()[:, :, None, None]
-        acc = x.index_select(-3, rows[0])
-        for s in range(1, self.most):
-            acc = acc + x.index_select(-3, rows[s]) * on[s]  # after its runs: + 0.0, exact
+        acc = x.index_select(-3, self.run_rows[0])
+        for s in range(1, self.most):  # after a request's runs: + 0.0, exact
+            acc.addcmul_(x.index_select(-3, self.run_rows[s]), self.run_on[s])
         return acc
 
 
