@@ -158,10 +158,16 @@ def _mass(d: int) -> Config:
 
 
 def _extend(
-    d: int, pages: bool, page: int = 32, signals: str | None = None, warps: int | None = None
+    d: int,
+    pages: bool,
+    page: int = 32,
+    signals: str | None = None,
+    warps: int | None = None,
+    qnorm: bool = False,
 ) -> Config:
-    """The extend kernels (``kernels/extend.py``): attention, or the signals pass
-    (``signals``: "attn" = the last query only, "snap" = obs_attn and colmass)."""
+    """The extend kernels (``kernels/extend.py``): attention (``qnorm``: with its per-tile sums
+    of q^2, as rdkv runs it), or the signals pass (``signals``: "attn" = the last query only,
+    "snap" = obs_attn and colmass, split in runs)."""
     grp, hkv = FAMILIES[d]
     g_pad = 1 << (grp - 1).bit_length()
     il = page >= 32
@@ -176,11 +182,13 @@ def _extend(
     w = warps or (4 if d == 64 else 8)
     tag = f"d{d} p{page} {'pages' if pages else 'rows '} w{w}"
     if signals is None:
-        args.update(out_ptr="*bf16", o_st=grp * hkv * d, o_sh=d, tile_b="*i32", tile_m="*i32")
-        cx["PPI"] = 1
+        args.update(out_ptr="*bf16", o_st=grp * hkv * d, o_sh=d, tile_b="*i32", tile_m="*i32",
+                    qsq_ptr="*fp32", qsq_sb=512 * hkv * d)  # fmt: skip
+        cx.update(PPI=1, QNORM=qnorm)
+        tag += " qnorm" if qnorm else ""
         return Config(f"extend {tag}", "_extend_attn_kernel", args, cx, w)
-    args.update(colmass_ptr="*fp32", obs_ptr="*fp32", attn_ptr="*fp32", sig_sb=2 * 30720,
-                sig_sh=30720, TILES=480)  # fmt: skip
+    args.update(colmass_ptr="*fp32", obs_ptr="*fp32", attn_ptr="*fp32", sig_sr=2 * 30720,
+                sig_sh=30720, split_off="*i32", split_n="*i32", TILES=480, S_MAX=8)  # fmt: skip
     snap = signals == "snap"
     cx.update(COLMASS=snap, OBS=snap, LAST=not snap, OBS_WINDOW=32)
     return Config(f"extend-signals {signals} {tag}", "_extend_signals_kernel", args, cx, w)
@@ -231,6 +239,8 @@ def configs() -> list[Config]:
         for page in (16, 32):
             out += [_extend(d, pages, page) for pages in (False, True)]
             out += [_extend(d, True, page, sig) for sig in ("attn", "snap")]
+            out.append(_extend(d, False, page, qnorm=True))  # rdkv's prefill: rows, qnorm
+            out.append(_extend(d, False, page, "snap"))
         out += [_extend(d, True, 32, None, 4 if d == 128 else 8)]  # the other warp count
     return out
 

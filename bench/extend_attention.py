@@ -13,6 +13,11 @@ a chunk of 2,048 new tokens per request over a prefix of P tokens, per (batch, P
   ``kernel ppi2``: 8 warps, 32-token tiles at 8 warps, 2 pages an iteration;
 - ``kernel+attn``: plus ``extend.signals`` for ``attn`` (what qevict reads);
 - ``kernel+snap``: plus ``obs_attn`` and ``colmass`` (SnapKV/RDKV-style reads);
+- ``rdkv qnorm ops``: what rdkv's prefill launched per layer before (``kernel+snap`` with its
+  query rows in one program a key tile, plus ``chunk_qnorm``'s tensor ops); ``rdkv S<n>``: the
+  kernel writing the qnorm sums, the signals pass with each request's rows split in runs
+  (``extend.signal_splits``, at most ``n``); ``rdkv s1``: the same unsplit. Run it over rows
+  only, as rdkv prefills (``--full 1 --quant 0``), at its chunk (``--chunk 4096``);
 - ``gather_sdpa``: what ``TieredAttnBackend._gather`` did per request and layer on CUDA: every
   prefix window gathered (rows, pages dequantized) then ``attend_sdpa`` (masked SDPA + the last
   query's ``attend``);
@@ -178,6 +183,22 @@ def run_case(batch: int, prefix: int, chunk: int, a, dev, scale: float) -> list[
             extend.signals(q, lse, st, ls, p, HKV, need, sm_scale=scale)
 
         runs[name] = both
+    snap = frozenset({"obs_attn", "colmass"})
+    splits = extend.signal_splits(p, W, HKV, snap)
+    qsq = torch.zeros(p.batch, p.tiles_max, HKV, D, device=dev)
+
+    def rdkv_ops():
+        _, lse = extend.run(q, st, ls, p, HKV, sm_scale=scale)
+        extend.signals(q, lse, st, ls, p, HKV, snap, sm_scale=scale)
+        qsq[:, 0] = extend.chunk_qnorm(q, p, HKV)
+
+    def rdkv(s=splits):
+        _, lse = extend.run(q, st, ls, p, HKV, sm_scale=scale, qnorm_sq=qsq)
+        extend.signals(q, lse, st, ls, p, HKV, snap, sm_scale=scale, splits=s)
+
+    runs["rdkv qnorm ops"] = rdkv_ops
+    runs[f"rdkv S{splits.most}"] = rdkv
+    runs["rdkv s1"] = lambda: rdkv(None)
     runs["gather_sdpa"] = lambda: gather_sdpa(q, st, ls, p, kind, attend_sdpa, scale)
     try:
         name, fn = dense(q, batch, prefix, chunk, dev, scale)
@@ -206,11 +227,15 @@ def main() -> None:
     ap.add_argument("--full", type=float, default=0.05, help="prefix windows kept as rows")
     ap.add_argument("--quant", type=float, default=0.35, help="prefix windows kept as INT2 pages")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--chunk", type=int, default=CHUNK, help="new tokens per request")
+    ap.add_argument("--cases", nargs="+", default=None, help="BATCHxPREFIX, e.g. 1x0 1x4096")
     ap.add_argument("--out", default="bench/results/extend-attention")
     a = ap.parse_args()
     dev = a.device
     cases = TINY if a.tiny else QUICK if a.quick else FULL_CASES
-    chunk = 40 if a.tiny else CHUNK
+    if a.cases:
+        cases = [tuple(int(x) for x in c.split("x")) for c in a.cases]
+    chunk = 40 if a.tiny else a.chunk
     scale = D**-0.5
     rows = []
     gpu = torch.cuda.get_device_name() if dev != "cpu" else "cpu"

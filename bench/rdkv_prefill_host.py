@@ -10,10 +10,12 @@ deferred routing runs). Per forward: wall ms, the host seconds of each backend p
 host syncs (``tolist``/``item``/``bool``/``float``/``int`` of a tensor: on CUDA each one waits
 for the device), also per function.
 
-The TriZone kernels are stubbed (extend: zeros and random signals; decode: zeros), so what is
-counted is the host work around them; a chunk that cannot run the extend kernel (a request that
-reads Zone A pages) runs the real gather path (per request and layer: unpack the pages, attend
-in float32), which is what it does on the GPU too.
+The Triton kernels are stubbed (the extend kernels' launches: zeros out, random signals;
+decode: zeros), so what is counted is the host work around them (their launchers' tensor ops
+included, the stubs' own fills excluded); a chunk that cannot run the extend kernel (a request
+that reads Zone A pages) runs the real gather path (per request and layer: unpack the pages,
+attend in float32), which is what it does on the GPU too. ``--policy qevict`` (or a file) runs
+another policy at the same shapes (``--variant`` applies to rdkv's text only).
 
     python bench/rdkv_prefill_host.py --prompt 4096 --chunks 4 --batch 1 \\
         --out bench/results/rdkv-prefill-cpu
@@ -37,10 +39,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
 
 DEFERRED = "schedule: after_prefill(defer=true)"
-FUNCS = [  # (module, class or None, attribute): host work listed per function
+FUNCS = [  # (module, class or None, attribute): host work listed per function (where present)
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_metadata"),
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_admit"),
+    ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "prepare_write"),
+    ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "set_kv_buffer"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_gather"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_extend_kernel"),
+    ("tiered_radix.adapters.sglang.trizone", None, "build_extend"),
+    ("tiered_radix.adapters.sglang.trizone", None, "extend_layer"),
+    ("tiered_radix.kernels.extend", None, "run"),
+    ("tiered_radix.kernels.extend", None, "signals"),
+    ("tiered_radix.kernels.extend", None, "chunk_qnorm"),
+    ("tiered_radix.kernels.extend", None, "qnorm_of"),
+    ("tiered_radix.engine.store", "TierStore", "observe_layers"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_observe_extend"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_route_due"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_repack"),
@@ -67,25 +79,48 @@ def _wrap(owner, name: str, label: str) -> None:
     setattr(owner, name, staticmethod(g) if static else g)
 
 
+class _Stub:
+    """A Triton kernel's stand-in: ``stub[grid](*args, **kw)`` runs ``fill(args, kw)`` inside
+    a ``STUB`` range (its ops are not counted)."""
+
+    def __init__(self, fill) -> None:
+        self.fill = fill
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            with record_function("STUB"):
+                self.fill(args, kw)
+
+        return launch
+
+
 def _stubs(seed: int) -> None:
-    """The kernels out of the way: their host cost on the GPU is a few launches a layer."""
-    from tiered_radix.adapters.sglang import backend, trizone
+    """The kernels out of the way: their host cost on the GPU is one launch each."""
+    from tiered_radix.kernels import extend
+
+    from tiered_radix.adapters.sglang import backend
 
     gen = torch.Generator().manual_seed(seed)
 
-    def extend_layer(pool, eb, li, q, sm_scale):
-        for x in eb.sig.values():
-            x[li] = torch.rand(x[li].shape, generator=gen) ** 8
-        if eb.qnorm is not None:
-            eb.qnorm[li] = torch.rand(eb.qnorm[li].shape, generator=gen)
-        return torch.zeros_like(q)
+    def attn(args, kw):  # q, q_st, q_sh, out, o_st, o_sh, lse, ..., qnorm_sq (position 25)
+        args[3].zero_()
+        args[6].zero_()
+        if kw.get("QNORM"):
+            args[25].copy_(torch.rand(args[25].shape, generator=gen))
+
+    def sig(args, kw):  # ..., colmass, obs, attn (positions 17-19)
+        for on, x in zip(("COLMASS", "OBS", "LAST"), args[17:20], strict=True):
+            if kw[on]:
+                x.copy_(torch.rand(x.shape, generator=gen) ** 8)
 
     def decode_run(q, layout, plan, mass=None, **kw):
-        if mass is not None:
-            mass.copy_(torch.rand(mass.shape, generator=gen) ** 8)
-        return torch.zeros_like(q)
+        with record_function("STUB"):
+            if mass is not None:
+                mass.copy_(torch.rand(mass.shape, generator=gen) ** 8)
+            return torch.zeros_like(q)
 
-    trizone.extend_layer = extend_layer
+    extend._extend_attn_kernel = _Stub(attn)
+    extend._extend_signals_kernel = _Stub(sig)
     backend.decode.run = decode_run
 
 
@@ -98,8 +133,13 @@ def report(events) -> dict:
              "aten::permute", "aten::detach", "aten::alias", "aten::_reshape_alias",
              "aten::lift_fresh", "aten::empty", "aten::result_type", "aten::split",
              "aten::unbind", "aten::chunk", "aten::narrow", "aten::flatten"}  # fmt: skip
-    launch = [e for e in top if e.name not in views]
-    syncs = [e for e in events if e.name.startswith("SYNC:")]
+    stubs = [(e.time_range.start, e.time_range.end) for e in events if e.name == "STUB"]
+
+    def counted(e) -> bool:
+        return not any(s <= e.time_range.start and e.time_range.end <= t for s, t in stubs)
+
+    launch = [e for e in top if e.name not in views and counted(e)]
+    syncs = [e for e in events if e.name.startswith("SYNC:") and counted(e)]
     out = {"ops": len(launch), "syncs": len(syncs), "by_function": {}}
     for x in (e for e in events if e.name.startswith("X:")):
         s, t = x.time_range.start, x.time_range.end
@@ -117,8 +157,10 @@ def run(variant: str, batch: int, args) -> dict:
 
     from tiered_radix.adapters.sglang.options import KVOptions
     from tiered_radix.adapters.sglang.sizing import PoolBlocks
+    from tiered_radix.policy import compile_text
 
-    text = (ROOT / "policies" / "rdkv.yaml").read_text()
+    named = ROOT / "policies" / f"{args.policy}.yaml"
+    text = (named if named.exists() else Path(args.policy)).read_text()
     if variant == "chunks":  # routed after every chunk, on that chunk's signals
         text = text.replace(DEFERRED, "schedule: after_prefill")
         text = text.replace("cumulative(colmass)", "colmass")
@@ -127,14 +169,19 @@ def run(variant: str, batch: int, args) -> dict:
     W = 32
     pages = batch * (args.prompt // W + 4) + 8
     zone = batch * args.prompt * args.heads * 4 * args.head_dim + (1 << 20)
+    coupled = compile_text(text).coupled
+    blocks = PoolBlocks(pages * args.heads + 16, pages * args.heads + 16 if coupled else 0,
+                        0 if coupled else zone)  # fmt: skip
     h = Harness(policy=text, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
-                pages=pages, blocks=PoolBlocks(pages * args.heads + 16, 0, zone),
+                pages=pages, blocks=blocks,
                 context=args.prompt + 64,
                 options=KVOptions(extend="kernel", decode="kernel"))  # fmt: skip
     assert h.backend.extend_kernel and h.backend.kernel, "the stubbed kernels should serve"
     for mod, obj, name in FUNCS:
         m = importlib.import_module(mod)
-        _wrap(getattr(m, obj) if obj else m, name, f"X:{obj + '.' if obj else ''}{name}")
+        owner = getattr(m, obj) if obj else m
+        if hasattr(owner, name):  # an older tree may not have it
+            _wrap(owner, name, f"X:{obj + '.' if obj else ''}{name}")
     reqs = [
         h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(args.prompt)]) for i in range(batch)
     ]
@@ -161,12 +208,18 @@ def run(variant: str, batch: int, args) -> dict:
             row["extend_kernel"] = h.backend.extend_kernel_batches > gathered
         row |= report(prof.events())
         rows.append(row)
-        print(variant, batch, json.dumps({k: v for k, v in row.items() if k != "by_function"}))
-    return {"variant": variant, "batch": batch, "forwards": rows}
+        print(
+            args.policy,
+            variant,
+            batch,
+            json.dumps({k: v for k, v in row.items() if k != "by_function"}),
+        )
+    return {"policy": args.policy, "variant": variant, "batch": batch, "forwards": rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--policy", default="rdkv", help="shipped name or policy file")
     ap.add_argument("--variant", nargs="+", default=["chunks", "shipped"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--layers", type=int, default=24)

@@ -78,14 +78,16 @@ def _page_kv(arena8, arena16, page_bytes, ent_blk, ent_win, e, ok, seq, D: tl.co
 def _extend_attn_kernel(
     q_ptr, q_st, q_sh, out_ptr, o_st, o_sh, lse_ptr, rows_k, rows_v, arena8, arena16, page_bytes,
     ent_blk, ent_win, n_rows, n_pages, list_stride, tile_b, tile_m, q_start, q_len, seq_len,
-    qk_scale, H_KV, G,
+    qk_scale, H_KV, G, qsq_ptr, qsq_sb,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     W: tl.constexpr, WPI: tl.constexpr, PPI: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr,
-    PAGES: tl.constexpr, IL: tl.constexpr,
+    PAGES: tl.constexpr, IL: tl.constexpr, QNORM: tl.constexpr,
 ):  # fmt: skip
     """One tile of BLOCK_M query tokens of one request x one KV head (all its query heads):
     online softmax over the request's page windows, then its row windows up to the tile's last
-    query (causal: key position <= query position); writes out and lse (log2, per query row)."""
+    query (causal: key position <= query position); writes out and lse (log2, per query row).
+    QNORM: also the tile's sum of q^2 per channel over its rows (float32 [D]) at
+    qsq[b, m0 // BLOCK_M, h] (row b at qsq_sb, then [tiles, H_KV, D] contiguous)."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_b + tile)
@@ -94,6 +96,10 @@ def _extend_attn_kernel(
     tq = tl.load(q_len + b)
     seq = tl.load(seq_len + b)
     q, tok, g, rok = _q_rows(q_ptr, q_st, q_sh, q0, m0, tq, h, G, D, G_PAD, BLOCK_M)
+    if QNORM:  # rows outside the tile's tokens and group load as 0
+        qf = q.to(tl.float32)
+        at = b.to(tl.int64) * qsq_sb + ((m0 // BLOCK_M) * H_KV + h) * D + tl.arange(0, D)
+        tl.store(qsq_ptr + at, tl.sum(qf * qf, 0))
     qd = q.to(DT)
     qpos = seq - tq + tok
     MR: tl.constexpr = BLOCK_M * G_PAD
@@ -139,21 +145,24 @@ def _extend_attn_kernel(
 @triton.jit
 def _column_sums(
     q_ptr, q_st, q_sh, lse_ptr, kt, pos, valid, q0, tq, seq, h, G, H_KV, qk_scale, r_lo,
-    colmass_ptr, obs_ptr, attn_ptr, sig_row,
+    colmass_ptr, obs_ptr, attn_ptr, sig_row, split, n_split,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     COLMASS: tl.constexpr, OBS: tl.constexpr, LAST: tl.constexpr, OBS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """Probabilities exp2(s - lse) of keys kT [D, N] (positions pos, valid) for query tokens from
     r_lo on (those that can see a key: from the first key's position on), summed over the rows
     and query heads of the group: colmass (every row), obs (the last OBS_WINDOW), attn (the
-    last); stored at sig_row + pos."""
+    last); stored at sig_row + pos. Of those rows' blocks of BLOCK_M tokens, only the
+    split-th of n_split equal runs (the sums of the runs add up to all rows')."""
     kd = kt.to(DT)
     first = tl.min(tl.where(valid, pos, 2147483647), 0)
     lo = tl.maximum(r_lo, first - (seq - tq))
+    per = ((tq - lo + BLOCK_M - 1) // BLOCK_M + n_split - 1) // n_split  # blocks a split
+    start = lo + split * per * BLOCK_M
     cm = tl.sum(tl.zeros_like(kt).to(tl.float32), 0)  # [N] (kt: rows bf16, pages float32)
     ob = cm
     la = cm
-    for m0 in range(lo, tq, BLOCK_M):
+    for m0 in range(start, tl.minimum(start + per * BLOCK_M, tq), BLOCK_M):
         q, tok, g, rok = _q_rows(q_ptr, q_st, q_sh, q0, m0, tq, h, G, D, G_PAD, BLOCK_M)
         lse = tl.load(lse_ptr + (q0 + tok).to(tl.int64) * (H_KV * G) + h * G + g, mask=rok,
                       other=0.0)  # fmt: skip
@@ -163,10 +172,13 @@ def _column_sums(
         p = tl.where(see, tl.exp2(s - lse[:, None]), 0.0)
         if COLMASS:
             cm += tl.sum(p, 0)
+        # obs and attn: only the blocks that hold their rows (the others would add zeros)
         if OBS:
-            ob += tl.sum(tl.where((tok >= tq - OBS_WINDOW)[:, None], p, 0.0), 0)
+            if m0 + BLOCK_M > tq - OBS_WINDOW:
+                ob += tl.sum(tl.where((tok >= tq - OBS_WINDOW)[:, None], p, 0.0), 0)
         if LAST:
-            la += tl.sum(tl.where((tok == tq - 1)[:, None], p, 0.0), 0)
+            if m0 + BLOCK_M >= tq:
+                la += tl.sum(tl.where((tok == tq - 1)[:, None], p, 0.0), 0)
     at = sig_row + pos
     if COLMASS:
         tl.store(colmass_ptr + at, cm, mask=valid)
@@ -180,46 +192,53 @@ def _column_sums(
 def _extend_signals_kernel(
     q_ptr, q_st, q_sh, lse_ptr, rows_k, rows_v, arena8, arena16, page_bytes, ent_blk, ent_win,
     n_rows, n_pages, list_stride, q_start, q_len, seq_len, colmass_ptr, obs_ptr, attn_ptr,
-    sig_sb, sig_sh, qk_scale, H_KV, G, TILES,
+    sig_sr, sig_sh, split_off, split_n, qk_scale, H_KV, G, TILES, S_MAX,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     W: tl.constexpr, WPI: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, PAGES: tl.constexpr,
     IL: tl.constexpr, COLMASS: tl.constexpr, OBS: tl.constexpr, LAST: tl.constexpr,
     OBS_WINDOW: tl.constexpr,
 ):  # fmt: skip
-    """Program (request b, key tile k) x KV head: the row windows and the page windows at list
-    entries [k * WPI, (k + 1) * WPI) of list (b, h), each loaded once, against the query rows
-    whose signals are asked for (every row with COLMASS, else the last OBS_WINDOW or the last);
-    signals [B, H, T_max] float32 at each key's position (positions in no list keep 0)."""
+    """Program (request b, key tile k, split s) x KV head: the row windows and the page windows
+    at list entries [k * WPI, (k + 1) * WPI) of list (b, h), each loaded once, against the s-th
+    of split_n[b] runs of the query rows whose signals are asked for (every row with COLMASS,
+    else the last OBS_WINDOW or the last); signals [rows, H, T_max] float32, request b's run s
+    at row split_off[b] + s, at each key's position (positions in no list keep 0). Programs
+    with s >= split_n[b] (up to S_MAX runs a request) do nothing."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    b = pid // TILES
-    k0 = (pid % TILES) * WPI
-    q0 = tl.load(q_start + b)
-    tq = tl.load(q_len + b)
-    seq = tl.load(seq_len + b)
-    li = b * H_KV + h
-    base = li.to(tl.int64) * list_stride
-    nr = tl.load(n_rows + li)
-    if COLMASS:
-        r_lo = tq * 0
-    elif OBS:
-        r_lo = tl.maximum(tq - OBS_WINDOW, 0)
-    else:
-        r_lo = tq - 1
-    sig_row = b.to(tl.int64) * sig_sb + h * sig_sh
-    e = k0 + tl.arange(0, WPI)
-    if k0 < nr:
-        k, v, pos, valid = _row_kv(rows_k, rows_v, ent_blk + base, ent_win + base, e, e < nr, seq,
-                                   D, W, WPI * W)  # fmt: skip
-        _column_sums(q_ptr, q_st, q_sh, lse_ptr, tl.trans(k), pos, valid, q0, tq, seq, h, G, H_KV,
-                     qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, DT, D, G_PAD,
-                     BLOCK_M, COLMASS, OBS, LAST, OBS_WINDOW)  # fmt: skip
-    if PAGES:
-        npg = tl.load(n_pages + li)
-        if k0 < npg:
-            kt, v, pos, valid = _page_kv(arena8, arena16, page_bytes, ent_blk + base + nr,
-                                         ent_win + base + nr, e, e < npg, seq, D, W, WPI, VB, VG,
-                                         IL)  # fmt: skip
-            _column_sums(q_ptr, q_st, q_sh, lse_ptr, kt, pos, valid, q0, tq, seq, h, G, H_KV,
-                         qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, DT, D, G_PAD,
-                         BLOCK_M, COLMASS, OBS, LAST, OBS_WINDOW)  # fmt: skip
+    b = pid // (TILES * S_MAX)
+    k0 = (pid // S_MAX % TILES) * WPI
+    split = pid % S_MAX
+    n_split = tl.load(split_n + b)
+    if split < n_split:
+        q0 = tl.load(q_start + b)
+        tq = tl.load(q_len + b)
+        seq = tl.load(seq_len + b)
+        li = b * H_KV + h
+        base = li.to(tl.int64) * list_stride
+        nr = tl.load(n_rows + li)
+        if COLMASS:
+            r_lo = tq * 0
+        elif OBS:
+            r_lo = tl.maximum(tq - OBS_WINDOW, 0)
+        else:
+            r_lo = tq - 1
+        sig_row = (tl.load(split_off + b) + split).to(tl.int64) * sig_sr + h * sig_sh
+        e = k0 + tl.arange(0, WPI)
+        if k0 < nr:
+            k, v, pos, valid = _row_kv(rows_k, rows_v, ent_blk + base, ent_win + base, e, e < nr,
+                                       seq, D, W, WPI * W)  # fmt: skip
+            _column_sums(q_ptr, q_st, q_sh, lse_ptr, tl.trans(k), pos, valid, q0, tq, seq, h, G,
+                         H_KV, qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row, split,
+                         n_split, DT, D, G_PAD, BLOCK_M, COLMASS, OBS, LAST,
+                         OBS_WINDOW)  # fmt: skip
+        if PAGES:
+            npg = tl.load(n_pages + li)
+            if k0 < npg:
+                kt, v, pos, valid = _page_kv(arena8, arena16, page_bytes, ent_blk + base + nr,
+                                             ent_win + base + nr, e, e < npg, seq, D, W, WPI,
+                                             VB, VG, IL)  # fmt: skip
+                _column_sums(q_ptr, q_st, q_sh, lse_ptr, kt, pos, valid, q0, tq, seq, h, G,
+                             H_KV, qk_scale, r_lo, colmass_ptr, obs_ptr, attn_ptr, sig_row,
+                             split, n_split, DT, D, G_PAD, BLOCK_M, COLMASS, OBS, LAST,
+                             OBS_WINDOW)  # fmt: skip

@@ -9,10 +9,12 @@ in neither. The chunk's own K/V are already written to their windows' row blocks
 is the last row windows of every list.
 
 ``plan()`` once per batch (host lists of lengths: one host-to-device copy), ``run()`` per layer
-(one launch, varlen over the batch, causal within the chunk, no host sync), ``signals()`` per
-layer when the policy reads attention (a second launch over the same lists with ``run()``'s lse:
-``attn`` of the last query, ``obs_attn`` of the last :data:`OBS_WINDOW`, ``colmass`` of all),
-:func:`chunk_qnorm` a tensor op. :func:`extend_ref` is the PyTorch twin of ``run`` + ``signals``.
+(one launch, varlen over the batch, causal within the chunk, no host sync; with ``qnorm_sq`` it
+also writes each query tile's sum of squares per channel, which :func:`qnorm_of` turns into
+``qnorm``, e.g. once for every layer), ``signals()`` per layer when the policy reads attention
+(a second launch over the same lists with ``run()``'s lse: ``attn`` of the last query,
+``obs_attn`` of the last :data:`OBS_WINDOW`, ``colmass`` of all). :func:`extend_ref` is the
+PyTorch twin of ``run`` + ``signals``, :func:`chunk_qnorm` that of ``qnorm_of(qnorm_sq)``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ OBS_WINDOW = 32  # as adapters/transformers/attention.py (SnapKV's observation w
 ROW, PAGE, ABSENT = 0, 1, 2  # window kinds of :func:`window_lists`
 # tl.interleave unpacking is miscompiled for pages under 32 tokens on the H200 (decode.py)
 IL_MIN_PAGE_CUDA = 32
+# signal_splits: a grid of ~4 waves of the H200's 132 SMs at 2 programs each; a split reads at
+# least 16 blocks of query rows (its key tile's load amortised), and at most 8 partial sums
+SIGNAL_PROGRAMS, SPLIT_MIN_BLOCKS, MAX_SPLITS = 1024, 16, 8
 
 
 class ExtendInputError(ValueError):
@@ -76,7 +81,8 @@ def window_lists(kind: Tensor, row_blk: Tensor, page_blk: Tensor) -> WindowLists
 class ExtendPlan:
     """One extend batch: request ``b``'s queries are rows ``q_start[b] : q_start[b] + q_len[b]``
     of q (the last ``q_len`` of its ``seq_len`` tokens); tiles (``tile_b``, ``tile_m``: request
-    and first query token) of ``block_m`` tokens. int32 device tensors; host sizes."""
+    and first query token) of ``block_m`` tokens, the tiles whose last query is furthest first.
+    int32 device tensors; host sizes."""
 
     batch: int
     group: int
@@ -84,6 +90,7 @@ class ExtendPlan:
     block_m: int
     n_tiles: int
     t_max: int
+    tiles_max: int  # the most tiles of one request
     q_start: Tensor
     q_len: Tensor
     seq_len: Tensor
@@ -103,13 +110,15 @@ def plan(q_lens: list[int], seqs: list[int], group: int, device, block_m: int | 
     bm = block_m or max(16, 128 // g_pad)
     if bm & (bm - 1):
         raise ExtendInputError(f"block_m={bm} must be a power of two")
-    starts, tb, tm, s = [], [], [], 0
-    for b, q in enumerate(q_lens):
+    starts, tiles, s = [], [], 0
+    for b, (q, seq) in enumerate(zip(q_lens, seqs, strict=True)):
         starts.append(s)
         s += q
-        for m0 in range(0, q, bm):
-            tb.append(b)
-            tm.append(m0)
+        tiles.extend((seq - q + min(m0 + bm, q), b, m0) for m0 in range(0, q, bm))
+    # the tiles that read the most keys (their last query's position) launch first, so the
+    # long ones do not trail at the end of the grid
+    tiles.sort(key=lambda x: -x[0])
+    tb, tm = [b for _, b, _ in tiles], [m0 for _, _, m0 in tiles]
     host = torch.tensor([starts, list(q_lens), list(seqs)], dtype=torch.int32)
     tiles = torch.tensor([tb, tm], dtype=torch.int32)
     both = torch.cat([host.flatten(), tiles.flatten()])
@@ -118,7 +127,8 @@ def plan(q_lens: list[int], seqs: list[int], group: int, device, block_m: int | 
     both = both.to(device, non_blocking=True)
     B, T = len(q_lens), len(tb)
     return ExtendPlan(
-        B, group, g_pad, bm, T, max(seqs), both[:B], both[B : 2 * B], both[2 * B : 3 * B],
+        B, group, g_pad, bm, T, max(seqs), -(-max(q_lens) // bm), both[:B], both[B : 2 * B],
+        both[2 * B : 3 * B],
         both[3 * B : 3 * B + T], both[3 * B + T :], tuple(q_lens), tuple(seqs),
     )  # fmt: skip
 
@@ -164,30 +174,56 @@ def _check(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, hkv: int) 
 def run(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, num_kv_heads: int, *,
         sm_scale: float, out: Tensor | None = None, lse: Tensor | None = None,
         wpi: int | None = None, ppi: int | None = None, num_warps: int | None = None,
-        unpack: str | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+        unpack: str | None = None,
+        qnorm_sq: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Attention of q ``[n, H_q, d]`` (``p``'s requests' new tokens) over their window lists;
     returns out ``[n, H_q, d]`` (q's dtype) and lse float32 ``[n, H_q]`` (log2 domain, for
     :func:`signals`). ``wpi``/``ppi``: row/page windows an iteration (default 64 tokens' worth /
     1 page); ``unpack``: ``"interleave"`` or ``"shift"`` (default: interleave, shift for pages
-    under 32 tokens on CUDA)."""
+    under 32 tokens on CUDA). ``qnorm_sq``: float32 ``[B, >= p.tiles_max, H_kv, d]`` (the last
+    three dims contiguous) that gets, at ``[b, j, h]``, the sum of q^2 per channel over request
+    ``b``'s ``j``-th tile of ``p.block_m`` tokens and KV group ``h``'s query heads; entries of
+    tiles a request does not have are left as they are (zero them: :func:`qnorm_of` sums them)."""
     _check(q, st, ls, p, num_kv_heads)
     n, hq, d = q.shape
     W = st.rows_k.shape[1]
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(n, hq, dtype=torch.float32, device=q.device) if lse is None else lse
+    if qnorm_sq is not None:
+        _check_qsq(qnorm_sq, p, num_kv_heads, d)
     pages = st.pages is not None and st.pages.numel() > 0
-    arena = st.pages.view(-1) if pages else st.rows_k.new_zeros(16, dtype=torch.uint8)
+    arena = _arena(st, pages)
     il = _il(unpack, q, W)
     _extend_attn_kernel[(p.n_tiles, num_kv_heads)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1), lse, st.rows_k, st.rows_v,
         arena, arena.view(torch.float16), st.pages.shape[1] if pages else 16, ls.blk, ls.win,
         ls.rows, ls.pages, ls.n_max, p.tile_b, p.tile_m, p.q_start, p.q_len, p.seq_len,
-        sm_scale * LOG2E, num_kv_heads, p.group,
+        sm_scale * LOG2E, num_kv_heads, p.group, lse if qnorm_sq is None else qnorm_sq,
+        0 if qnorm_sq is None else qnorm_sq.stride(0),
         DT=_dt(q), D=d, G_PAD=p.g_pad, BLOCK_M=p.block_m, W=W, WPI=wpi or max(1, 64 // W),
-        PPI=ppi or 1, VB=st.bits, VG=st.v_group, PAGES=pages, IL=il,
+        PPI=ppi or 1, VB=st.bits, VG=st.v_group, PAGES=pages, IL=il, QNORM=qnorm_sq is not None,
         num_warps=num_warps or (4 if d == 64 else 8), num_stages=2,
     )  # fmt: skip
     return out, lse
+
+
+def _check_qsq(x: Tensor, p: ExtendPlan, hkv: int, d: int) -> None:
+    B, T = p.batch, p.tiles_max
+    ok = x.dim() == 4 and x.shape[0] == B and x.shape[1] >= T and x.shape[2:] == (hkv, d)
+    if not (ok and x.dtype == torch.float32 and x.stride()[1:] == (hkv * d, d, 1)):
+        raise ExtendInputError(f"qnorm_sq must be float32 [{B}, >= {T}, {hkv}, {d}] with its "
+                               "last three dims contiguous")  # fmt: skip
+
+
+def _arena(st: LayerStore, pages: bool) -> Tensor:
+    """The page bytes, or (no pages: never read) a byte view of the rows, so no allocation."""
+    return st.pages.view(-1) if pages else st.rows_k.view(-1).view(torch.uint8)
+
+
+def qnorm_of(qnorm_sq: Tensor) -> Tensor:
+    """float32 ``[..., B, H_kv, d]``: ``qnorm`` (:func:`chunk_qnorm`) from :func:`run`'s
+    per-tile sums ``[..., B, tiles, H_kv, d]`` (any leading dims: every layer's at once)."""
+    return qnorm_sq.sum(-3).sqrt()
 
 
 def _il(unpack: str | None, q: Tensor, W: int) -> bool:
@@ -204,19 +240,25 @@ def _il(unpack: str | None, q: Tensor, W: int) -> bool:
 def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan,
             num_kv_heads: int, need: frozenset[str], *, sm_scale: float,
             into: dict[str, Tensor] | None = None, unpack: str | None = None,
-            num_warps: int | None = None, zeroed: bool = False) -> dict[str, Tensor]:  # fmt: skip
+            num_warps: int | None = None, zeroed: bool = False,
+            splits: SignalSplits | None = None) -> dict[str, Tensor]:  # fmt: skip
     """The signals in ``need`` (``attn``, ``obs_attn``, ``colmass``) of :func:`run`'s attention
     (its ``lse``), each float32 ``[B, H_kv, >= t_max]`` at token positions, summed over the
     query heads of each KV group (positions in no list: 0). ``into``: buffers to fill (zeroed
     here, unless ``zeroed``: the caller zeroed them, e.g. every layer's at once); ``attn``: the
     last query row; ``obs_attn``: the last :data:`OBS_WINDOW`; ``colmass``: every row. One
-    launch for all of them."""
+    launch for all of them. ``splits`` (:func:`signal_splits`; default: none): request ``b``'s
+    query rows are read in ``splits.n[b]`` runs, each writing its partial sums to its own row of
+    the buffers, ``[splits.rows, H_kv, >= t_max]``; :meth:`SignalSplits.total` adds them."""
     need = frozenset(need) & {"attn", "obs_attn", "colmass"}
     _check(q, st, ls, p, num_kv_heads)
     if not need:
         return {}
     W, d = st.rows_k.shape[1:]
-    shape = (p.batch, num_kv_heads, p.t_max)
+    sp = splits or signal_splits(p, W, num_kv_heads, frozenset())
+    if len(sp.n) != p.batch:
+        raise ExtendInputError(f"splits for {len(sp.n)} requests, the plan has {p.batch}")
+    shape = (sp.rows, num_kv_heads, p.t_max)
     into = dict(into or {})
     for name in need:
         if name not in into:
@@ -231,20 +273,87 @@ def signals(q: Tensor, lse: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPl
     some = next(iter(into[n] for n in need))
     ptr = {n: into.get(n, some) for n in ("colmass", "obs_attn", "attn")}
     pages = st.pages is not None and st.pages.numel() > 0
-    arena = st.pages.view(-1) if pages else st.rows_k.new_zeros(16, dtype=torch.uint8)
+    arena = _arena(st, pages)
     wpi = max(1, 64 // W)
     tiles = -(-ls.n_max // wpi)
-    _extend_signals_kernel[(p.batch * tiles, num_kv_heads)](
+    B = p.batch
+    _extend_signals_kernel[(B * tiles * sp.most, num_kv_heads)](
         q, q.stride(0), q.stride(1), lse, st.rows_k, st.rows_v, arena, arena.view(torch.float16),
         st.pages.shape[1] if pages else 16, ls.blk, ls.win, ls.rows, ls.pages, ls.n_max,
         p.q_start, p.q_len, p.seq_len, ptr["colmass"], ptr["obs_attn"], ptr["attn"],
-        some.stride(0), some.stride(1), sm_scale * LOG2E, num_kv_heads, p.group, tiles,
+        some.stride(0), some.stride(1), sp.table[:B], sp.table[B:], sm_scale * LOG2E,
+        num_kv_heads, p.group, tiles, sp.most,
         DT=_dt(q), D=d, G_PAD=p.g_pad, BLOCK_M=p.block_m, W=W, WPI=wpi, VB=st.bits,
         VG=st.v_group, PAGES=pages, IL=_il(unpack, q, W), COLMASS="colmass" in need,
         OBS="obs_attn" in need, LAST="attn" in need, OBS_WINDOW=OBS_WINDOW,
         num_warps=num_warps or (4 if d == 64 else 8), num_stages=2,
     )  # fmt: skip
     return {n: into[n] for n in need}
+
+
+@dataclass(frozen=True)
+class SignalSplits:
+    """How :func:`signals` splits each request's query rows: request ``b`` in ``n[b]`` runs,
+    whose partial sums are rows ``off[b] : off[b] + n[b]`` of the signal buffers (``rows`` in
+    all, ``most`` runs at most). ``table``: int32 device ``[2 B]``, ``off`` then ``n`` (the
+    kernel's); ``run_rows`` int64 ``[most, B]``: run ``s``'s row, ``off[b] + min(s, n[b] - 1)``,
+    and ``run_on`` float32 ``[most, B, 1, 1]``: whether ``s < n[b]`` (:meth:`total`'s, most > 1)."""
+
+    n: tuple[int, ...]
+    rows: int
+    most: int
+    table: Tensor
+    run_rows: Tensor
+    run_on: Tensor
+
+    @classmethod
+    def of(cls, n: list[int], device) -> SignalSplits:
+        """``n[b]`` runs for request ``b`` (host ints >= 1); one host-to-device copy."""
+        if not n or min(n) < 1:
+            raise ExtendInputError(f"runs per request {n} must be at least 1 each")
+        B, most = len(n), max(n)
+        off = [sum(n[:b]) for b in range(B)]
+        rows = [o + min(s, k - 1) for s in range(most) for o, k in zip(off, n, strict=True)]
+        on = [int(s < k) for s in range(most) for k in n]
+        host = torch.tensor(off + list(n) + rows + on, dtype=torch.int32)
+        if torch.device(device).type == "cuda":  # pinned: the copy does not wait for the device
+            host = host.pin_memory()
+        dev = host.to(device, non_blocking=True)
+        if most == 1:  # total() adds nothing
+            return cls(tuple(n), sum(n), 1, dev[: 2 * B], dev[2 * B : 3 * B], dev[3 * B :])
+        at = dev[2 * B :].view(2, most, B)
+        run_on = at[1].float()[:, :, None, None]
+        return cls(tuple(n), sum(n), most, dev[: 2 * B], at[0].long(), run_on)
+
+    def total(self, x: Tensor) -> Tensor:
+        """``x [..., rows, H, T]`` -> each request's sum of its runs ``[..., B, H, T]``, added in
+        run order (``x`` itself without splits): a request's signals do not depend on the
+        other requests of its batch, nor on how many runs they take."""
+        if self.most == 1:
+            return x
+        acc = x.index_select(-3, self.run_rows[0])
+        for s in range(1, self.most):  # after a request's runs: + 0.0, exact
+            acc.addcmul_(x.index_select(-3, self.run_rows[s]), self.run_on[s])
+        return acc
+
+
+def signal_splits(p: ExtendPlan, window: int, num_kv_heads: int, need: frozenset[str],
+                  programs: int = SIGNAL_PROGRAMS) -> SignalSplits:  # fmt: skip
+    """:class:`SignalSplits` for :func:`signals` over windows of ``window`` tokens, each request
+    by its own sizes only (its signals do not depend on its batch). Without ``colmass`` one run
+    (a program reads a few rows); with it, a program reads every query row after its keys, so a
+    request with few key tiles has few programs, the longest (a chunk's first keys) reading all
+    the chunk's rows: runs bring the request alone to about ``programs`` programs, each run
+    at least :data:`SPLIT_MIN_BLOCKS` blocks of rows, at most :data:`MAX_SPLITS` runs."""
+    n, wpi = [], max(1, 64 // window)
+    for q, seq in zip(p.q_lens, p.seqs, strict=True):
+        wins = -(-seq // window)
+        tiles = -(-wins // wpi) * num_kv_heads
+        blocks = -(-q // p.block_m)
+        n.append(max(1, min(MAX_SPLITS, programs // tiles, blocks // SPLIT_MIN_BLOCKS)))
+    if "colmass" not in need:
+        n = [1] * p.batch
+    return SignalSplits.of(n, p.q_len.device)
 
 
 def chunk_qnorm(q: Tensor, p: ExtendPlan, num_kv_heads: int) -> Tensor:

@@ -90,7 +90,12 @@ def test_kernel_matches_its_twin(case, G):
     scale = 64**-0.5
     out = torch.full_like(q, float("nan"))  # poisoned: every row must be written
     lse = torch.full(q.shape[:2], float("nan"), device=q.device)
-    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out, lse=lse)
+    qsq = torch.zeros(p.batch, p.tiles_max, 2, 64, device=q.device)
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out, lse=lse, qnorm_sq=qsq)
+    qnorm = extend.chunk_qnorm(q, p, 2)
+    torch.testing.assert_close(extend.qnorm_of(qsq), qnorm, rtol=1e-5, atol=1e-5)
+    out2, lse2 = extend.run(q, st, ls, p, 2, sm_scale=scale)  # the qnorm changes nothing else
+    assert torch.equal(out2, out) and torch.equal(lse2, lse)
     need = frozenset({"attn", "obs_attn", "colmass"})
     bufs = {n: torch.full((p.batch, 2, p.t_max + 3), float("nan"), device=q.device) for n in need}
     sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale, into=bufs)
@@ -141,9 +146,11 @@ def test_twin_and_kernel_match_attend_on_the_gathered_rows():
     q, st, ls, p, _ = make_batch([40, 3], [50, 29], G=2, seed=9)
     scale = 64**-0.5
     need = frozenset({"attn", "obs_attn", "colmass"})
-    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale)
+    qsq = torch.zeros(p.batch, p.tiles_max, 2, 64, device=q.device)
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, qnorm_sq=qsq)
     sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale)
     qn = extend.chunk_qnorm(q, p, 2)
+    torch.testing.assert_close(extend.qnorm_of(qsq), qn, rtol=1e-5, atol=1e-5)
     q0 = 0
     for b, (tq, seq) in enumerate(zip(p.q_lens, p.seqs, strict=True)):
         kv = [extend.gather_kv(st, ls, b, h, 2, seq) for h in range(2)]
@@ -175,6 +182,8 @@ def test_bad_inputs_are_refused():
         extend.plan([5], [4], 2, "cpu")
     with pytest.raises(extend.ExtendInputError, match="lists for"):
         extend.run(q, st, ls, extend.plan([20], [20], 4, q.device), 1, sm_scale=1.0)
+    with pytest.raises(extend.ExtendInputError, match="qnorm_sq"):
+        extend.run(q, st, ls, p, 2, sm_scale=1.0, qnorm_sq=torch.zeros(1, 1, 2, 32))
 
 
 @pytest.mark.parametrize("block_m, ppi, unpack", [(32, 1, None), (16, 2, None), (16, 1, "shift")])
@@ -183,9 +192,82 @@ def test_tile_variants_match_the_twin(block_m, ppi, unpack):
     unpacking that 16-token pages take on CUDA."""
     q, st, ls, _, _ = make_batch([70, 0], [50, 33], G=3, seed=4)
     p = extend.plan([50, 33], [120, 33], 3, q.device, block_m=block_m)
-    out, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125, ppi=ppi, unpack=unpack)
+    assert p.tiles_max == -(-50 // block_m)
+    qsq = torch.full((p.batch, p.tiles_max + 1, 2, 64), 0.0, device=q.device)
+    qsq[:, -1] = 7.0  # past the plan's tiles: left as given
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125, ppi=ppi, unpack=unpack, qnorm_sq=qsq)
+    assert bool((qsq[:, -1] == 7.0).all())
+    qn = extend.qnorm_of(qsq[:, :-1])
+    torch.testing.assert_close(qn, extend.chunk_qnorm(q, p, 2), rtol=1e-5, atol=1e-5)
     need = frozenset({"attn", "colmass"})
     sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, unpack=unpack)
     ro, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125, need=need)
     assert rel(out, ro) < 1e-2
     assert all(rel(sig[n], rs[n]) < TOL for n in need)
+
+
+@pytest.mark.parametrize("runs", [(2, 3), (3, 1)])
+def test_split_rows_sum_to_the_signals_of_one_program(runs):
+    """Each request's query rows read in ``runs[b]`` runs, each writing partial sums to its own
+    row of the buffers; their totals are the signals (up to float order), the last queries'
+    ``obs_attn`` and ``attn`` included where the observation window spans two runs (16-token
+    blocks). A request's totals are the same bits alone as in the batch."""
+    q, st, ls, _, _ = make_batch([70, 0], [90, 130], G=3, seed=8)
+    p = extend.plan([90, 130], [160, 130], 3, q.device, block_m=16)
+    need = frozenset({"attn", "obs_attn", "colmass"})
+    _, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125)
+    one = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125)
+    sp = extend.SignalSplits.of(list(runs), q.device)
+    parts = {n: torch.full((sum(runs), 2, p.t_max), 5.0, device=q.device) for n in need}
+    got = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, into=parts, splits=sp)
+    _, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=0.125, need=need)
+    for n in need:
+        assert got[n] is parts[n]
+        torch.testing.assert_close(sp.total(got[n]), one[n], rtol=1e-5, atol=1e-6)
+        assert rel(sp.total(got[n]), rs[n]) < TOL
+    # every run of request 0 holds a part of colmass; its prefix keys see its 90 queries (6
+    # blocks): the last 32 (rows 58-89) are in the last run of 3 blocks (2 runs), in the last
+    # two runs of 2 blocks (3 runs: both write parts of obs_attn)
+    assert all(bool(got["colmass"][r].any()) for r in range(runs[0]))
+    holding = (got["obs_attn"][: runs[0], :, :70] != 0).sum(0)
+    assert bool((holding[holding > 0] == runs[0] - 1).all()) and bool(holding.any())
+    # request 1 alone (its own plan, lists, lse) in runs[1] runs: its totals, bit for bit
+    H, N = 2, ls.n_max
+    mine = extend.WindowLists(ls.blk.view(2, H * N)[1], ls.win.view(2, H * N)[1],
+                              ls.rows.view(2, H)[1], ls.pages.view(2, H)[1], N)  # fmt: skip
+    p1 = extend.plan([130], [130], 3, q.device, block_m=16)
+    q1 = q[90:].contiguous()
+    _, lse1 = extend.run(q1, st, mine, p1, 2, sm_scale=0.125)
+    sp1 = extend.SignalSplits.of([runs[1]], q.device)
+    alone = extend.signals(q1, lse1, st, mine, p1, 2, need, sm_scale=0.125, splits=sp1)
+    for n in need:
+        assert torch.equal(sp1.total(alone[n])[0], sp.total(got[n])[1, :, :130])
+    with pytest.raises(extend.ExtendInputError, match="buffer must be"):
+        extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, into=one, splits=sp)
+    with pytest.raises(extend.ExtendInputError, match="splits for 1 requests"):
+        extend.signals(q, lse, st, ls, p, 2, need, sm_scale=0.125, splits=sp1)
+
+
+def test_signal_splits_fill_a_small_grid_only_for_colmass():
+    """A request alone decides its runs: an 8K-token chunk (Qwen's 2 KV heads, 32-token
+    windows: 256 key-tile programs) 4, a 4K chunk with no prefix 8; a chunk over a 30K prefix
+    (938 programs) 1, as a policy without colmass, and a chunk too short for 16 blocks a run."""
+    col = frozenset({"colmass", "obs_attn"})
+    p = extend.plan([8192, 4096, 8192, 600], [8192, 4096, 30000, 600], 7, "cpu")
+    assert extend.signal_splits(p, 32, 2, col).n == (4, 8, 1, 2)
+    assert extend.signal_splits(p, 32, 2, frozenset({"attn", "obs_attn"})).n == (1, 1, 1, 1)
+    sp = extend.signal_splits(p, 32, 2, col)
+    assert sp.rows == 15 and sp.most == 8
+    assert sp.table.tolist() == [0, 4, 12, 13, 4, 8, 1, 2]
+    with pytest.raises(extend.ExtendInputError, match="at least 1"):
+        extend.SignalSplits.of([2, 0], "cpu")
+
+
+def test_plan_tiles_are_every_tile_once_the_furthest_first():
+    p = extend.plan([40, 100, 5], [40, 300, 5], 2, "cpu", block_m=16)
+    tiles = list(zip(p.tile_b.tolist(), p.tile_m.tolist(), strict=True))
+    want = {(b, m) for b, q in enumerate([40, 100, 5]) for m in range(0, q, 16)}
+    assert sorted(tiles) == sorted(want) and p.n_tiles == len(want) and p.tiles_max == 7
+    seqs, q_lens = [40, 300, 5], [40, 100, 5]
+    last = [seqs[b] - q_lens[b] + min(m + 16, q_lens[b]) for b, m in tiles]
+    assert last == sorted(last, reverse=True)

@@ -20,13 +20,18 @@ QWEN = dict(H=2, G=7, d=64, W=32, bits=2, v_group=32, dev="cuda")
 NEED = frozenset({"attn", "obs_attn", "colmass"})
 
 
-def check(prefix, chunk, seed, **mix):
+def check(prefix, chunk, seed, splits=None, **mix):
     q, st, ls, p, kind = make_batch(prefix, chunk, seed=seed, **QWEN, **mix)
     scale = 64**-0.5
     out = torch.full_like(q, float("nan"))
-    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out)
-    sig = extend.signals(q, lse, st, ls, p, 2, NEED, sm_scale=scale)
+    qsq = torch.zeros(p.batch, p.tiles_max, 2, 64, device="cuda")
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, out=out, qnorm_sq=qsq)
+    sig = extend.signals(q, lse, st, ls, p, 2, NEED, sm_scale=scale, splits=splits)
+    if splits is not None:
+        sig = {n: splits.total(x) for n, x in sig.items()}
     torch.cuda.synchronize()
+    qn = extend.chunk_qnorm(q, p, 2)
+    torch.testing.assert_close(extend.qnorm_of(qsq), qn, rtol=1e-4, atol=1e-4)
     ro, rl, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=scale, need=NEED)
     assert not out.isnan().any()
     assert rel(out, ro) < 2e-2, rel(out, ro)  # bf16 operands of the dots
@@ -45,6 +50,16 @@ def test_a_chunk_over_a_30k_prefix():
 
 def test_a_varlen_batch_in_one_launch():
     check([0, 6144, 6144, 100], [4096, 2048, 2048, 37], seed=2)
+
+
+@pytest.mark.parametrize("prefix", [0, 4096])
+def test_rdkv_chunks_split_their_colmass_rows(prefix):
+    """rdkv's prefill at 32 x 8K (4,096-token chunks over window rows only): the signals
+    pass splits each key tile's rows (extend.signal_splits: 8 and 4 ways); the sums match."""
+    p = extend.plan([4096], [prefix + 4096], 7, "cuda")
+    splits = extend.signal_splits(p, 32, 2, NEED)
+    assert splits.n == (8 if prefix == 0 else 4,)
+    check([prefix], [4096], seed=7, splits=splits, p_page=0.0, p_evict=0.0)
 
 
 def test_sixteen_token_pages_take_the_shift_unpacking():
@@ -66,9 +81,12 @@ def test_lists_plan_kernels_and_qnorm_never_sync_with_the_host():
     try:
         ls = extend.window_lists(kind, rb, pb)
         p = extend.plan([2048, 37], [8192, 137], 7, "cuda")
-        _, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125)
+        qsq = torch.zeros(p.batch, p.tiles_max, 2, 64, device="cuda")
+        _, lse = extend.run(q, st, ls, p, 2, sm_scale=0.125, qnorm_sq=qsq)
         extend.signals(q, lse, st, ls, p, 2, NEED, sm_scale=0.125)
+        qn = extend.qnorm_of(qsq)
         extend.chunk_qnorm(q, p, 2)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    torch.testing.assert_close(qn, extend.chunk_qnorm(q, p, 2), rtol=1e-4, atol=1e-4)

@@ -144,16 +144,16 @@ class ScoreEvaluator:
         if any(getattr(signals, n) is None and self._uses(node.args[0], (n,)) for n in OBSERVED):
             return  # accumulate only what this step observed
         x = self._eval(node.args[0], _Ctx(layer, cache, layout, not channel))
-        decay = _const(node.kwarg("decay", Num(1.0)))
         x = torch.broadcast_to(x.float(), (self.n_heads, x.shape[-1]))
         buf = self._buffer(node, x.shape[-1], x.device)[layer, :, : x.shape[-1]]
-        buf.mul_(decay).add_(x)
+        _advance(buf, _const(node.kwarg("decay", Num(1.0))), x)
 
     def update_layers(self, signals: Signals) -> None:
         """:meth:`update` of every layer at once, ``signals`` stacked over layers (token signals
         ``[L, H, T]`` covering every layer's ``T`` tokens, ``qnorm [L, H, d]``): the latest kept
-        per layer (views), a ``cumulative`` of an observed signal itself advanced in one op for
-        all layers; any other accumulated expression takes the per-layer path."""
+        per layer (views), every ``cumulative`` advanced for all layers at once (its argument
+        evaluated over the stacked layers, as :meth:`evaluate_layers` does: the same values as
+        layer by layer)."""
         given = {
             n: getattr(signals, n).float() for n in OBSERVED if getattr(signals, n) is not None
         }
@@ -161,15 +161,20 @@ class ScoreEvaluator:
             assert x.shape[:2] == (self.n_layers, self.n_heads), (name, x.shape, self.n_layers)
             for li in range(self.n_layers):
                 self._observed[li][name] = x[li]
+        every = tuple(range(self.n_layers))
         for node in self._cumulative:
-            arg = node.args[0]
+            arg, decay = node.args[0], _const(node.kwarg("decay", Num(1.0)))
+            if any(n not in given and self._uses(arg, (n,)) for n in OBSERVED):
+                continue  # accumulate only what this step observed
             if isinstance(arg, Name) and arg.id in given and arg.id not in self._scores:
-                x, decay = given[arg.id], _const(node.kwarg("decay", Num(1.0)))
-                self._buffer(node, x.shape[-1], x.device)[:, :, : x.shape[-1]].mul_(decay).add_(x)
-                continue
-            for li in range(self.n_layers):
-                one = Signals(**{n: x[li] for n, x in given.items()})
-                self._update_node(node, li, one, self._cache(li, None))
+                x = given[arg.id]  # the signal itself: no evaluation
+            else:
+                channel = self._uses(arg, CHANNEL)
+                caches = [self._cache(li, None) for li in every]
+                layout = UnitLayout("channel" if channel else "token", 1, caches[0].head_dim)
+                x = self._eval(arg, _Ctx(every, caches, layout, not channel)).float()
+                x = torch.broadcast_to(x, (self.n_layers, self.n_heads, x.shape[-1]))
+            _advance(self._buffer(node, x.shape[-1], x.device)[:, :, : x.shape[-1]], decay, x)
 
     def update_attn(self, attn: Tensor) -> None:
         """:meth:`update` of every layer with ``Signals(attn=attn[l])``, ``attn [L, H, T]``
@@ -183,7 +188,7 @@ class ScoreEvaluator:
         for node in self._cumulative:
             if node.args[0] == Name("attn"):
                 decay = _const(node.kwarg("decay", Num(1.0)))
-                self._buffer(node, t, attn.device)[:, :, :t].mul_(decay).add_(attn)
+                _advance(self._buffer(node, t, attn.device)[:, :, :t], decay, attn)
                 continue
             for li in range(L):
                 self._update_node(node, li, Signals(attn=attn[li]), self._cache(li, None))
@@ -433,6 +438,13 @@ def _unit_sigma(cache: CacheState, lay: UnitLayout) -> Tensor:
     mean = lay.aggregate(v.sum(-1) * w) / n
     dev = ((v - lay.expand(mean, t)[..., None]) ** 2).sum(-1) * w
     return (lay.aggregate(dev) / n).sqrt()
+
+
+def _advance(state: Tensor, decay: float, x: Tensor) -> None:
+    """``state = decay * state + x`` in place (no multiply at decay 1: the same values)."""
+    if decay != 1.0:
+        state.mul_(decay)
+    state.add_(x)
 
 
 def _const(e: Expr) -> float:

@@ -419,6 +419,36 @@ def test_extend_kernel_matches_the_gather_path(monkeypatch, policy):
     assert h.backend.extend_kernel_batches == 2 and gs["routes"] == ks["routes"] >= 2
 
 
+def test_extend_signals_split_over_query_rows_route_as_one_program_a_key_tile(monkeypatch):
+    """A batch whose colmass pass splits each key tile's query rows over several programs
+    (forced here: a run of one block of rows) feeds the engines what one program a key tile
+    does (the partial sums added once per batch, up to float order): the same outputs and
+    tiers."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from tiered_radix.kernels import extend
+
+    runs = {}
+    for min_blocks in (10**6, 1):
+        monkeypatch.setattr(extend, "SPLIT_MIN_BLOCKS", min_blocks)
+        h = Harness(policy=SIGNALS_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                    options=KVOptions(extend="kernel", decode="gather"))  # fmt: skip
+        a = h.start("a", [i % 97 + 1 for i in range(150)])
+        b = h.start("b", list(range(20, 56)))
+        outs = [h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)]
+        splits = h.backend.ebatch.splits
+        for t in range(3):
+            outs.append(h.step([a, b], [[80 + t], [90 + t]], extend=False))
+        tiers = [h.backend.sessions[r].store.tiers(li) for r in "ab" for li in range(h.sim.L)]
+        runs[min_blocks] = outs, tiers, splits, h.backend.extend_kernel_batches
+    (o1, t1, s1, k1), (o2, t2, s2, k2) = runs[10**6], runs[1]
+    assert s1.n == (1, 1) and s2.n == (3, 1) and k1 == k2 == 1  # a: 150 queries, 3 blocks
+    for x, y in zip(o1, o2, strict=True):
+        for u, v in zip(x, y, strict=True):
+            torch.testing.assert_close(v.float(), u.float(), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(x, y) for x, y in zip(t1, t2, strict=True))
+
+
 def test_a_failing_extend_kernel_falls_back_to_the_gather_path(monkeypatch):
     """A kernel that cannot run here (e.g. a Triton compile error) at the first extend: the
     backend serves through the gather path and says why in its stats."""

@@ -611,11 +611,12 @@ class TieredAttnBackend(AttentionBackend):
         ``cumulative`` score a request; the latest signals are kept as views of the batch's)."""
         eb = self.ebatch
         self.extend_kernel_batches += 1
+        signals, qnorm = eb.signals(), eb.qnorm()  # every layer's and request's at once
         for b, r in enumerate(self.batch):
             store = r.session.store
             t = store.n_tokens(0)
-            sig = {n: x[:, b, :, :t] for n, x in eb.sig.items()}
-            qn = None if eb.qnorm is None else eb.qnorm[:, b]
+            sig = {n: x[:, b, :, :t] for n, x in signals.items()}
+            qn = None if qnorm is None else qnorm[:, b]
             store.observe_layers(Signals(qnorm=qn, **sig))
 
     def _decode_kernel(self, q3, layer, li: int):

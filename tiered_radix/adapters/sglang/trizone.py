@@ -255,14 +255,26 @@ def window_attn(batch: DecodeBatch, window: int) -> Tensor:
 @dataclass
 class ExtendBatch:
     """One extend forward through the extend kernel: the plan, every layer's window lists, and
-    per layer the signals the policy reads (``sig[name]`` float32 ``[L, B, H, T_max]`` at token
-    positions, ``qnorm`` ``[L, B, H, d]``), filled by :func:`extend_layer`."""
+    per layer the signals the policy reads (``sig[name]`` float32 ``[L, rows, H, T_max]`` at
+    token positions, each request's partial sums in ``splits.n[b]`` rows, :meth:`signals`;
+    ``qnorm_sq`` the attention kernel's per-tile sums of q^2, float32 ``[L, B, tiles, H, d]``,
+    :meth:`qnorm`), filled by :func:`extend_layer`."""
 
     plan: extend.ExtendPlan
     lists: extend.WindowLists
     need: frozenset[str]
     sig: dict[str, Tensor]
-    qnorm: Tensor | None
+    qnorm_sq: Tensor | None
+    splits: extend.SignalSplits
+
+    def signals(self) -> dict[str, Tensor]:
+        """float32 ``[L, B, H, T_max]`` per signal: every layer's at once (after the last
+        layer; the runs' partial sums added where the kernel split a request's rows)."""
+        return {n: self.splits.total(x) for n, x in self.sig.items()}
+
+    def qnorm(self) -> Tensor | None:
+        """float32 ``[L, B, H, d]``: every layer's ``qnorm`` at once (after the last layer)."""
+        return None if self.qnorm_sq is None else extend.qnorm_of(self.qnorm_sq)
 
 
 def build_extend(pool, views, q_lens: list[int], seqs: list[int], group: int,
@@ -272,14 +284,16 @@ def build_extend(pool, views, q_lens: list[int], seqs: list[int], group: int,
     ``obs_attn``, ``colmass``, ``qnorm``)."""
     L, H, dev = pool.layer_num, pool.head_num, pool.device
     p = extend.plan(q_lens, seqs, group, dev)
+    splits = extend.signal_splits(p, pool.layout.window, H, need)
     sig = {  # zeroed once for every layer (extend_layer's signals fill them)
-        n: torch.zeros(L, p.batch, H, p.t_max, dtype=torch.float32, device=dev)
+        n: torch.zeros(L, splits.rows, H, p.t_max, dtype=torch.float32, device=dev)
         for n in need & {"attn", "obs_attn", "colmass"}
     }
-    qn = None
-    if "qnorm" in need:
-        qn = torch.empty(L, p.batch, H, pool.head_dim, dtype=torch.float32, device=dev)
-    return ExtendBatch(p, extend_lists(pool, views), frozenset(need), sig, qn)
+    qsq = None
+    if "qnorm" in need:  # zeroed: requests with fewer tiles leave theirs
+        qsq = torch.zeros(L, p.batch, p.tiles_max, H, pool.head_dim, dtype=torch.float32,
+                          device=dev)  # fmt: skip
+    return ExtendBatch(p, extend_lists(pool, views), frozenset(need), sig, qsq, splits)
 
 
 def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> Tensor:
@@ -291,11 +305,10 @@ def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> 
         quant.bits if quant else 2, pool.v_group or 8,
     )  # fmt: skip
     H, ls = pool.head_num, eb.lists.layer(li)
-    out, lse = extend.run(q, st, ls, eb.plan, H, sm_scale=sm_scale)
+    qsq = None if eb.qnorm_sq is None else eb.qnorm_sq[li]
+    out, lse = extend.run(q, st, ls, eb.plan, H, sm_scale=sm_scale, qnorm_sq=qsq)
     if eb.sig:
         into = {n: x[li] for n, x in eb.sig.items()}
         extend.signals(q, lse, st, ls, eb.plan, H, eb.need, sm_scale=sm_scale, into=into,
-                       zeroed=True)  # fmt: skip
-    if eb.qnorm is not None:
-        eb.qnorm[li] = extend.chunk_qnorm(q, eb.plan, H)
+                       zeroed=True, splits=eb.splits)  # fmt: skip
     return out
