@@ -110,7 +110,12 @@ class ChannelK:
         return self._set[:, : self._n]
 
     def _set_to(self, new_set: Tensor) -> None:
-        self._set, self._n = new_set, new_set.shape[1]
+        """The set after a routing, in a buffer with room for as many tokens again (the decode
+        steps after the routing append without device work)."""
+        n = new_set.shape[1]
+        self._set = new_set.new_zeros(self.n_heads, 2 * n)
+        self._set[:, :n] = new_set
+        self._n = n
 
     def append(self, k: Tensor | None, n: int | None = None) -> None:
         """``k [H, t, d]`` new tokens (outside the set until the next routing); without data
@@ -124,7 +129,7 @@ class ChannelK:
                 self.k_full = torch.cat([self.k_full, fill], 1)
             self.k_full[:, self.n_tokens : t] = k.to(self.dtype)
         if t > self._set.shape[1]:
-            grown = self._set.new_zeros(self.n_heads, max(t, 2 * self._set.shape[1]))
+            grown = self._set.new_zeros(self.n_heads, 2 * t)
             grown[:, : self._n] = self.in_set
             self._set = grown
         self._n = t
