@@ -23,14 +23,18 @@ second harness). ``--out FILE`` writes the rows as JSON:
 
     python bench/backend_host_ops.py --extend --layers 24 --batches 1 8 32 --prompt 512
 
-``--rdkv``: instead, decode replays under CUDA graphs (as ``bench/sglang_decode.py``'s ``tiered``
-kind runs them) of the shipped ``policies/rdkv.yaml`` at each of ``--batches`` requests of
-``--prompt`` tokens (the extend and decode kernels stubbed), by phase as ``--extend`` counts
-them: the first decode step (the deferred routing: RD plan, Zone A repack), the step after it
-(lists rebuilt), a steady step (lists grown in place) and the step that opens a window (lists
-rebuilt); then the first step's routing by function. ``--out FILE`` writes the rows as JSON:
+``--rdkv``: instead, decode replays under CUDA graphs (as ``bench/sglang_decode.py``'s
+``tiered`` kind runs them) of the shipped ``policies/rdkv.yaml`` (at ``--budget``) at each of
+``--batches`` requests of ``--prompt`` tokens (the kernels stubbed), by phase as ``--extend``
+counts them: the first decode step (the deferred routing: RD plan, Zone A repack), the step
+after it (lists rebuilt), a steady step (lists grown in place) and the step that opens a window
+(lists rebuilt); then the first step's routing by function. ``--out FILE`` writes the rows:
 
-    python bench/backend_host_ops.py --rdkv --layers 24 --batches 1 8 --prompt 1024
+    python bench/backend_host_ops.py --rdkv --layers 24 --batches 1 8 --prompt 1024 --budget 25
+
+(the prefill signals are random, as ``bench/rdkv_prefill_host.py`` stubs them; at 1,024 tokens the
+shipped 10% is mostly its 68 protected tokens: few pages; 25% holds more, as 10% of a 30K prompt
+does)
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--policy", default=str(ROOT / "policies" / "qevict.yaml"))
     ap.add_argument("--rdkv", action="store_true", help="rdkv graph replays by phase (docstring)")
+    ap.add_argument("--budget", type=int, default=10, help="--rdkv: the policy's budget, percent")
     ap.add_argument("--out", help="--extend, --rdkv: the rows as JSON")
     a = ap.parse_args()
     os.environ.update(TRITON_INTERPRET="1")
@@ -319,18 +324,20 @@ def rdkv_graph_phases(a) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
     from test_backend import Harness
 
-    from tiered_radix.adapters.sglang import backend
     from tiered_radix.adapters.sglang.options import KVOptions
     from tiered_radix.adapters.sglang.sizing import PoolBlocks
 
-    _stub_extend_kernels()
-    backend.decode.run = lambda q, layout, plan, **kw: torch.zeros_like(q)  # host work only
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rdkv_prefill_host import _stubs
+
+    _stubs(0)  # the kernels' host work only; random prefill signals, so the routing keeps pages
     _wrap(torch.Tensor, "tolist", "SYNC:tolist")
     _count_tensor_from_host()
     for mod, obj, name in ROUTE_FUNCS:
         m = importlib.import_module(mod)
         _wrap(getattr(m, obj) if obj else m, name, f"X:{obj + '.' if obj else ''}{name}")
     policy = (ROOT / "policies" / "rdkv.yaml").read_text()
+    policy = policy.replace("budget: 10%", f"budget: {a.budget}%")
     W, rows = 32, []
 
     def harness(batch):
@@ -367,14 +374,16 @@ def rdkv_graph_phases(a) -> None:
                 replay(h, reqs, t)
             h2.backend.timer.host_s.clear()
             replay(h2, reqs2, t)
-            title = f"layers={a.layers} batch={batch} prompt={a.prompt}, rdkv replay: {named[t]}"
+            zone = h.backend.pool.zones.bytes_used()
+            title = (f"layers={a.layers} batch={batch} prompt={a.prompt} budget={a.budget}%, rdkv "
+                     f"replay: {named[t]} ({zone} Zone A bytes)")  # fmt: skip
             for name, r in phase_rows(prof.events(), title, h2.backend.timer.host_s).items():
                 rows.append({"batch": batch, "step": named[t], "phase": name, **r})
             if t == 0:
                 report(prof.events(), f"batch={batch}: the first step's routing by function")
     if a.out:
-        Path(a.out).write_text(json.dumps({"layers": a.layers, "prompt": a.prompt,
-                                           "rows": rows}, indent=1))  # fmt: skip
+        out = {"layers": a.layers, "prompt": a.prompt, "budget": a.budget, "rows": rows}
+        Path(a.out).write_text(json.dumps(out, indent=1))
 
 
 def _under(e, name: str) -> bool:
