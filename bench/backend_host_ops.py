@@ -22,6 +22,19 @@ CUDA), profiled CPU ms, and the unprofiled CPU ms of the same batch (the backend
 second harness). ``--out FILE`` writes the rows as JSON:
 
     python bench/backend_host_ops.py --extend --layers 24 --batches 1 8 32 --prompt 512
+
+``--rdkv``: instead, decode replays under CUDA graphs (as ``bench/sglang_decode.py``'s
+``tiered`` kind runs them) of the shipped ``policies/rdkv.yaml`` (at ``--budget``) at each of
+``--batches`` requests of ``--prompt`` tokens (the kernels stubbed), by phase as ``--extend``
+counts them: the first decode step (the deferred routing: RD plan, Zone A repack), the step
+after it (lists rebuilt), a steady step (lists grown in place) and the step that opens a window
+(lists rebuilt); then the first step's routing by function. ``--out FILE`` writes the rows:
+
+    python bench/backend_host_ops.py --rdkv --layers 24 --batches 1 8 --prompt 1024 --budget 25
+
+(the prefill signals are random, as ``bench/rdkv_prefill_host.py`` stubs them; at 1,024 tokens the
+shipped 10% is mostly its 68 protected tokens: few pages; 25% holds more, as 10% of a 30K prompt
+does)
 """
 
 from __future__ import annotations
@@ -95,11 +108,16 @@ def main() -> None:
     ap.add_argument("--extend", action="store_true", help="extend batches by phase (docstring)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--policy", default=str(ROOT / "policies" / "qevict.yaml"))
-    ap.add_argument("--out", help="--extend: the rows as JSON")
+    ap.add_argument("--rdkv", action="store_true", help="rdkv graph replays by phase (docstring)")
+    ap.add_argument("--budget", type=int, default=10, help="--rdkv: the policy's budget, percent")
+    ap.add_argument("--out", help="--extend, --rdkv: the rows as JSON")
     a = ap.parse_args()
     os.environ.update(TRITON_INTERPRET="1")
     if a.extend:
         extend_phases(a)
+        return
+    if a.rdkv:
+        rdkv_graph_phases(a)
         return
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
     import importlib
@@ -285,6 +303,87 @@ def extend_phases(a) -> None:
                 {"layers": a.layers, "prompt": a.prompt, "policy": a.policy, "rows": rows}, indent=1
             )
         )
+
+
+ROUTE_FUNCS = [  # the deferred routing's parts (--rdkv)
+    ("tiered_radix.engine.store", "TierStore", "begin_routes"),
+    ("tiered_radix.engine.store", "PendingRoutes", "land"),
+    ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_repack"),
+    ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "read_request"),
+    ("tiered_radix.formats.zone_a", None, "pack_layers"),
+    ("tiered_radix.adapters.sglang.zones", "ZoneStore", "put"),
+    ("tiered_radix.adapters.sglang.stats", "BackendStats", "routed"),
+]
+
+
+def rdkv_graph_phases(a) -> None:
+    """rdkv decode replays by phase at each of ``a.batches`` (see the module docstring)."""
+    import importlib
+    import json
+
+    sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
+    from test_backend import Harness
+
+    from tiered_radix.adapters.sglang.options import KVOptions
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rdkv_prefill_host import _stubs
+
+    _stubs(0)  # the kernels' host work only; random prefill signals, so the routing keeps pages
+    _wrap(torch.Tensor, "tolist", "SYNC:tolist")
+    _count_tensor_from_host()
+    for mod, obj, name in ROUTE_FUNCS:
+        m = importlib.import_module(mod)
+        _wrap(getattr(m, obj) if obj else m, name, f"X:{obj + '.' if obj else ''}{name}")
+    policy = (ROOT / "policies" / "rdkv.yaml").read_text()
+    policy = policy.replace("budget: 10%", f"budget: {a.budget}%")
+    W, rows = 32, []
+
+    def harness(batch):
+        pages = batch * (a.prompt // W + 4) + 8
+        zone = batch * a.prompt * 2 * 4 * 64 + (1 << 20)
+        opts = KVOptions(extend="kernel", decode="kernel")
+        h = Harness(policy=policy, layers=a.layers, head_dim=64, pages=pages,
+                    blocks=PoolBlocks(pages * 2 + 16, 0, zone), context=a.prompt + 2 * W,
+                    requests=batch + 1, options=opts)  # fmt: skip
+        _phase_ranges(h.backend)
+        h.backend.init_cuda_graph_state(batch, batch)
+        h.capture(batch)
+        reqs = [h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(a.prompt)])
+                for i in range(batch)]  # fmt: skip
+        h.step(reqs, [r.origin_input_ids for r in reqs], extend=True)
+        return h, reqs
+
+    def replay(h, reqs, t):
+        h.replay(reqs, [[60 + t % 30]] * len(reqs), len(reqs), rids=True)
+        h.backend.flush()
+
+    for batch in a.batches:
+        h, reqs = harness(batch)  # profiled
+        h2, reqs2 = harness(batch)  # timed
+        named = {0: "first step (routes)", 1: "the step after", 2: "steady"}
+        opens = W - a.prompt % W  # the step whose new token opens a window
+        named[opens if opens > 2 else opens + W] = "opens a window"
+        for t in range(max(named) + 1):
+            if t not in named:
+                replay(h, reqs, t)
+                replay(h2, reqs2, t)
+                continue
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                replay(h, reqs, t)
+            h2.backend.timer.host_s.clear()
+            replay(h2, reqs2, t)
+            zone = h.backend.pool.zones.bytes_used()
+            title = (f"layers={a.layers} batch={batch} prompt={a.prompt} budget={a.budget}%, rdkv "
+                     f"replay: {named[t]} ({zone} Zone A bytes)")  # fmt: skip
+            for name, r in phase_rows(prof.events(), title, h2.backend.timer.host_s).items():
+                rows.append({"batch": batch, "step": named[t], "phase": name, **r})
+            if t == 0:
+                report(prof.events(), f"batch={batch}: the first step's routing by function")
+    if a.out:
+        out = {"layers": a.layers, "prompt": a.prompt, "budget": a.budget, "rows": rows}
+        Path(a.out).write_text(json.dumps(out, indent=1))
 
 
 def _under(e, name: str) -> bool:

@@ -90,7 +90,10 @@ class ChannelK:
         self.n_heads, self.head_dim, self.dtype, self.device = n_heads, head_dim, dtype, device
         self.keep_data = keep_data  # False: tiers, set and byte counts only (rows live elsewhere)
         self.k_full = torch.empty(n_heads, 0, head_dim, dtype=dtype, device=device)
-        self.in_set = torch.zeros(n_heads, 0, dtype=torch.bool, device=device)
+        # the set over a buffer of capacity (False past ``n_tokens``): a decode step's new token
+        # is counted, not copied (no device work until the buffer doubles)
+        self._set = torch.zeros(n_heads, 0, dtype=torch.bool, device=device)
+        self._n = 0
         self.tier = torch.zeros(n_heads, head_dim, dtype=torch.long, device=device)
         self.index = torch.zeros(n_heads, 0, dtype=torch.long, device=device)
         self.valid = torch.zeros(n_heads, 0, dtype=torch.bool, device=device)
@@ -99,7 +102,20 @@ class ChannelK:
 
     @property
     def n_tokens(self) -> int:
-        return self.in_set.shape[1]
+        return self._n
+
+    @property
+    def in_set(self) -> Tensor:
+        """bool ``[H, T]``: tokens whose K is held per channel."""
+        return self._set[:, : self._n]
+
+    def _set_to(self, new_set: Tensor) -> None:
+        """The set after a routing, in a buffer with room for as many tokens again (the decode
+        steps after the routing append without device work)."""
+        n = new_set.shape[1]
+        self._set = new_set.new_zeros(self.n_heads, 2 * n)
+        self._set[:, :n] = new_set
+        self._n = n
 
     def append(self, k: Tensor | None, n: int | None = None) -> None:
         """``k [H, t, d]`` new tokens (outside the set until the next routing); without data
@@ -112,7 +128,11 @@ class ChannelK:
                 fill = self.k_full.new_full((self.n_heads, pad, self.head_dim), torch.nan)
                 self.k_full = torch.cat([self.k_full, fill], 1)
             self.k_full[:, self.n_tokens : t] = k.to(self.dtype)
-        self.in_set = torch.cat([self.in_set, self.in_set.new_zeros(self.n_heads, n)], 1)
+        if t > self._set.shape[1]:
+            grown = self._set.new_zeros(self.n_heads, 2 * t)
+            grown[:, : self._n] = self.in_set
+            self._set = grown
+        self._n = t
 
     def view(self, kept: Tensor) -> Tensor:
         """float32 ``[H, T, d]`` K as attention reads it; NaN where ``kept[H, T]`` is False."""
@@ -139,7 +159,8 @@ class ChannelK:
         J = len(self.tiers.names)
         index, valid, counts = zone_a_order(v_tier[:, : self.n_tokens], new_set, J, self.group)
         if not self.keep_data:
-            self.n_set, self.tier, self.in_set = counts, new_tier, new_set
+            self.n_set, self.tier = counts, new_tier
+            self._set_to(new_set)
             return
         cur = self.view(kept)  # what the layer holds now, before anything is freed
         self.codes = {}
@@ -149,7 +170,8 @@ class ChannelK:
                 if bool((new_tier == j).any()):
                     self.codes[j] = codecs.quantize(x.transpose(1, 2), self.bits[j], self.group)
         self.index, self.valid, self.n_set = index, valid, counts
-        self.tier, self.in_set = new_tier, new_set
+        self.tier = new_tier
+        self._set_to(new_set)
         keep_row = kept & ~new_set
         full_chan = new_set[..., None] & (new_tier == 0)[:, None, :]
         rows = torch.where(keep_row[..., None] | full_chan, cur, torch.nan)

@@ -595,7 +595,7 @@ class TieredKVPool(MHATokenToKVPool):
                 [k for k, _ in kv], [v for _, v in kv], vb, kb, in_set,
                 page_size=self.layout.window, v_group=self.v_group, raw_dtype=self.dtype,
             )  # fmt: skip
-        kept = [d[0] > 0 for d in decided]  # on the device, as the decode lists read it
+        kept = [d[0] > 0 for d in host]  # the decode lists are counted on the host
         try:
             self.zones.put(rid, packed, n_tokens, kept)
         except ZoneFullError as err:

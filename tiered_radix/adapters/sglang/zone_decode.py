@@ -14,6 +14,11 @@ A decoupled request reads, per (layer, head):
 Units for the side output are ``h * T + t`` (head ``h``, token ``t``, ``T`` the batch's longest
 request): ``mass [B, H * T]`` is the attention mass per (head, token), the decode ``attn``
 signal of token units.
+
+A routed request's own lists (its pages, K sections, channel orders and the kept tokens in no
+page, every layer) are made once at its routing (:class:`~.zones.PageLists`); a step's lists
+gather them and add each request's rows since, with sizes counted on the host: a fixed number of
+device ops whatever the batch size and the layer count, and no host sync.
 """
 
 from __future__ import annotations
@@ -27,70 +32,10 @@ from tiered_radix.formats.layout import TriZoneLayout
 from tiered_radix.kernels import decode
 
 from .reps import FULL
-from .trizone import DecodeBatch, _indptr
+from .trizone import DecodeBatch
+from .zones import PageLists
 
 BITS = (2, 4, 8, 16)
-
-
-def _rows(pool, views, placed, ends: list[int], T: int):
-    """Zone B of every layer: ``full_ptr`` (global offsets, list ``(l, b, h)``), ``slots`` and
-    ``units`` of the rows before ``ends[b]`` in no page, and that mask."""
-    L, H, W, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.device
-    B = len(views)
-    T0, T = T, max(T, max(ends))  # rows listed ahead may pass the longest request
-    N = -(-T // W)
-    win = torch.zeros(B, N, dtype=torch.long, device=dev)
-    for b, v in enumerate(views):
-        win[b, : v.windows.numel()] = v.windows
-    blk = pool.block_all[:, FULL][:, :, win].permute(0, 2, 1, 3).long()  # [L, B, H, N]
-    t = torch.arange(T, device=dev)
-    slot = blk[..., t // W] * W + t % W  # [L, B, H, T]
-    read = (t < torch.tensor(ends, device=dev)[:, None])[None, :, None].expand(L, B, H, T).clone()
-    for b, per_layer in enumerate(placed):
-        if per_layer is not None:  # routed: tokens in pages (and evicted ones) are not rows
-            m = per_layer[0].n_tokens
-            read[:, b, :, :m] = torch.stack([p.lists.rows for p in per_layer])
-    unit = (torch.arange(H, device=dev)[:, None] * T0 + t).expand(L, B, H, T)
-    out = _indptr(read.sum(-1).flatten()), slot[read].to(torch.int32), unit[read].to(torch.int32)
-    return (*out, read)
-
-
-def _pages(pool, li: int, placed, T: int) -> dict[str, Tensor]:
-    """Zone A of layer ``li``: the placed requests' pages, lists ``(b, h, V width)``."""
-    H, d, dev = pool.head_num, pool.head_dim, pool.device
-    P = pool.layout.window
-    off, ntok, tok, counts, table, perm = [], [], [], [], [], []
-    for per_layer in placed:
-        if per_layer is None:  # not routed: no pages, every list empty
-            counts.append(torch.zeros(H * 4, dtype=torch.long, device=dev))
-            table.append(torch.zeros(H * 4, 12, dtype=torch.int32, device=dev))
-            perm.append(torch.arange(d, dtype=torch.int32, device=dev).expand(H, d))
-            continue
-        ls = per_layer[li].lists
-        off.append(ls.off)
-        ntok.append(ls.ntok)
-        head = torch.repeat_interleave(torch.arange(H, device=dev), ls.counts.view(H, 4).sum(1),
-                                       output_size=ls.off.numel())  # fmt: skip
-        tok.append(torch.where(ls.tok >= 0, head[:, None] * T + ls.tok, -1))
-        counts.append(ls.counts)
-        table.append(ls.k_table)
-        perm.append(ls.perm)
-    n = sum(x.numel() for x in off)
-    units = torch.cat(tok).to(torch.int32) if tok else torch.zeros(0, P, dtype=torch.int32,
-                                                                    device=dev)  # fmt: skip
-    valid = units >= 0
-    lo = torch.where(valid, units, torch.iinfo(torch.int32).max).amin(1)
-    hi = torch.where(valid, units, -1).amax(1)
-    return dict(
-        page_off=torch.cat(off) if off else torch.zeros(0, dtype=torch.long, device=dev),
-        page_ntok=torch.cat(ntok) if ntok else torch.zeros(0, dtype=torch.int32, device=dev),
-        page_units=units,
-        page_unit=torch.where(lo == hi, lo, -1).to(torch.int32),
-        page_indptr=_indptr(torch.cat(counts)),
-        page_ids=torch.arange(n, dtype=torch.int32, device=dev),
-        k_table=torch.cat(table),
-        perm=torch.cat(perm).contiguous(),
-    )
 
 
 @dataclass
@@ -101,7 +46,8 @@ class ZoneLists:
     (bytes in the layer's Zone A store), ``page_ntok``, ``page_units [n, P]``, ``page_unit``;
     per layer ``k_table [L, B * H * 4, 12]`` and ``perm [L, B * H, d]``. Units are
     ``h * n_max + t``. ``ahead``: each list's rows past the request's length (its last
-    window's future rows), with ``lists(ahead=True)``."""
+    window's future rows), with ``lists(ahead=True)``. ``page_ptr_host``: ``page_ptr`` on the
+    host (int64), so a layer's pages are sliced without reading the device."""
 
     full_ptr: Tensor
     slots: Tensor
@@ -116,16 +62,78 @@ class ZoneLists:
     n: list[int]
     n_max: int
     ahead: Tensor | None = None
+    page_ptr_host: Tensor | None = None
 
     def layer_pages(self, li: int, B: int, H: int) -> dict[str, Tensor]:
         """Layer ``li``'s zone A fields of a :class:`TriZoneLayout` (local offsets)."""
-        ptr = self.page_ptr[li * B * H * 4 : (li + 1) * B * H * 4 + 1]
-        lo, hi = int(ptr[0]), int(ptr[-1])
+        first, last = li * B * H * 4, (li + 1) * B * H * 4
+        ptr = self.page_ptr[first : last + 1]
+        host = self.page_ptr if self.page_ptr_host is None else self.page_ptr_host
+        lo, hi = int(host[first]), int(host[last])
         return dict(
             page_indptr=ptr - lo, page_off=self.page_off[lo:hi], page_ntok=self.page_ntok[lo:hi],
             page_units=self.page_units[lo:hi], page_unit=self.page_unit[lo:hi],
             page_ids=torch.arange(hi - lo, dtype=torch.int32, device=ptr.device),
             k_table=self.k_table[li], perm=self.perm[li],
+        )  # fmt: skip
+
+
+def _to_device(host: Tensor, dev) -> Tensor:
+    """A host tensor on ``dev``, copied from pinned memory on CUDA (no wait for the stream)."""
+    if torch.device(dev).type == "cuda":
+        host = host.pin_memory()
+    return host.to(dev, non_blocking=True)
+
+
+def _excl(x: Tensor) -> Tensor:
+    """Exclusive cumulative sum along the last dim."""
+    return x.cumsum(-1) - x
+
+
+def _ptr(counts: Tensor) -> Tensor:
+    """int64 ``[n + 1]`` offsets of ``counts`` (flattened) back to back."""
+    out = torch.zeros(counts.numel() + 1, dtype=torch.long)
+    out[1:] = counts.flatten().cumsum(0)
+    return out
+
+
+def _segments(starts: Tensor, counts: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """For segments of ``counts[j]`` entries back to back (``total`` of them, device): each
+    entry's segment ``j`` and ``starts[j]`` plus its rank within the segment."""
+    seg = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                  output_size=total)  # fmt: skip
+    rank = torch.arange(total, device=counts.device) - (counts.cumsum(0) - counts)[seg]
+    return seg, starts[seg] + rank
+
+
+@dataclass
+class _Sizes:
+    """A batch's list sizes and source offsets, on the host (int64): list ``(l, b, h)`` reads
+    ``routed[l, b, h]`` rows of its request's routing (from ``routed_at`` among the batch's
+    ``row_tok``), then every token from ``start[b]`` (the routing's end, 0 before one) to
+    ``end[b]``; ``pages[l, b, h * 4 + w]`` pages, those of (``l``, ``b``) from ``pages_at[l, b]``
+    among the batch's."""
+
+    routed: Tensor
+    routed_at: Tensor
+    start: Tensor
+    end: Tensor
+    pages: Tensor
+    pages_at: Tensor
+
+    @staticmethod
+    def of(got: list[PageLists | None], ends: list[int], L: int, H: int) -> _Sizes:
+        none_rows = torch.zeros(L, H, dtype=torch.long)
+        none_pages = torch.zeros(L, H * 4, dtype=torch.long)
+        routed = torch.stack([none_rows if g is None else g.row_n for g in got], 1)  # [L, B, H]
+        pages = torch.stack([none_pages if g is None else g.pages for g in got], 1)
+        per_req = routed.transpose(0, 1).flatten(1)  # [B, L * H]
+        at = _excl(per_req.sum(1))[:, None] + _excl(per_req)
+        per = pages.sum(2)  # [L, B]
+        return _Sizes(
+            routed, at.view(-1, L, H).transpose(0, 1),
+            torch.tensor([0 if g is None else g.n_tokens for g in got]), torch.tensor(ends),
+            pages, _excl(per.sum(0))[None, :] + _excl(per.T).T,
         )  # fmt: skip
 
 
@@ -135,28 +143,88 @@ def lists(pool, rids: list[str], views, seqs: list[int], n_max: int | None = Non
     ``n_max`` (default: the longest request) numbers the units. ``ahead``: each request's
     last window lists all its ``W`` rows, the ones past ``seqs`` too (the next decode steps
     write there)."""
-    L, H, W = pool.layer_num, pool.head_num, pool.layout.window
+    L, H, W, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.device
     B, T = len(views), n_max or max(seqs)
-    placed = [pool.zones.placed.get(r) for r in rids]
+    got = [pool.zones.decode_lists(r) for r in rids]
     ends = [-(-s // W) * W if ahead else s for s in seqs]
-    full_ptr, slots, units, listed = _rows(pool, views, placed, ends, T)
-    future = None
-    if ahead:
-        extra = torch.tensor([e - s for e, s in zip(ends, seqs, strict=True)], device=pool.device)
-        future = extra[None, :, None].expand(L, B, H).flatten().to(torch.int32)
-    layers = [_pages(pool, li, placed, T) for li in range(L)]
-    ptrs, at = [], 0
-    for lay in layers:
-        ptrs.append(lay["page_indptr"][:-1] + at)
-        at += lay["page_off"].numel()
-    ptrs.append(torch.tensor([at], dtype=torch.int32, device=pool.device))
-    cat = {k: torch.cat([lay[k] for lay in layers]) for k in
-           ("page_off", "page_ntok", "page_units", "page_unit")}  # fmt: skip
+    sz = _Sizes.of(got, ends, L, H)
+    nwin = [v.windows.numel() for v in views]
+    # entries of zone B and A (host values: no read of a tensor)
+    n_rows = sum(L * H * (e - (0 if g is None else g.n_tokens)) + (0 if g is None else g.n_rows)
+                 for g, e in zip(got, ends, strict=True))  # fmt: skip
+    n_pages = sum(0 if g is None else g.n_pages for g in got)
+    b, h = torch.arange(B)[None, :, None], torch.arange(H)[None, None, :]
+    lh = torch.arange(L)[:, None, None] * H + h
+    per_list = torch.stack([x.expand(L, B, H) for x in (
+        sz.routed + (sz.end - sz.start)[b],  # rows listed
+        sz.routed, sz.routed_at, sz.start[b],
+        lh * sum(nwin) + _excl(torch.tensor(nwin))[b],  # where its windows' blocks start
+        h * T,  # its units' base
+        (sz.end - torch.tensor(seqs))[b],  # rows listed ahead
+    )]).view(7, -1)  # fmt: skip
+    full_ptr, page_ptr = _ptr(per_list[0]), _ptr(sz.pages)
+    parts = [per_list, full_ptr, page_ptr, sz.pages.sum(2), sz.pages_at]
+    meta = _to_device(torch.cat([x.flatten() for x in parts]), dev)  # every size, one copy
+    per_list_d, full_ptr_d, page_ptr_d, page_n, pages_at = meta.split([x.numel() for x in parts])
+    rows, routed, routed_at, start, blk_at, unit_at, ahead_n = per_list_d.view(7, -1)
+    slots, units = _rows(pool, got, views, rows, routed, routed_at, start, blk_at, unit_at,
+                         n_rows)  # fmt: skip
+    zone_a = _pages(pool, got, page_n, pages_at, n_pages, T)
     return ZoneLists(
-        full_ptr, slots, units, torch.cat(ptrs).to(torch.int32), cat["page_off"],
-        cat["page_ntok"], cat["page_units"], cat["page_unit"],
-        torch.stack([lay["k_table"] for lay in layers]),
-        torch.stack([lay["perm"] for lay in layers]), [T] * B, T, future,
+        full_ptr_d.to(torch.int32), slots, units, page_ptr_d.to(torch.int32), *zone_a, [T] * B,
+        T, ahead_n.to(torch.int32) if ahead else None, page_ptr,
+    )  # fmt: skip
+
+
+def _rows(pool, got, views, rows, routed, routed_at, start, blk_at, unit_at, total: int):
+    """Zone B (``total`` entries): each list's routed rows (``routed`` of them from
+    ``routed_at`` among the batch's ``row_tok``), then its tokens from ``start`` on; int32
+    ``slots`` and ``units``."""
+    W = pool.layout.window
+    seg, rank = _segments(torch.zeros_like(rows), rows, total)
+    mine = [g.row_tok for g in got if g is not None and g.row_tok.numel()]
+    new = start[seg] + rank - routed[seg]  # a token after the routing
+    if mine:
+        src = torch.cat(mine) if len(mine) > 1 else mine[0]
+        at = (routed_at[seg] + rank).clamp(max=src.numel() - 1)
+        t = torch.where(rank < routed[seg], src[at], new)
+    else:
+        t = new
+    win = torch.cat([v.windows for v in views]) if len(views) > 1 else views[0].windows
+    blk = pool.block_all[:, FULL][:, :, win.long()].reshape(-1).long()  # [L, H, windows]
+    slots = blk[blk_at[seg] + t // W] * W + t % W
+    return slots.to(torch.int32), (unit_at[seg] + t).to(torch.int32)
+
+
+def _pages(pool, got, page_n, pages_at, total: int, T: int):
+    """Zone A (``total`` pages): the routed requests' pages, lists (l, b, h, V width), ``page_n``
+    of (layer ``l``, request ``b``) from ``pages_at`` among the batch's; ``page_off``,
+    ``page_ntok``, ``page_units``, ``page_unit``, ``k_table``, ``perm``."""
+    L, H, d, dev = pool.layer_num, pool.head_num, pool.head_dim, pool.device
+    mine = [g for g in got if g is not None]
+    if mine:
+        _, idx = _segments(pages_at, page_n, total)
+        off, ntok, tok, head = (
+            (getattr(mine[0], f) if len(mine) == 1 else torch.cat([getattr(g, f) for g in mine]))
+            [idx] for f in ("off", "ntok", "tok", "head")
+        )  # fmt: skip
+    else:
+        off, head = (torch.zeros(0, dtype=torch.long, device=dev) for _ in range(2))
+        ntok = torch.zeros(0, dtype=torch.int32, device=dev)
+        tok = torch.zeros(0, pool.layout.window, dtype=torch.long, device=dev)
+    units = torch.where(tok >= 0, head[:, None] * T + tok, -1).to(torch.int32)
+    valid = units >= 0
+    lo = torch.where(valid, units, torch.iinfo(torch.int32).max).amin(1)
+    hi = torch.where(valid, units, -1).amax(1)
+    if len(mine) < len(got):  # a request not routed: no pages, every list empty
+        table = torch.zeros(L, H * 4, 12, dtype=torch.int32, device=dev)
+        perm = torch.arange(d, dtype=torch.int32, device=dev).expand(L, H, d)
+    tables = [table if g is None else g.k_table for g in got]
+    perms = [perm if g is None else g.perm for g in got]
+    return (
+        off, ntok, units, torch.where(lo == hi, lo, -1).to(torch.int32),
+        torch.cat(tables, 1) if len(got) > 1 else tables[0],
+        (torch.cat(perms, 1) if len(got) > 1 else perms[0]).contiguous(),
     )  # fmt: skip
 
 

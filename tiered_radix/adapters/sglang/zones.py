@@ -63,61 +63,69 @@ class Extents:
 
 @dataclass(frozen=True)
 class PageLists:
-    """A placed layer's pages as the decode kernel lists them (device tensors): ``off`` int64
-    ``[n]`` byte offsets in the layer's store, ``ntok`` int32 ``[n]`` valid tokens, ``tok``
-    int64 ``[n, P]`` token positions (-1 padding), ``counts`` int64 ``[H * 4]`` pages per
-    (head, V width), ``k_table`` int32 ``[H * 4, 12]``, ``perm`` int32 ``[H, d]``, and
-    ``rows`` bool ``[H, n_tokens]``: kept tokens in no page (read from the window rows)."""
+    """A placed request's decode lists of every layer, built once at its routing (the decode
+    batch's lists are gathered from them: :mod:`.zone_decode`). Pages, layer-major and within
+    a layer by (head, V width) as :class:`~tiered_radix.formats.zone_a.ZoneA` orders them (device
+    tensors): ``off`` int64 ``[n]`` byte offsets in the layer's store, ``ntok`` int32 ``[n]``
+    valid tokens, ``tok`` int64 ``[n, P]`` token positions (-1 padding), ``head`` int64 ``[n]``;
+    per layer ``k_table`` int32 ``[L, H * 4, 12]`` and ``perm`` int32 ``[L, H, d]``. Rows: the
+    kept tokens in no page (read from the window rows), ``row_tok`` int64 ``[R]`` their
+    positions per (layer, head) in position order. Host int64: ``pages [L, H * 4]`` pages per
+    (layer, head, V width) and ``row_n [L, H]`` rows per (layer, head): the batch's list sizes,
+    known without reading the device (``n_pages``, ``n_rows`` their sums); ``n_tokens`` the
+    tokens the routing covered (those after it are rows)."""
 
+    n_tokens: int
+    n_pages: int
+    n_rows: int
     off: Tensor
     ntok: Tensor
     tok: Tensor
-    counts: Tensor
+    head: Tensor
     k_table: Tensor
     perm: Tensor
-    rows: Tensor
+    row_tok: Tensor
+    pages: Tensor
+    row_n: Tensor
 
 
 @dataclass(frozen=True)
 class Placed:
     """One request's repacked layer: its pages (``zone``, offsets relative to ``base``), where
     they start in the layer's store, the tokens it covered (``n_tokens``; ``kept [H, n]``:
-    those not evicted) and its decode lists."""
+    those not evicted)."""
 
     zone: zone_a.ZoneA
     base: int
     n_tokens: int
     kept: Tensor
-    lists: PageLists
 
 
-def _lists(zones: list[zone_a.ZoneA], offs: list[int], n_tokens: int, kept: list[Tensor],
-           dev) -> list[PageLists]:  # fmt: skip
-    """Every placed layer's decode lists, built at once: one host-to-device copy per field,
-    the tokens in a page marked with one index write (padding to a spare column: no mask,
-    so no device wait)."""
+def _lists(zones: list[zone_a.ZoneA], offs: list[int], n_tokens: int, kept: Tensor,
+           dev) -> PageLists:  # fmt: skip
+    """Every placed layer's decode lists, built at once on the host (``kept [L, H, n]`` host
+    bool: the page lists and decisions are host tensors) and copied to the device once per
+    field."""
     L, H = len(zones), zones[0].perm.shape[0]
-    n = [z.page_off.numel() for z in zones]
-    npg = torch.tensor(n)
     pages = torch.stack([z.pages for z in zones])  # [L, H, 4]
-    base = torch.repeat_interleave(torch.tensor(offs, dtype=torch.long), npg)
-    off = (torch.cat([z.page_off for z in zones]) + base).to(dev)
-    tok = torch.cat([z.page_tok for z in zones]).to(dev)
-    row = torch.repeat_interleave(torch.arange(L * H), pages.sum(2).flatten()).to(dev)
-    in_page = torch.zeros(L * H, n_tokens + 1, dtype=torch.bool, device=dev)
+    per_layer = torch.tensor([z.page_off.numel() for z in zones])
+    base = torch.repeat_interleave(torch.tensor(offs, dtype=torch.long), per_layer)
+    off = torch.cat([z.page_off for z in zones]) + base
+    tok = torch.cat([z.page_tok for z in zones])
+    row = torch.repeat_interleave(torch.arange(L * H), pages.sum(2).flatten())  # l * H + h
+    in_page = torch.zeros(L * H, n_tokens + 1, dtype=torch.bool)
     in_page[row[:, None].expand_as(tok), torch.where(tok >= 0, tok, n_tokens)] = True
-    rows = torch.stack(kept).to(dev) & ~in_page[:, :n_tokens].reshape(L, H, n_tokens)
-    ntok = (tok >= 0).sum(1).to(torch.int32)
-    counts = pages.reshape(L, H * 4).to(dev)
-    k_table = torch.stack([z.k_table for z in zones]).to(dev)
-    perm = torch.stack([z.perm for z in zones]).to(device=dev, dtype=torch.int32)
-    out, p = [], 0
-    for li in range(L):
-        s = slice(p, p + n[li])
-        out.append(PageLists(off=off[s], ntok=ntok[s], tok=tok[s], counts=counts[li],
-                             k_table=k_table[li], perm=perm[li], rows=rows[li]))  # fmt: skip
-        p += n[li]
-    return out
+    rows = kept & ~in_page[:, :n_tokens].reshape(L, H, n_tokens)
+    row_tok = rows.nonzero()[:, 2]
+    return PageLists(
+        n_tokens=n_tokens, n_pages=off.numel(), n_rows=row_tok.numel(), off=off.to(dev),
+        ntok=(tok >= 0).sum(1).to(device=dev, dtype=torch.int32), tok=tok.to(dev),
+        head=(row % H).to(dev),
+        k_table=torch.stack([z.k_table for z in zones]).to(dev),
+        perm=torch.stack([z.perm for z in zones]).to(device=dev, dtype=torch.int32),
+        row_tok=row_tok.to(dev), pages=pages.reshape(L, H * 4),
+        row_n=rows.sum(2),
+    )  # fmt: skip
 
 
 class ZoneStore:
@@ -133,6 +141,7 @@ class ZoneStore:
         self.extents = [Extents(self.nbytes) for _ in range(layers)]
         self.page_size, self.v_group, self.dtype = page_size, v_group, dtype
         self.placed: dict[str, list[Placed | None]] = {}
+        self.lists: dict[str, PageLists] = {}  # placed requests' decode lists
         self.layers = layers
 
     def holds(self, rid: str) -> bool:
@@ -142,8 +151,13 @@ class ZoneStore:
         got = self.placed.get(rid)
         return None if got is None else got[li]
 
+    def decode_lists(self, rid: str) -> PageLists | None:
+        """Request ``rid``'s decode lists of every layer, or None (no pages placed)."""
+        return self.lists.get(rid)
+
     def put(self, rid: str, zones: list[zone_a.ZoneA], n_tokens: int, kept: list[Tensor]) -> None:
-        """Place request ``rid``'s repacked layers (replacing what it held).
+        """Place request ``rid``'s repacked layers (replacing what it held); ``kept[l] [H, n]``
+        its tokens not evicted (host tensors: its decode lists are counted on the host).
 
         Raises:
             ZoneFullError: a layer's store has no room (what the request held is kept).
@@ -166,14 +180,20 @@ class ZoneStore:
             if z.nbytes:
                 self.bytes_all[li, off : off + z.nbytes] = z.img.to(self.bytes_all.device)
         dev = self.bytes_all.device
-        lists = _lists(zones, offs, n_tokens, kept, dev) if zones else []
+        if not zones:
+            self.placed[rid] = []
+            return
+        kept_all = torch.stack(kept).bool()
+        self.lists[rid] = _lists(zones, offs, n_tokens, kept_all.cpu(), dev)
+        on_dev = kept_all.to(dev)
         self.placed[rid] = [
-            Placed(z, off, n_tokens, k, ls)
-            for z, off, k, ls in zip(zones, offs, kept, lists, strict=True)
+            Placed(z, off, n_tokens, on_dev[li])
+            for li, (z, off) in enumerate(zip(zones, offs, strict=True))
         ]
 
     def drop(self, rid: str) -> None:
         """Free request ``rid``'s pages (nothing if it holds none)."""
+        self.lists.pop(rid, None)
         for li, p in enumerate(self.placed.pop(rid, None) or []):
             if p is not None and p.zone.nbytes:
                 self.extents[li].give(p.base, p.zone.nbytes)
