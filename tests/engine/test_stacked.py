@@ -146,3 +146,33 @@ def test_a_dropped_store_in_a_stacked_move_keeps_its_state():
     assert all(torch.equal(x, y) for x, y in zip(_state(kept[1].store), before, strict=True))
     assert kept[1].store.step == 0 and kept[0].store.step == kept[2].store.step == 1
     assert len(want[0]) > 0 and len(want[1]) > 0  # the routings move units
+
+
+def test_settle_many_equals_each_store_settled():
+    """Units a rows' holder left elsewhere than planned, settled for several stores at once
+    (one pass), end as each store's own settle() leaves them: tiers, copies, over flags."""
+    specs = [("qevict", 0.5, 400), ("qevict", 0.6, 300), ("qevict", 0.5, 530)]
+    many, each = _requests(specs, 6), _requests(specs, 6)
+    for reqs in (many, each):
+        g = torch.Generator().manual_seed(2)
+        for r, (_, _, t) in zip(reqs, specs, strict=True):
+            r.feed(t, g, True)
+        TierStore.route_many([r.store for r in reqs], ["x"] * len(specs))
+    assert not any(r.store.events.steps[-1].over_budget for r in many)  # before settling
+    g = torch.Generator().manual_seed(9)
+    units = []
+    for r in many:
+        u = torch.randperm(r.store.stack.n_units(0) - 1, generator=g)[:40]  # distinct units
+        n = u.numel()
+        ly, h = torch.randint(L, (n,), generator=g), torch.randint(H, (n,), generator=g)
+        tier = torch.randint(len(r.store.tier_names), (n,), generator=g)
+        copy, where = torch.rand(n, generator=g) < 0.5, torch.rand(n, generator=g) < 0.7
+        units.append((ly, h, u, tier, copy, where))
+    TierStore.settle_many([r.store for r in many], units)
+    for r, u in zip(each, units, strict=True):
+        r.store.settle(*u)
+    for a, b in zip(many, each, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(_state(a.store), _state(b.store), strict=True))
+        ea, eb = a.store.events.steps[-1], b.store.events.steps[-1]
+        assert ea.over_budget == eb.over_budget and a.store.bytes_used() == b.store.bytes_used()
+    assert any(r.store.events.steps[-1].over_budget for r in many)  # some unit stayed above

@@ -35,8 +35,8 @@ def stackable(stacks: list[CoupledStack]) -> bool:
     )  # fmt: skip
 
 
-def _to_device(rows: list[list[int]], device: torch.device) -> Tensor:
-    """int64 ``[len(rows), k]`` on ``device`` without a host sync (pinned, non-blocking)."""
+def _to_device(rows: list, device: torch.device) -> Tensor:
+    """int64 ``[len(rows), ...]`` on ``device`` without a host sync (pinned, non-blocking)."""
     t = torch.tensor(rows, dtype=torch.long)
     if device.type == "cuda":
         t = t.pin_memory()
@@ -167,3 +167,34 @@ class StackedMoves:
         if s.write_once and any(bool(t.any()) for t in twice):
             raise LedgerError("write-once ledger entry written twice")
         raise AssertionError("promoted an evicted unit or moved a partial window")
+
+
+def settle(stacks: list[CoupledStack], sizes: list[int], layer: Tensor, head: Tensor,
+           unit: Tensor, tier: Tensor, copy: Tensor, where: Tensor) -> Tensor:  # fmt: skip
+    """:meth:`~.store.TierStore.settle` of units of several :func:`stackable` stacks at once:
+    the first ``sizes[0]`` of the units ``(layer, head, unit)`` (int64 ``[m]`` each) are stack
+    0's, and so on; each sits at ``tier`` with a ledger copy where ``copy``, for the units
+    ``where``. Returns bool ``[S]``: the stacks where a unit stayed above its planned tier."""
+    caps = [s.capacity for s in stacks]
+    meta = _to_device([[sum(caps[:i]), m] for i, m in enumerate(sizes)], stacks[0].device)
+    S = len(stacks)
+    which = torch.repeat_interleave(
+        torch.arange(S, device=meta.device), meta[:, 1], output_size=sum(sizes)
+    )
+    n = meta[which, 0] + unit
+    tiers = torch.cat([s.tier for s in stacks], 2)  # [L, H, N]
+    cur = tiers[layer, head, n]
+    tier = torch.where(where, tier, cur)
+    raised = tier < cur  # a better (costlier) tier than planned
+    tiers[layer, head, n] = tier
+    dst, src = [s.tier for s in stacks], [tiers]
+    for j in stacks[0].stores:
+        present = torch.cat([s.stores[j].present for s in stacks], 2)
+        count = torch.cat([s.stores[j].write_count for s in stacks], 2)
+        present[layer, head, n] = torch.where(where, copy, present[layer, head, n])
+        count[layer, head, n] = torch.where(where, copy.int(), count[layer, head, n])
+        dst += [s.stores[j].present for s in stacks] + [s.stores[j].write_count for s in stacks]
+        src += [present, count]
+    torch._foreach_copy_(dst, [p for x in src for p in x.split(caps, 2)])
+    out = torch.zeros(S, dtype=torch.long, device=raised.device)
+    return out.index_add_(0, which, raised.long()) > 0

@@ -37,6 +37,8 @@ from .routing import EngineConfigError, TierSet, per_layer, spread_shares, total
 from .scores import ScoreEvaluator
 from .shard import HeadShard
 from .signals import TOKEN_SIGNALS, CacheState, Signals
+from .stacked import settle as settle_stacked
+from .stacked import stackable
 from .units import UnitLayout
 
 _SHARES: dict[tuple, Tensor] = {}
@@ -368,6 +370,23 @@ class TierStore:
             copies.write_count[layer, head, unit] = n
         if self.events.steps:
             self.events.steps[-1].mark_over(raised.any())
+
+    @staticmethod
+    def settle_many(stores: list[TierStore], units: list[tuple[Tensor, ...]]) -> None:
+        """:meth:`settle` of several stores: ``units[i]`` the ``(layer, head, unit, tier, copy,
+        where)`` of store ``i``. Stores that move together (as :meth:`begin_routes` moves
+        them: one tier set and shape, rows elsewhere, one rank) settle in one pass."""
+        stacks = [s.stack for s in stores]
+        if not (stackable(stacks) and all(s.coupled and s.shard.world == 1 for s in stores)):
+            for s, u in zip(stores, units, strict=True):
+                s.settle(*u)
+            return
+        sizes = [u[0].numel() for u in units]
+        ly, h, unit, tier, copy, where = (torch.cat([u[k] for u in units]) for k in range(6))
+        raised = settle_stacked(stacks, sizes, ly, h, unit, tier.long(), copy, where)
+        for i, s in enumerate(stores):
+            if s.events.steps:
+                s.events.steps[-1].mark_over(raised[i])
 
     # -- reading -------------------------------------------------------------------------
     def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -260,6 +260,7 @@ class TieredAttnBackend(AttentionBackend):
         self.graph_bs: int | None = None  # the captured batch size this step runs at, if any
         self.pending = False  # a captured step's observe/route waits for flush()
         self.landing: tuple | None = None  # a routing planned, moving at the next flush()
+        self._tiers_of: dict[str, torch.Tensor] = {}  # holder state -> engine tier, per device
         self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
         self.pool_of: dict[str, int] = {}  # rid -> req_pool_idx, for the same
         self.replay_rids: list[str] | None = None  # the next replay's, from the plugin's hook
@@ -696,7 +697,8 @@ class TieredAttnBackend(AttentionBackend):
                     self._repack(r)
         else:
             routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
-            for settled in self.tree.route_many(routed):  # the pool was short of blocks
+            settled = self.tree.route_many(routed)
+            if settled:  # the pool may have been short of blocks
                 self._settle(settled)
         if self.tp is not None:
             for r, why in due:
@@ -730,15 +732,27 @@ class TieredAttnBackend(AttentionBackend):
         windows = self.tree.views[r.rid].windows
         self.pool.repack(r.rid, windows, store.n_tokens(0), decided)
 
-    def _settle(self, s) -> None:
-        """Units whose move the pool degraded (:class:`~.radix.Settled`) take the engine tier
-        of the state they reached in their request's store, so its bytes and its next plan
-        follow the pool."""
+    def _settle(self, settled: list) -> None:
+        """Units whose move the pool degraded (:class:`~.radix.Settled`, one per routed
+        request) take the engine tier of the state they reached in their request's store, so
+        its bytes and its next plan follow the pool (all requests' units in one pass)."""
         lay = self.pool.layout
-        state = s.state.long()
-        tier = torch.tensor(lay.state_tiers(), device=state.device)[state]
+        state = torch.cat([s.state for s in settled]).long()
+        tier = self._state_tiers(state.device)[state]
         copy = (state == S_Q) | ((state == S_R) & lay.write_once)
-        self.sessions[s.rid].store.settle(s.ly, s.h, s.u, tier, copy, where=s.off)
+        sizes = [s.state.numel() for s in settled]
+        units = [
+            (s.ly, s.h, s.u, t, c, s.off)
+            for s, t, c in zip(settled, tier.split(sizes), copy.split(sizes), strict=True)
+        ]
+        TierStore.settle_many([self.sessions[s.rid].store for s in settled], units)
+
+    def _state_tiers(self, device) -> torch.Tensor:
+        """int64 ``[states]``: the engine tier of each holder state, made once per device."""
+        key = str(device)
+        if self._tiers_of.get(key) is None:
+            self._tiers_of[key] = torch.tensor(self.pool.layout.state_tiers(), device=device)
+        return self._tiers_of[key]
 
     def stats(self) -> dict:
         """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and
