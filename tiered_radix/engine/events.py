@@ -121,6 +121,9 @@ class Transitions(Sequence):
         units may differ), none read by the host yet, are unravelled together (the ops do not
         grow with the parts); others part by part."""
         dev = torch.device(device)
+        if len(parts) == 1:
+            n = len(parts[0])
+            return (*parts[0].on(dev, *names), torch.zeros(n, dtype=torch.long, device=dev))
         sizes = [len(p) for p in parts]
         flat = all(
             p._raw is not None and p._shape is not None and p._shape[:2] == parts[0]._shape[:2]
@@ -251,6 +254,17 @@ class StepEvents:
         holder degraded); a 0-d bool device tensor where the flags are (no host sync)."""
         forced = self.forced
         return self._over & (~forced if isinstance(forced, Tensor) else not forced)
+
+    @staticmethod
+    def count_unforced(steps: Sequence[StepEvents], device) -> Tensor:
+        """int64 0-d on ``device``: how many of ``steps`` are :meth:`unforced_over` (their flags
+        stacked: the ops do not grow with the steps; no host sync)."""
+        flags = [x for e in steps for x in (e._over, e.forced)]
+        if not all(isinstance(x, Tensor) for x in flags):
+            return torch.stack([torch.as_tensor(e.unforced_over(), device=device) for e in steps]
+                               ).sum()  # fmt: skip
+        both = torch.stack(flags).view(-1, 2).to(device)
+        return (both[:, 0] & ~both[:, 1]).sum()
 
     def __repr__(self) -> str:
         return (

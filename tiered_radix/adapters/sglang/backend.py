@@ -488,16 +488,15 @@ class TieredAttnBackend(AttentionBackend):
             kv.policy, n_layers=self.layers, n_heads=self.pool.head_num,
             head_dim=self.pool.head_dim, dtype=self.pool.dtype, device=self.pool.device,
             budget_override=kv.budget, reader=lambda li: self._read(req.rid, li),
-            shard=self.shard,
+            shard=self.shard, max_tokens=prefix_len or None,  # its tier maps made at that size
         )  # fmt: skip
         n = view.windows.numel()
         if n:
             store.append_tokens(None, prefix_len)
         if n and self.pool.zones is None:  # decoupled windows are full rows: nothing to seed
             lay, states = self.pool.layout, view.state.long()  # [L, H, n]
-            tier = torch.tensor(lay.state_tiers(), dtype=torch.long, device=store.device)
             copied = (states == S_Q) | ((states == S_R) & lay.write_once)
-            store.seed_states(tier[states], copied)
+            store.seed_states(self._state_tiers(store.device)[states], copied)
             self.counters.borrowed((states == S_Q).sum())
         return Session(store)
 
@@ -751,7 +750,8 @@ class TieredAttnBackend(AttentionBackend):
         """int64 ``[states]``: the engine tier of each holder state, made once per device."""
         key = str(device)
         if self._tiers_of.get(key) is None:
-            self._tiers_of[key] = torch.tensor(self.pool.layout.state_tiers(), device=device)
+            tiers = self.pool.layout.state_tiers()
+            self._tiers_of[key] = torch.tensor(tiers, dtype=torch.long, device=device)
         return self._tiers_of[key]
 
     def stats(self) -> dict:
