@@ -481,7 +481,7 @@ MIXED = {  # rid -> (custom_params, prompt tokens): other lengths, budgets and p
 def run_mixed(rids: str, steps: int = 6) -> tuple[Harness, dict]:
     """Requests ``rids`` of :data:`MIXED` prefilled in one batch and decoded together, routing
     after the prompt and every 2 steps; each one's outputs per forward."""
-    h = Harness(kv=launch(every(POLICY), every(OTHER)), pages=120)
+    h = Harness(kv=launch(every(POLICY), every(OTHER)), pages=120, blocks=PoolBlocks(400, 400))
     prompts = {r: [(7 * i + 3 * ord(r)) % 90 + 5 for i in range(MIXED[r][1])] for r in rids}
     reqs = [h.start(r, prompts[r], MIXED[r][0]) for r in rids]
     outs: dict[str, list] = {r: [] for r in rids}
@@ -492,7 +492,7 @@ def run_mixed(rids: str, steps: int = 6) -> tuple[Harness, dict]:
         for r, n in zip(rids, map(len, new), strict=True):
             outs[r].append([x[at : at + n].clone() for x in rows])
             at += n
-        new = [[60 + t + 3 * i] for i in range(len(rids))]
+        new = [[60 + t + 3 * ord(r) % 20] for r in rids]  # each request's own tokens
     return h, outs
 
 
