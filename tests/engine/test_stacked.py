@@ -4,6 +4,7 @@ copies, transitions, bytes and over-budget flags, over mixed lengths, budgets an
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from tiered_radix.policy.compiler import compile_text
 from tiered_radix.policy.model import Budget
 
 L, H, D = 2, 2, 32
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _policy(name: str):
@@ -35,28 +37,33 @@ def _rows(seed: int, t: int):
 class Request:
     """One sequence: a store without rows (as the SGLang pool's) over fixed random K/V."""
 
-    def __init__(self, policy, budget: float, t_max: int, seed: int) -> None:
-        self.k, self.v = _rows(seed, t_max)
+    def __init__(self, policy, budget: float, t_max: int, seed: int, device: str = "cpu"):
+        self.k, self.v = (x.to(device) for x in _rows(seed, t_max))
+        self.device = device
         self.store = TierStore(
-            policy, n_layers=L, n_heads=H, head_dim=D, dtype=torch.float32,
+            policy, n_layers=L, n_heads=H, head_dim=D, dtype=torch.float32, device=device,
             budget_override=Budget("fraction", budget), reader=self.read,
         )  # fmt: skip
 
     def read(self, li: int):
         t = self.store.n_tokens(li)
-        return self.k[li, :, :t], self.v[li, :, :t], torch.ones(H, t, dtype=torch.bool)
+        kept = torch.ones(H, t, dtype=torch.bool, device=self.device)
+        return self.k[li, :, :t], self.v[li, :, :t], kept
 
     def feed(self, n: int, g: torch.Generator, prefill: bool) -> None:
         self.store.append_tokens(None, n)
         for li in range(L):
             t = self.store.n_tokens(li)
-            self.store.observe(li, signals(g, torch.ones(H, t, dtype=torch.bool), D, prefill))
+            sig = signals(g, torch.ones(H, t, dtype=torch.bool), D, prefill)
+            moved = {f.name: getattr(sig, f.name) for f in dataclasses.fields(sig)}
+            moved = {n: x.to(self.device) for n, x in moved.items() if x is not None}
+            self.store.observe(li, dataclasses.replace(sig, **moved))
 
 
-def _requests(specs, seed: int) -> list[Request]:
+def _requests(specs, seed: int, device: str = "cpu") -> list[Request]:
     """``specs``: (policy name, budget fraction, prompt tokens) per request."""
     pols = {n: _policy(n) for n, _, _ in specs}  # one policy object per name, as a server's
-    return [Request(pols[n], b, t + 64, seed + i) for i, (n, b, t) in enumerate(specs)]
+    return [Request(pols[n], b, t + 64, seed + i, device) for i, (n, b, t) in enumerate(specs)]
 
 
 def _state(s: TierStore) -> list[torch.Tensor]:
@@ -65,10 +72,10 @@ def _state(s: TierStore) -> list[torch.Tensor]:
     return [st.tier, *copies]
 
 
-def _drive(specs, steps: int = 40, every: int = 8):
+def _drive(specs, steps: int = 40, every: int = 8, device: str = "cpu"):
     """The same requests twice: one set routed together, one each alone; compared after each
     routing."""
-    together, alone = _requests(specs, 11), _requests(specs, 11)
+    together, alone = _requests(specs, 11, device), _requests(specs, 11, device)
     gs = [torch.Generator().manual_seed(5) for _ in range(2)]
     stacked = 0
     for step in range(-1, steps):
@@ -104,7 +111,8 @@ def test_stores_moved_together_equal_each_alone(name):
         assert any(len(ev.transitions) for r in reqs for ev in r.store.events.steps)
 
 
-def test_mixed_policies_group_by_tier_set():
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_policies_group_by_tier_set(device):
     """Per-request policies loaded together (as ``kv_policy`` gives them): each tier set moves
     in its own group (here qevict's and kivi's requests stacked, h2o's one request alone), and
     every request ends where it ends alone."""
@@ -112,14 +120,14 @@ def test_mixed_policies_group_by_tier_set():
         ("qevict", 0.6, 200), ("kivi", 0.4, 150), ("qevict", 0.3, 90), ("h2o", 0.5, 120),
         ("kivi", 0.3, 260), ("qevict", 0.6, 410),
     ]  # fmt: skip
-    reqs = _requests(specs, 3)
+    reqs = _requests(specs, 3, device)
     for r, (_, _, t) in zip(reqs, specs, strict=True):
         r.feed(t, torch.Generator().manual_seed(1), True)
     pending = TierStore.begin_routes([r.store for r in reqs], ["x"] * len(specs))
     groups = sorted((idx, type(m).__name__) for idx, m in pending.movers)
     assert groups == [([0, 2, 5], "StackedMoves"), ([1, 4], "StackedMoves"), ([3], "PendingMove")]
     pending.land()
-    _drive(specs)
+    _drive(specs, device=device)
 
 
 def test_a_dropped_store_in_a_stacked_move_keeps_its_state():
@@ -148,11 +156,12 @@ def test_a_dropped_store_in_a_stacked_move_keeps_its_state():
     assert len(want[0]) > 0 and len(want[1]) > 0  # the routings move units
 
 
-def test_settle_many_equals_each_store_settled():
+@pytest.mark.parametrize("device", DEVICES)
+def test_settle_many_equals_each_store_settled(device):
     """Units a rows' holder left elsewhere than planned, settled for several stores at once
     (one pass), end as each store's own settle() leaves them: tiers, copies, over flags."""
     specs = [("qevict", 0.5, 400), ("qevict", 0.6, 300), ("qevict", 0.5, 530)]
-    many, each = _requests(specs, 6), _requests(specs, 6)
+    many, each = _requests(specs, 6, device), _requests(specs, 6, device)
     for reqs in (many, each):
         g = torch.Generator().manual_seed(2)
         for r, (_, _, t) in zip(reqs, specs, strict=True):
@@ -167,7 +176,7 @@ def test_settle_many_equals_each_store_settled():
         ly, h = torch.randint(L, (n,), generator=g), torch.randint(H, (n,), generator=g)
         tier = torch.randint(len(r.store.tier_names), (n,), generator=g)
         copy, where = torch.rand(n, generator=g) < 0.5, torch.rand(n, generator=g) < 0.7
-        units.append((ly, h, u, tier, copy, where))
+        units.append(tuple(x.to(device) for x in (ly, h, u, tier, copy, where)))
     TierStore.settle_many([r.store for r in many], units)
     for r, u in zip(each, units, strict=True):
         r.store.settle(*u)
