@@ -57,9 +57,13 @@ FUNCS = [  # (module, class or None, attribute): functions whose ops are listed
     ("tiered_radix.engine.store", "PendingRoutes", "land"),
     ("tiered_radix.engine.coupled", "CoupledStack", "begin"),
     ("tiered_radix.engine.coupled", "CoupledStack", "finish"),
+    ("tiered_radix.engine.stacked", "StackedMoves", "__init__"),
+    ("tiered_radix.engine.stacked", "StackedMoves", "finish"),
+    ("tiered_radix.engine.stacked", "StackedMoves", "nbytes"),
     ("tiered_radix.engine.store", "TierStore", "_applied"),
     ("tiered_radix.engine.store", "TierStore", "_bytes"),
     ("tiered_radix.engine.events", "Transitions", "on"),
+    ("tiered_radix.engine.events", "Transitions", "gather"),
     ("tiered_radix.engine.store", "TierStore", "route_many"),
     ("tiered_radix.adapters.sglang.radix", "TieredRadixCache", "route_many"),
     ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "move"),
@@ -110,8 +114,8 @@ def run(batch: int, args) -> dict:
     pages = batch * (args.prompt // W + args.steps // W + 4) + 8
     h = Harness(policy=policy, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                 pages=pages, blocks=PoolBlocks(pages * args.heads + 16, pages * args.heads + 16),
-                context=args.prompt + args.steps + 64,
-                options=KVOptions(overlap=args.overlap))  # fmt: skip
+                context=args.prompt + args.steps + 64, requests=max(16, batch),
+                options=KVOptions(overlap=args.overlap), overlap_schedule=args.overlap)  # fmt: skip
     clock: list[float] = []
     b = backend.TieredAttnBackend
     _wrap(b, "_route_due", "X:_route_due", clock=clock)
@@ -119,7 +123,10 @@ def run(batch: int, args) -> dict:
     if args.overlap:
         _wrap(b, "_land", "X:_land", clock=lands)
     for mod, obj, name in FUNCS:
-        m = importlib.import_module(mod)
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError:
+            continue  # an older tree (the "before" run) lacks it
         if not hasattr(getattr(m, obj, None) if obj else m, name):
             continue  # an older tree (the "before" run) lacks it
         _wrap(getattr(m, obj) if obj else m, name, f"X:{obj + '.' if obj else ''}{name}")

@@ -114,6 +114,40 @@ class Transitions(Sequence):
             cols.update({n: ravel[n]() for n in names if n in ravel})
         return tuple(cols[n].bool() if n == "ledger_write" else cols[n].long() for n in names)
 
+    @staticmethod
+    def gather(parts: Sequence[Transitions], device, *names: str) -> tuple[Tensor, ...]:
+        """:meth:`on` of every part, concatenated in order, and last int64 ``[n]`` the part each
+        row comes from. Parts given as flat positions of tier maps of one ``(L, H)`` (their
+        units may differ), none read by the host yet, are unravelled together (the ops do not
+        grow with the parts); others part by part."""
+        dev = torch.device(device)
+        if len(parts) == 1:
+            n = len(parts[0])
+            return (*parts[0].on(dev, *names), torch.zeros(n, dtype=torch.long, device=dev))
+        sizes = [len(p) for p in parts]
+        flat = all(
+            p._raw is not None and p._shape is not None and p._shape[:2] == parts[0]._shape[:2]
+            and all(_same(c.device, dev) for c in p._raw)
+            for p in parts
+        )  # fmt: skip
+        meta = [[len(p), 1 if p._shape is None else p._shape[2]] for p in parts]
+        meta = torch.tensor(meta, dtype=torch.long)
+        meta = (meta.pin_memory() if dev.type == "cuda" else meta).to(dev, non_blocking=True)
+        part = torch.repeat_interleave(
+            torch.arange(len(parts), device=dev), meta[:, 0], output_size=sum(sizes)
+        )
+        if not flat:
+            cols = [p.on(dev, *names) for p in parts]
+            return (*(torch.cat([c[i] for c in cols]) for i in range(len(names))), part)
+        idx, *rest = (torch.cat([p._raw[i] for p in parts]) for i in range(4))
+        cols = dict(zip(Transitions._COLS[3:], rest, strict=True))
+        h, u = parts[0]._shape[1], meta[part, 1]
+        ravel = {"layer": lambda: idx // (h * u), "head": lambda: idx // u % h,
+                 "unit": lambda: idx % u}  # fmt: skip
+        cols.update({n: ravel[n]() for n in names if n in ravel})
+        out = (cols[n].bool() if n == "ledger_write" else cols[n].long() for n in names)
+        return (*out, part)
+
     layer = property(lambda self: self._column("layer"))
     head = property(lambda self: self._column("head"))
     unit = property(lambda self: self._column("unit"))
@@ -220,6 +254,17 @@ class StepEvents:
         holder degraded); a 0-d bool device tensor where the flags are (no host sync)."""
         forced = self.forced
         return self._over & (~forced if isinstance(forced, Tensor) else not forced)
+
+    @staticmethod
+    def count_unforced(steps: Sequence[StepEvents], device) -> Tensor:
+        """int64 0-d on ``device``: how many of ``steps`` are :meth:`unforced_over` (their flags
+        stacked: the ops do not grow with the steps; no host sync)."""
+        flags = [x for e in steps for x in (e._over, e.forced)]
+        if not all(isinstance(x, Tensor) for x in flags):
+            return torch.stack([torch.as_tensor(e.unforced_over(), device=device) for e in steps]
+                               ).sum()  # fmt: skip
+        both = torch.stack(flags).view(-1, 2).to(device)
+        return (both[:, 0] & ~both[:, 1]).sum()
 
     def __repr__(self) -> str:
         return (

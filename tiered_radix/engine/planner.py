@@ -211,19 +211,34 @@ def plan_routes(stores: list) -> list[Plan]:
     def cat(parts: list[Tensor], value: float, after: int = 0, dim: int = 0) -> Tensor:
         return torch.cat([_pad(x, u, value, after) for x in parts], dim)
 
+    memo: dict[tuple, Tensor] = {}  # inputs that depend on the lengths alone, made once each
+
+    def once(key: tuple, make) -> Tensor:
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
     gone = ts.evict if ts.evict is not None else 0  # a padding unit holds nothing
     tier = cat([s.stack.tier[:, :, :n] for s, n in zip(stores, us, strict=True)], gone)
-    prot = [s.layout.protected(s.stack.n_tokens[0], pol.protect, dev) for s in stores]
+    prot = [
+        once(("protected", t), lambda t=t: s0.layout.protected(t, pol.protect, dev))
+        for t in (s.stack.n_tokens[0] for s in stores)
+    ]
     prot = cat([p.expand(L, 1, -1) for p in prot], False)  # [B*L, 1, U]
     masks = [
         cat([s.scores.evaluate_layers(layers, r.when, s.layout) for s in stores], 0)
         for r in pol.rules
     ]
     c = _fold(s0, prot, tier, masks)
-    tokens = [s.stack.unit_tokens(slice(None), n) for s, n in zip(stores, us, strict=True)]
+    tokens = [
+        once(
+            ("tokens", tuple(s.stack.n_tokens)),
+            lambda s=s, n=n: s.stack.unit_tokens(slice(None), n),
+        )
+        for s, n in zip(stores, us, strict=True)
+    ]
     tokens = cat([t.expand(L, 1, -1) for t in tokens], 0)
-    held = [_copies(s, _Group(layers, slice(None), 0, n)) for s, n in zip(stores, us, strict=True)]
-    copies = None if held[0] is None else cat(held, 0.0, dim=1)  # [Q, B*L, H, U]
+    copies = _copies_stacked(stores, us)  # [Q, B*L, H, U]
     forced = _forced(s0, tokens, copies, c)  # [B*L, H]
     totals = None
     if pol.spread.kind == "proportional":
@@ -255,6 +270,22 @@ def plan_routes(stores: list) -> list[Plan]:
     return [
         Plan(tiers[b * L : (b + 1) * L, :, :n], [n] * L, [], [], over[b]) for b, n in enumerate(us)
     ]
+
+
+def _copies_stacked(stores: list, us: list[int]) -> Tensor | None:
+    """float64 ``[Q, B * L, H, U]``: :func:`_copies` of every store's layers, stacked (units
+    padded to the longest; one ``cat`` per quantized tier where every store holds ``U``)."""
+    s0, u = stores[0], max(us)
+    if not s0.stack.write_once or not s0.stack.stores:  # no copies kept (CoupledStack.held)
+        return None
+    if len(set(us)) > 1:
+        held = [_copies(s, _Group([], slice(None), 0, n)) for s, n in zip(stores, us, strict=True)]
+        return torch.cat([_pad(x, u, 0.0) for x in held], 1)
+    held = torch.stack([
+        torch.cat([s.stack.stores[j].present[:, :, :u] for s in stores])
+        for j in s0.stack.stores
+    ])  # fmt: skip
+    return held * s0.stack.copy_bytes_t.view(-1, 1, 1, 1)
 
 
 def _pad(x: Tensor, u: int, value: float, after: int = 0) -> Tensor:

@@ -31,11 +31,14 @@ from tiered_radix.policy.model import Budget, Policy, RateDistortion
 from .coupled import CoupledLayer, CoupledStack
 from .decoupled import ChannelK
 from .events import EventLog, StepEvents, Transitions
+from .pending import PendingRoutes
 from .planner import Plan, plan_route, plan_routes
 from .routing import EngineConfigError, TierSet, per_layer, spread_shares, total_budget
 from .scores import ScoreEvaluator
 from .shard import HeadShard
 from .signals import TOKEN_SIGNALS, CacheState, Signals
+from .stacked import settle as settle_stacked
+from .stacked import stackable
 from .units import UnitLayout
 
 _SHARES: dict[tuple, Tensor] = {}
@@ -49,49 +52,6 @@ def _fixed_shares(spread, n_layers: int, n_heads: int, device: torch.device) -> 
     if t is None:
         t = _SHARES[key] = spread_shares(spread, n_layers, n_heads, None, device)
     return t
-
-
-class PendingRoutes:
-    """Routings planned by :meth:`TierStore.begin_routes`, not yet moved: the plans of the
-    stores that route (``plans``: store index -> plan) and their stack masks, and all their
-    counts (int64 ``[planned, k]`` on the device), copied to pinned host memory as soon as
-    they are computed (CUDA), so :meth:`land` waits for the routing's own work at most, not
-    for what the device was given after it. ``done``: transitions already made (deferrals)."""
-
-    def __init__(self, stores, plans, reasons, steps, counts: Tensor | None, done) -> None:
-        self.stores, self.plans, self.reasons, self.steps = stores, plans, reasons, steps
-        self.done: dict[int, Transitions] = dict(done)
-        self.out: list[Transitions] | None = None
-        self.counts, self.event = counts, None
-        self.dropped: set[int] = set()
-        if counts is not None and counts.device.type == "cuda":
-            self.counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self.counts.copy_(counts, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def drop(self, i: int) -> None:
-        """Store ``i``'s routing is not to land (its sequence ended between plan and land, e.g. a
-        server request that finished): :meth:`land` leaves its units as they are and returns
-        no transitions for it."""
-        assert self.out is None, "drop() after land()"
-        self.dropped.add(i)
-
-    def land(self) -> list[Transitions]:
-        """Move every store's units as planned; their transitions in the stores' order, those
-        :meth:`drop` named left out (once; later calls return the same)."""
-        if self.out is None:
-            if self.event is not None:
-                self.event.synchronize()
-            counts = [] if self.counts is None else self.counts.tolist()
-            for (i, plan), step, c in zip(self.plans.items(), self.steps, counts, strict=True):
-                if i in self.dropped:
-                    continue
-                s = self.stores[i]
-                self.done[i] = s._applied(plan, self.reasons[i], s.stack.finish(step, c))
-            keep = [i for i in range(len(self.stores)) if i not in self.dropped]
-            self.out = [self.done[i] for i in keep]
-        return self.out
 
 
 @dataclass
@@ -302,8 +262,11 @@ class TierStore:
         """Move the data to ``plan``'s tiers; record and return the step's transitions."""
         return self._applied(plan, reason, self.stack.apply(plan.tiers))
 
-    def _applied(self, plan: Plan, reason: str, m) -> Transitions:
-        """The rest of :meth:`apply` once the stack moved its units (``m``: its ``Moves``)."""
+    def _applied(self, plan: Plan, reason: str, m, used=None, over=None) -> Transitions:
+        """The rest of :meth:`apply` once the stack moved its units (``m``: its ``Moves``);
+        ``used`` (int64 0-d) and ``over`` (bool 0-d) where they were computed with other
+        stores' (:class:`~.stacked.StackedMoves`, unsharded): this store's bytes and
+        over-budget flag."""
         ev = self.tier_set.evict
         for li, u in enumerate(plan.units):
             self.stack.routed_units[li] = u
@@ -315,19 +278,14 @@ class TierStore:
             self.tier_set.names, ev, m.index, m.shape, m.src, m.dst, m.wrote
         )
         out.promoted, out.written = m.promoted, m.written
-        used, budget = self._bytes(), self.budget_bytes()
-        if self.shard.world > 1:  # the record is the whole model's, the same on every rank
-            used = self.shard.sum(used)
+        budget = self.budget_bytes()
+        if used is None:
+            used = self._bytes()
+            if self.shard.world > 1:  # the record is the whole model's, the same on every rank
+                used = self.shard.sum(used)
+            over = plan.over | (used > budget)
         self.events.record(
-            StepEvents(
-                self.step,
-                reason,
-                out,
-                used,
-                budget,
-                over_budget=plan.over | (used > budget),
-                forced=plan.over,
-            )
+            StepEvents(self.step, reason, out, used, budget, over_budget=over, forced=plan.over)
         )
         self.step += 1
         return out
@@ -381,9 +339,7 @@ class TierStore:
             plans.update(zip(idx, plan_routes(group), strict=True))
             for s in group:
                 s.deferred = False
-        steps = [stores[i].stack.begin(p.tiers) for i, p in plans.items()]
-        counts = torch.stack([st.counts for st in steps]) if steps else None
-        return PendingRoutes(stores, plans, reasons, steps, counts, done)
+        return PendingRoutes.begin(stores, plans, reasons, done)
 
     def settle(
         self,
@@ -414,6 +370,23 @@ class TierStore:
             copies.write_count[layer, head, unit] = n
         if self.events.steps:
             self.events.steps[-1].mark_over(raised.any())
+
+    @staticmethod
+    def settle_many(stores: list[TierStore], units: list[tuple[Tensor, ...]]) -> None:
+        """:meth:`settle` of several stores: ``units[i]`` the ``(layer, head, unit, tier, copy,
+        where)`` of store ``i``. Stores that move together (as :meth:`begin_routes` moves
+        them: one tier set and shape, rows elsewhere, one rank) settle in one pass."""
+        stacks = [s.stack for s in stores]
+        if not (stackable(stacks) and all(s.coupled and s.shard.world == 1 for s in stores)):
+            for s, u in zip(stores, units, strict=True):
+                s.settle(*u)
+            return
+        sizes = [u[0].numel() for u in units]
+        ly, h, unit, tier, copy, where = (torch.cat([u[k] for u in units]) for k in range(6))
+        raised = settle_stacked(stacks, sizes, ly, h, unit, tier.long(), copy, where)
+        for i, s in enumerate(stores):
+            if s.events.steps:
+                s.events.steps[-1].mark_over(raised[i])
 
     # -- reading -------------------------------------------------------------------------
     def view(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -463,3 +463,63 @@ def test_isolation_holds_through_the_decode_kernel_under_cuda_graphs(monkeypatch
     assert held == beside.sim.cache.usage("a", n)
     b = beside.sim.cache.usage("b", beside.backend.sessions["b"].store.n_tokens(0))
     assert b["policy"] == "kernel-split" and b["bytes_held"] > held["bytes_held"]
+
+
+# -- requests routed together ----------------------------------------------------------------
+def every(text: str, n: int = 2) -> str:
+    return text.replace("schedule: after_prefill", f"schedule: after_prefill, every({n})")
+
+
+MIXED = {  # rid -> (custom_params, prompt tokens): other lengths, budgets and policies
+    "a": ({"kv_budget": "25%"}, 37),
+    "b": ({"kv_budget": "75%", "kv_policy": "tiny-split"}, 52),
+    "c": ({}, 61),
+    "d": ({"kv_budget": "40%", "kv_policy": "tiny-split"}, 90),
+}
+
+
+def run_mixed(rids: str, steps: int = 6) -> tuple[Harness, dict]:
+    """Requests ``rids`` of :data:`MIXED` prefilled in one batch and decoded together, routing
+    after the prompt and every 2 steps; each one's outputs per forward."""
+    h = Harness(kv=launch(every(POLICY), every(OTHER)), pages=120, blocks=PoolBlocks(400, 400))
+    prompts = {r: [(7 * i + 3 * ord(r)) % 90 + 5 for i in range(MIXED[r][1])] for r in rids}
+    reqs = [h.start(r, prompts[r], MIXED[r][0]) for r in rids]
+    outs: dict[str, list] = {r: [] for r in rids}
+    new = [prompts[r] for r in rids]
+    for t in range(steps + 1):
+        rows = [o.reshape(-1, h.hq, h.sim.d) for o in h.step(reqs, new, extend=t == 0)]
+        at = 0
+        for r, n in zip(rids, map(len, new), strict=True):
+            outs[r].append([x[at : at + n].clone() for x in rows])
+            at += n
+        new = [[60 + t + 3 * ord(r) % 20] for r in rids]  # each request's own tokens
+    return h, outs
+
+
+def test_mixed_requests_routed_together_decide_as_each_alone(monkeypatch):
+    """Requests of other lengths, budgets and policies (``kv_policy``) route in one pass (their
+    moves in one StackedMoves) and each one's outputs, tiers and usage are those it has served
+    alone."""
+    from tiered_radix.engine import stacked
+
+    moved_together = []
+    init = stacked.StackedMoves.__init__
+
+    def spy(self, stacks, news):
+        moved_together.append(len(stacks))
+        init(self, stacks, news)
+
+    monkeypatch.setattr(stacked.StackedMoves, "__init__", spy)
+    h, outs = run_mixed("abcd")
+    assert moved_together and max(moved_together) == 4  # every request in one move
+    for rid in "abcd":
+        one, alone = run_mixed(rid)
+        for s1, s2 in zip(alone[rid], outs[rid], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(s1, s2, strict=True))
+        assert torch.equal(one.sim.cache.states_all(rid), h.sim.cache.states_all(rid))
+        s1, s2 = one.backend.sessions[rid].store, h.backend.sessions[rid].store
+        assert all(torch.equal(s1.tiers(li), s2.tiers(li)) for li in range(h.sim.L))
+        n = s1.n_tokens(0)
+        assert one.sim.cache.usage(rid, n) == h.sim.cache.usage(rid, n)
+        assert s1.events.steps[-1].bytes_used == s2.events.steps[-1].bytes_used
+    assert sum(len(e.transitions) for e in s2.events.steps) > 0  # the routings move units

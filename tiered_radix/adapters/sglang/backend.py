@@ -265,6 +265,7 @@ class TieredAttnBackend(AttentionBackend):
         # server args (a serial stand-in)
         args = getattr(runner, "server_args", None)
         self.late_landing = options.overlap and not getattr(args, "disable_overlap_schedule", True)
+        self._tiers_of: dict[str, torch.Tensor] = {}  # holder state -> engine tier, per device
         self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
         self.pool_of: dict[str, int] = {}  # rid -> req_pool_idx, for the same
         self.replay_rids: list[str] | None = None  # the next replay's, from the plugin's hook
@@ -492,16 +493,15 @@ class TieredAttnBackend(AttentionBackend):
             kv.policy, n_layers=self.layers, n_heads=self.pool.head_num,
             head_dim=self.pool.head_dim, dtype=self.pool.dtype, device=self.pool.device,
             budget_override=kv.budget, reader=lambda li: self._read(req.rid, li),
-            shard=self.shard,
+            shard=self.shard, max_tokens=prefix_len or None,  # its tier maps made at that size
         )  # fmt: skip
         n = view.windows.numel()
         if n:
             store.append_tokens(None, prefix_len)
         if n and self.pool.zones is None:  # decoupled windows are full rows: nothing to seed
             lay, states = self.pool.layout, view.state.long()  # [L, H, n]
-            tier = torch.tensor(lay.state_tiers(), dtype=torch.long, device=store.device)
             copied = (states == S_Q) | ((states == S_R) & lay.write_once)
-            store.seed_states(tier[states], copied)
+            store.seed_states(self._state_tiers(store.device)[states], copied)
             self.counters.borrowed((states == S_Q).sum())
         return Session(store)
 
@@ -702,7 +702,8 @@ class TieredAttnBackend(AttentionBackend):
                     self._repack(r)
         else:
             routed = [(r.rid, m) for (r, _), m in zip(due, moves, strict=True)]
-            for settled in self.tree.route_many(routed):  # the pool was short of blocks
+            settled = self.tree.route_many(routed)
+            if settled:  # the pool may have been short of blocks
                 self._settle(settled)
         if self.tp is not None:
             for r, why in due:
@@ -736,15 +737,28 @@ class TieredAttnBackend(AttentionBackend):
         windows = self.tree.views[r.rid].windows
         self.pool.repack(r.rid, windows, store.n_tokens(0), decided)
 
-    def _settle(self, s) -> None:
-        """Units whose move the pool degraded (:class:`~.radix.Settled`) take the engine tier
-        of the state they reached in their request's store, so its bytes and its next plan
-        follow the pool."""
+    def _settle(self, settled: list) -> None:
+        """Units whose move the pool degraded (:class:`~.radix.Settled`, one per routed
+        request) take the engine tier of the state they reached in their request's store, so
+        its bytes and its next plan follow the pool (all requests' units in one pass)."""
         lay = self.pool.layout
-        state = s.state.long()
-        tier = torch.tensor(lay.state_tiers(), device=state.device)[state]
+        state = torch.cat([s.state for s in settled]).long()
+        tier = self._state_tiers(state.device)[state]
         copy = (state == S_Q) | ((state == S_R) & lay.write_once)
-        self.sessions[s.rid].store.settle(s.ly, s.h, s.u, tier, copy, where=s.off)
+        sizes = [s.state.numel() for s in settled]
+        units = [
+            (s.ly, s.h, s.u, t, c, s.off)
+            for s, t, c in zip(settled, tier.split(sizes), copy.split(sizes), strict=True)
+        ]
+        TierStore.settle_many([self.sessions[s.rid].store for s in settled], units)
+
+    def _state_tiers(self, device) -> torch.Tensor:
+        """int64 ``[states]``: the engine tier of each holder state, made once per device."""
+        key = str(device)
+        if self._tiers_of.get(key) is None:
+            tiers = self.pool.layout.state_tiers()
+            self._tiers_of[key] = torch.tensor(tiers, dtype=torch.long, device=device)
+        return self._tiers_of[key]
 
     def stats(self) -> dict:
         """:meth:`~.stats.BackendStats.snapshot` (bytes, blocks, transitions, the peak) and

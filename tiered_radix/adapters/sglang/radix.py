@@ -27,9 +27,10 @@ from the pool (:mod:`.usage`), goes into the response (``meta_info["kv_usage"]``
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -62,8 +63,30 @@ class RequestView:
     borrowed: Tensor
     state: Tensor
     n_borrowed: int = 0
-    moved: Tensor | None = None
     routes: int = 0
+    # the routings' move counts not summed yet: (int64 [R, 3] of R requests routed together,
+    # this request's row); summed when read, so a routing adds none of its own ops per request
+    moves: list[tuple[Tensor, int]] = field(default_factory=list)
+
+    def count_moves(self, sums: Tensor, row: int) -> None:
+        """A routing's moves of this request: row ``row`` of ``sums`` (int64 ``[R, 3]``)."""
+        self.moves.append((sums, row))
+        if len(self.moves) > 64:  # bounded: a long request's earlier routings summed
+            self.moves = [(self.moved[None], 0)]
+
+    @property
+    def moved(self) -> Tensor | None:
+        """int64 ``[3]``: the moves its routings made (:func:`.usage.moves_of`), or None."""
+        if not self.moves:
+            return None
+        return torch.stack([s[r] for s, r in self.moves]).sum(0)
+
+
+def _on(values: list[int], device: torch.device) -> Tensor:
+    """int64 ``[n]`` on ``device`` without a host sync (pinned, non-blocking on CUDA)."""
+    t = torch.tensor(values, dtype=torch.long)
+    cuda = torch.device(device).type == "cuda"
+    return (t.pin_memory() if cuda else t).to(device, non_blocking=True)
 
 
 class _Moves(NamedTuple):
@@ -277,19 +300,27 @@ class TieredRadixCache(RadixCache):
         Requests that borrow no window (``n_borrowed``, a host count) are gathered, looked up
         and written back together (their pairs are all owner moves); only borrowers' pairs
         read and write their own view's states per request."""
-        dev, parts = self.pool.device, []
-        for rid, t in routed:
-            view = self.views[rid]
-            view.routes += 1
-            if not len(t):
-                continue
-            ly, h, u, dst = t.on(dev, "layer", "head", "unit", "dst")
-            b = view.borrowed[u] if view.n_borrowed else None
-            parts.append(_Moves(rid, view, ly, h, u, view.windows[u], b, dst))
-        if not parts:
+        dev = self.pool.device
+        for rid, _ in routed:
+            self.views[rid].routes += 1
+        live = [(rid, t) for rid, t in routed if len(t)]
+        if not live:
             return []
-        ly, h, w, dst = (torch.cat([getattr(p, f) for p in parts]) for f in ("ly", "h", "w", "dst"))
-        sizes = [p.ly.numel() for p in parts]
+        views = [self.views[rid] for rid, _ in live]
+        ly, h, u, dst, which = Transitions.gather([t for _, t in live], dev,
+                                                  "layer", "head", "unit", "dst")  # fmt: skip
+        sizes = [len(t) for _, t in live]
+        if len(live) == 1:
+            w = views[0].windows[u]
+        else:  # each pair's window: its request's u-th, all requests' windows side by side
+            starts = list(itertools.accumulate([v.windows.numel() for v in views], initial=0))
+            w = torch.cat([v.windows for v in views])[u + _on(starts[:-1], dev)[which]]
+        parts = [
+            _Moves(rid, v, *cols, v.borrowed[cols[2]] if v.n_borrowed else None, d)
+            for (rid, _), v, *cols, d in zip(
+                live, views, *(x.split(sizes) for x in (ly, h, u, w, dst)), strict=True
+            )
+        ]
         old = self.pool.owner_all[ly, h, w]
         if any(p.b is not None for p in parts):  # borrowed pairs: the view's states
             split = zip(parts, old.split(sizes), strict=True)
@@ -308,7 +339,7 @@ class TieredRadixCache(RadixCache):
             else:
                 got[sel] = self.pool.move(ly[sel], h[sel], w[sel], old[sel], new[sel], make=make)
         reached = got.to(new.dtype)
-        self._record(parts, ly, h, w, old, reached, sizes)
+        self._record(parts, ly, h, w, old, reached, sizes, which)
         if not short:
             return []
         off = reached != new  # the pool may have been short of blocks: masks of where
@@ -322,7 +353,8 @@ class TieredRadixCache(RadixCache):
             return owner_old
         return torch.where(p.b, p.view.state[p.ly, p.h, p.u], owner_old)
 
-    def _record(self, parts: list[_Moves], ly, h, w, old, reached, sizes: list[int]) -> None:
+    def _record(self, parts: list[_Moves], ly, h, w, old, reached, sizes: list[int],
+                which: Tensor) -> None:  # fmt: skip
         """The states the pool reached (``reached``, over the concatenated pairs) become each
         holder's: owner states in one write for requests that borrow nothing, per request
         (in request order) for borrowers; each view counts its moves (:func:`.usage.moves_of`,
@@ -339,9 +371,9 @@ class TieredRadixCache(RadixCache):
                 p.view.state[p.ly, p.h, p.u] = torch.where(p.b, r, p.view.state[p.ly, p.h, p.u])
                 owner[p.ly, p.h, p.w] = torch.where(p.b, owner[p.ly, p.h, p.w], r)
         flags = usage.move_flags(old, reached)  # [m, 3]
-        for (p, _), f in zip(each, flags.split(sizes), strict=True):
-            moved = f.sum(0)
-            p.view.moved = moved if p.view.moved is None else p.view.moved + moved
+        sums = flags.new_zeros(len(parts), 3).index_add_(0, which, flags)  # per request
+        for k, p in enumerate(parts):
+            p.view.count_moves(sums, k)
 
     def _rounds(self, parts: list, ly: Tensor, h: Tensor, w: Tensor) -> list[Tensor | None]:
         """Index sets of the concatenated pairs with no pair twice, each pair's holders in

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tiered_radix.engine.events import KINDS, kinds_of
+from tiered_radix.engine.events import KINDS, StepEvents, kinds_of
 
 from .metrics import TierMetrics, from_server_args
 
@@ -79,8 +79,7 @@ class BackendStats:
             return
         add = torch.zeros(len(COUNTS), dtype=torch.long, device=device)
         if steps:
-            over = [torch.as_tensor(e.unforced_over(), device=device) for e in steps]
-            add[COUNTS.index("over_budget_routings")] = torch.stack(over).sum()
+            add[COUNTS.index("over_budget_routings")] = StepEvents.count_unforced(steps, device)
         if parts:
             cols = [m.on(device, "src", "dst", "ledger_write") for m in parts]
             src, dst, wrote = (torch.cat([c[i] for c in cols]) for i in range(3))
