@@ -16,8 +16,6 @@ host-to-device copies from host values (``torch.tensor``), per function.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -103,17 +101,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens per request")
     ap.add_argument("--out", default=None, help="folder for resume_host.json")
-    args = ap.parse_args()
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    torch.set_num_threads(1)
-    res = {"args": vars(args), "torch": torch.__version__, "rows": []}
-    for b in args.batch:
-        r = run(b, args)
-        res["rows"].append(r)
-        print(json.dumps(r, indent=1))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "resume_host.json").write_text(json.dumps(res, indent=1))
+    from route_host import run_batches
+
+    run_batches(run, ap.parse_args(), "resume_host.json")
 
 
 if __name__ == "__main__":

@@ -220,7 +220,12 @@ def main() -> None:
         "lands at the next step's metadata (land_ms, land_ops)",
     )
     ap.add_argument("--out", default=None, help="folder for route_host.json")
-    args = ap.parse_args()
+    run_batches(run, ap.parse_args(), "route_host.json")
+
+
+def run_batches(run, args, name: str) -> None:
+    """``run(batch, args)`` for every ``args.batch`` on one CPU thread under the Triton
+    interpreter, each row printed, all of them written to ``args.out / name``."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     res = {"args": vars(args), "torch": torch.__version__, "rows": []}
@@ -230,7 +235,7 @@ def main() -> None:
         print(json.dumps(r, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "route_host.json").write_text(json.dumps(res, indent=1))
+        (Path(args.out) / name).write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
