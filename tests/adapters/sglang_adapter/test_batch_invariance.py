@@ -56,13 +56,15 @@ def prefill_adder(rig, running: list):
 class PoolRig:
     """``TieredAttnBackend`` over the pool and radix cache (:class:`test_backend.Harness`)."""
 
-    def __init__(self, text: str, head_dim: int = HEAD_DIM, options: KVOptions | None = None):
+    def __init__(self, text: str, head_dim: int = HEAD_DIM, options: KVOptions | None = None,
+                 late: bool = False):  # fmt: skip
         W = Layout.of(compile_text(text)).window
         pages = 2 * (-(-sum(PROMPTS.values()) // W) + len(PROMPTS) * (2 + max(DECODES.values())))
         blocks = 4 * pages  # row and ledger blocks for every window of every head: no cuts
         zone = 1 << 22  # a decoupled policy's Zone A bytes a layer: room for every request
         self.h = Harness(policy=text, head_dim=head_dim, pages=pages,
-                         blocks=PoolBlocks(blocks, blocks, zone), options=options)  # fmt: skip
+                         blocks=PoolBlocks(blocks, blocks, zone), options=options,
+                         overlap_schedule=late)  # fmt: skip
         self.alloc, self.cache, self.page = self.h.sim.alloc, self.h.sim.cache, W
 
     def start(self, rid: str, prompt: list[int]):
@@ -101,8 +103,11 @@ class PoolRig:
         return self.h.backend.sessions[rid].store
 
 
-def rig(name: str, head_dim: int = HEAD_DIM, options: KVOptions | None = None):
-    return PoolRig(policy_text(name), head_dim, options)
+def rig(name: str, head_dim: int = HEAD_DIM, options: KVOptions | None = None,
+        late: bool = False):  # fmt: skip
+    """``late``: SGLang's overlap scheduler runs (the default launch), so a decode routing lands
+    at the next step's metadata (or the request's close)."""
+    return PoolRig(policy_text(name), head_dim, options, late)
 
 
 def prompt(rid: str) -> list[int]:
@@ -143,6 +148,10 @@ class Scheduler:
                 self._extend(batch)
             else:
                 self._decode()
+        # a decode routing left pending by the last step lands (in SGLang: at the request's
+        # close, before_close -> flush); requests that finished earlier in a batch saw theirs
+        # land at the next step's metadata
+        self.r.h.backend.flush()
         return self
 
     def _prefill_batch(self) -> list:
@@ -200,14 +209,17 @@ def stride(monkeypatch):
     return STRIDE
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["serial", "late-landing"])
 @pytest.mark.parametrize("name", SHIPPED)
-def test_a_request_reads_and_routes_alike_alone_and_in_a_batch(name, stride):
+def test_a_request_reads_and_routes_alike_alone_and_in_a_batch(name, stride, late):
     """Three prompts of 200, 150 and 90 tokens at a 64-token chunk budget, each served alone
     and all three together (their chunks share the budget; their decode steps run together):
     every request's attention outputs at every position (bit for bit: on the CPU each
     request's attention runs alone), its tiers after prefill and at the end, and its bytes
-    are the same both ways. Decode through PyTorch (the TriZone kernel: next test)."""
-    assert_alike(name, HEAD_DIM)
+    are the same both ways; in the serial order and with decode routings landing one step
+    late, as under SGLang's overlap scheduler (the default launch). Decode through PyTorch
+    (the TriZone kernel: next test)."""
+    assert_alike(name, HEAD_DIM, late=late)
 
 
 @pytest.mark.parametrize("splits", [None, "2"], ids=["splits-per-batch", "splits-fixed"])
@@ -229,11 +241,12 @@ def test_decode_through_the_trizone_kernel_is_alike_alone_and_in_a_batch(
         assert together.r.h.backend.dbatch.plan.num_splits == int(splits)
 
 
-def assert_alike(name: str, head_dim: int, options: KVOptions | None = None) -> Scheduler:
+def assert_alike(name: str, head_dim: int, options: KVOptions | None = None,
+                 late: bool = False) -> Scheduler:  # fmt: skip
     """The comparison of both tests; returns the batch's run."""
-    together = Scheduler(rig(name, head_dim, options), list(PROMPTS)).run()
+    together = Scheduler(rig(name, head_dim, options, late), list(PROMPTS)).run()
     for rid in PROMPTS:
-        alone = Scheduler(rig(name, head_dim, options), [rid]).run()
+        alone = Scheduler(rig(name, head_dim, options, late), [rid]).run()
         for li, (x, y) in enumerate(zip(alone.rows(rid), together.rows(rid), strict=True)):
             torch.testing.assert_close(y, x, rtol=0, atol=0, msg=f"{rid} layer {li}")
         for x, y in zip(alone.prefill_tiers[rid], together.prefill_tiers[rid], strict=True):
