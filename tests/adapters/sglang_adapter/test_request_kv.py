@@ -211,12 +211,22 @@ def test_two_budgets_over_one_cached_prefix_each_read_what_their_own_engine_deci
             assert torch.equal(tiers[st[li]], store.tiers(li).cpu()), (rid, li)
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["serial", "late-landing"])
 @pytest.mark.parametrize("other", [{"kv_budget": "75%"},
                                    {"kv_budget": "75%", "kv_policy": "tiny-split"}])  # fmt: skip
-def test_a_request_alone_and_beside_another_at_another_budget_is_the_same(other):
+def test_a_request_alone_and_beside_another_at_another_budget_is_the_same(other, late,
+                                                                          monkeypatch):  # fmt: skip
     """Isolation: ``a`` at 25% gives the same outputs, tiers and usage whether ``b`` (another
-    budget, or another policy too: planned apart) runs beside it over the same cached prefix."""
-    alone, beside = Harness(kv=launch(POLICY, OTHER)), Harness(kv=launch(POLICY, OTHER))
+    budget, or another policy too: planned apart) runs beside it over the same cached prefix;
+    in the serial order and, routing every 2 decode steps, with those routings landing a step
+    late (SGLang's overlap scheduler, the default launch)."""
+    texts = (every(POLICY), every(OTHER)) if late else (POLICY, OTHER)
+    alone, beside = (Harness(kv=launch(*texts), overlap_schedule=late) for _ in range(2))
+    late_landings = []  # routings that landed at a later flush than the step that planned them
+    for h in (alone, beside):
+        land = h.backend._land
+        monkeypatch.setattr(h.backend, "_land", lambda b=h.backend, land=land: (
+            late_landings.append(b.landing is not None), land())[1])  # fmt: skip
     _, out1 = serve(alone, {"a": {"kv_budget": "25%"}})
     _, out2 = serve(beside, {"a": {"kv_budget": "25%"}, "b": other})
     for s1, s2 in zip(out1["a"], out2["a"], strict=True):
@@ -226,6 +236,7 @@ def test_a_request_alone_and_beside_another_at_another_budget_is_the_same(other)
     u1, u2 = alone.sim.cache.usage("a", n), beside.sim.cache.usage("a", n)
     assert u1 == u2
     assert torch.equal(alone.sim.cache.states_all("a"), beside.sim.cache.states_all("a"))
+    assert any(late_landings) is late
 
 
 def test_usage_is_the_pools_blocks_and_agrees_with_the_engine_after_routing():
