@@ -82,3 +82,19 @@ def test_without_write_once_a_unit_can_be_rewritten_and_grows():
         err = (store.read(n)["v"] - blocks["v"]).abs().max()
         assert float(err) < 0.5
     assert int(store.write_count[0, 0]) == 3
+
+
+def test_room_reserved_up_front_equals_grown_room():
+    kc, vc = part_codecs(4, 8, "kivi", 4, 8)
+    for keep in (True, False):
+        grown = CopyStore({"k": kc, "v": vc}, 2, 4, 8, torch.device("cpu"), True, n_layers=3,
+                          keep_data=keep)  # fmt: skip
+        grown.grow(5)
+        made = CopyStore({"k": kc, "v": vc}, 2, 4, 8, torch.device("cpu"), True, n_layers=3,
+                         keep_data=keep, units=5)  # fmt: skip
+        assert made.capacity == grown.capacity == 5
+        for a, b in [(made.present, grown.present), (made.write_count, grown.write_count)]:
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        assert made.data.keys() == grown.data.keys()
+        for p in made.data:
+            assert all(torch.equal(x, y) for x, y in zip(made.data[p], grown.data[p], strict=True))

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from tiered_radix.policy.model import Quantize
 
-from .ledger import CopyStore, LedgerError, part_codecs
+from .ledger import CopyStore, LedgerError, part_codecs, zero_padded
 from .routing import EngineConfigError, TierSet, per_layer
 from .units import UnitLayout
 
@@ -110,7 +110,7 @@ class CoupledStack:
             p: torch.empty(*lh, 0, head_dim, dtype=dtype, device=device)
             for p in (parts if keep_data else ())
         }
-        self.tier = torch.zeros(*lh, 0, dtype=torch.long, device=device)
+        self.tier = torch.empty(*lh, 0, dtype=torch.long, device=device)
         self.stores: dict[int, CopyStore] = {}
         w = layout.size
         for j in tiers.quantized:
@@ -127,7 +127,7 @@ class CoupledStack:
                     )
             self.stores[j] = CopyStore(
                 codec, n_heads, w, head_dim, device, write_once, n_layers=n_layers,
-                keep_data=keep_data,
+                keep_data=keep_data, units=layout.n_units(max_tokens or 1),
             )  # fmt: skip
         full = 2 * len(parts) * w * head_dim
         ev = tiers.evict
@@ -161,7 +161,7 @@ class CoupledStack:
         for p, x in self.full.items():
             pad = x.new_full((*lh, extra * w, self.head_dim), torch.nan)
             self.full[p] = torch.cat([x, pad], 2)
-        self.tier = torch.cat([self.tier, self.tier.new_zeros(*lh, extra)], 2)
+        self.tier = zero_padded(self.tier, (*lh, extra), 2)
         for s in self.stores.values():
             s.grow(cap)
         self.capacity = cap

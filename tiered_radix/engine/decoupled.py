@@ -26,6 +26,8 @@ the tiers, the set and its counts: what the byte counts need.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -74,6 +76,33 @@ def zone_a_order(v_tier: Tensor, in_set: Tensor, n_tiers: int, group: int):
     return index, valid, counts
 
 
+class KStart(NamedTuple):
+    """The state of layers' K before their first token and routing, stacked over ``L`` layers
+    in one buffer each (a new request's store makes them all at once; each layer holds views):
+    ``set`` bool ``[L, H, 0]``, ``tier`` int64 ``[L, H, d]`` (all full), ``index`` int64 and
+    ``valid`` bool ``[L, H, 0]``, ``n_set`` int64 ``[L, H, J]``."""
+
+    set: Tensor
+    tier: Tensor
+    index: Tensor
+    valid: Tensor
+    n_set: Tensor
+
+    @staticmethod
+    def new(n_layers: int, n_heads: int, head_dim: int, n_tiers: int, device) -> KStart:
+        lh = (n_layers, n_heads)
+        return KStart(
+            torch.empty(*lh, 0, dtype=torch.bool, device=device),
+            torch.zeros(*lh, head_dim, dtype=torch.long, device=device),
+            torch.empty(*lh, 0, dtype=torch.long, device=device),
+            torch.empty(*lh, 0, dtype=torch.bool, device=device),
+            torch.zeros(*lh, n_tiers, dtype=torch.long, device=device),
+        )
+
+    def layer(self, li: int) -> KStart:
+        return KStart(*(x[li] for x in self))
+
+
 class ChannelK:
     def __init__(
         self,
@@ -85,20 +114,58 @@ class ChannelK:
         dtype: torch.dtype,
         device: torch.device,
         keep_data: bool = True,
+        start: KStart | None = None,
     ) -> None:
+        """``start``: this layer's views of :meth:`KStart.new` over several layers (see
+        :meth:`layers`); by default its own."""
         self.tiers, self.bits, self.group = tiers, bits, group  # bits[j]: width of engine tier j
         self.n_heads, self.head_dim, self.dtype, self.device = n_heads, head_dim, dtype, device
         self.keep_data = keep_data  # False: tiers, set and byte counts only (rows live elsewhere)
         self.k_full = torch.empty(n_heads, 0, head_dim, dtype=dtype, device=device)
+        if start is None:
+            start = KStart.new(1, n_heads, head_dim, len(tiers.names), device).layer(0)
         # the set over a buffer of capacity (False past ``n_tokens``): a decode step's new token
         # is counted, not copied (no device work until the buffer doubles)
-        self._set = torch.zeros(n_heads, 0, dtype=torch.bool, device=device)
+        self._set, self.tier, self.index, self.valid, self.n_set = start
         self._n = 0
-        self.tier = torch.zeros(n_heads, head_dim, dtype=torch.long, device=device)
-        self.index = torch.zeros(n_heads, 0, dtype=torch.long, device=device)
-        self.valid = torch.zeros(n_heads, 0, dtype=torch.bool, device=device)
-        self.n_set = torch.zeros(n_heads, len(tiers.names), dtype=torch.long, device=device)
         self.codes: dict[int, codecs.QuantizedTensor] = {}
+
+    @classmethod
+    def layers(
+        cls,
+        n_layers: int,
+        tiers: TierSet,
+        bits: list[int],
+        group: int,
+        n_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        keep_data: bool = True,
+    ) -> list[ChannelK]:
+        """``n_layers`` layers' K, their starting state in one stacked :class:`KStart`."""
+        start = KStart.new(n_layers, n_heads, head_dim, len(tiers.names), device)
+        return [
+            cls(tiers, bits, group, n_heads, head_dim, dtype, device, keep_data, start.layer(li))
+            for li in range(n_layers)
+        ]
+
+    @staticmethod
+    def count_layers(layers: list[ChannelK], n: int) -> None:
+        """``append(None, n)`` of every layer (without data): where every layer holds as many
+        tokens and every set must grow, the sets grow into one buffer ``[L, H, 2t]`` (each
+        layer a view; the same sets and capacities as layer by layer)."""
+        t0 = layers[0]._n if layers else 0
+        t = t0 + n
+        if not layers or any(k._n != t0 or t <= k._set.shape[1] or k.keep_data for k in layers):
+            for k in layers:
+                k.append(None, n)
+            return
+        grown = layers[0]._set.new_zeros(len(layers), layers[0].n_heads, 2 * t)
+        if t0:
+            grown[:, :, :t0] = torch.stack([k.in_set for k in layers])
+        for k, s in zip(layers, grown, strict=True):
+            k._set, k._n = s, t
 
     @property
     def n_tokens(self) -> int:

@@ -50,6 +50,13 @@ class LedgerError(RuntimeError):
     """A write-once copy was about to be written a second time (an engine bug)."""
 
 
+def zero_padded(x: Tensor, extra: tuple[int, ...], dim: int) -> Tensor:
+    """``x`` followed along ``dim`` by zeros of shape ``extra`` (just the zeros when ``x`` is
+    empty: a new store's first reservation copies nothing)."""
+    pad = x.new_zeros(extra)
+    return pad if x.shape[dim] == 0 else torch.cat([x, pad], dim)
+
+
 @dataclass(frozen=True)
 class PartCodec:
     """How one part (K or V) of a ``[W, d]`` unit is quantized."""
@@ -101,17 +108,19 @@ class CopyStore:
         *,
         n_layers: int | None = None,
         keep_data: bool = True,
+        units: int = 1,
     ) -> None:
+        """``units``: room reserved up front (units per head)."""
         self.parts, self.window, self.head_dim = parts, window, head_dim
         self.keep_data = keep_data
         self.n_heads, self.device, self.write_once = n_heads, device, write_once
         self.lead = (n_heads,) if n_layers is None else (n_layers, n_heads)
         self.unit_nbytes = sum(c.nbytes(window, head_dim) for c in parts.values())
         self.capacity, self._fixed = 0, False
-        self.present = torch.zeros(*self.lead, 0, dtype=torch.bool, device=device)
-        self.write_count = torch.zeros(*self.lead, 0, dtype=torch.int32, device=device)
+        self.present = torch.empty(*self.lead, 0, dtype=torch.bool, device=device)
+        self.write_count = torch.empty(*self.lead, 0, dtype=torch.int32, device=device)
         self.data: dict[str, list[Tensor]] = {}
-        self.grow(1)
+        self.grow(units)
 
     def layer(self, li: int) -> CopyStore:
         """The copies of layer ``li`` of an all-layers store: a ``[H, U]`` store sharing its
@@ -131,8 +140,8 @@ class CopyStore:
         cap = max(n_units, 2 * self.capacity)
         extra = (*self.lead, cap - self.capacity)
         w, d, dim = self.window, self.head_dim, len(self.lead)
-        self.present = torch.cat([self.present, self.present.new_zeros(extra)], dim)
-        self.write_count = torch.cat([self.write_count, self.write_count.new_zeros(extra)], dim)
+        self.present = zero_padded(self.present, extra, dim)
+        self.write_count = zero_padded(self.write_count, extra, dim)
         for name, c in self.parts.items() if self.keep_data else ():
             q = c.encode(torch.zeros(1, w, d, device=self.device))  # shapes of one unit
             new = [t.new_zeros(*extra, *t.shape[1:]) for t in (q.codes, q.scale, q.lo)]

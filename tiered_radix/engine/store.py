@@ -119,21 +119,15 @@ class TierStore:
             max_tokens,
             keep_data=reader is None,
         )
-        self.layers = [_Layer(self.stack.layer(li)) for li in range(n_layers)]
-        if not self.coupled:
+        ks: list[ChannelK | None] = [None] * n_layers
+        if not self.coupled:  # every layer's K state made at once (stacked buffers, views)
             a: RateDistortion = policy.allocate
             bits = [0] * self.tier_set.offset + list(a.bits)
-            for layer in self.layers:
-                layer.k = ChannelK(
-                    self.tier_set,
-                    bits,
-                    a.group,
-                    n_heads,
-                    head_dim,
-                    dtype,
-                    self.device,
-                    keep_data=reader is None,
-                )
+            ks = ChannelK.layers(
+                n_layers, self.tier_set, bits, a.group, n_heads, head_dim, dtype, self.device,
+                keep_data=reader is None,
+            )  # fmt: skip
+        self.layers = [_Layer(self.stack.layer(li), k) for li, k in enumerate(ks)]
         self.shares = (  # float64 [L, H] budget shares, fixed unless proportional to scores
             None
             if policy.spread.kind == "proportional"
@@ -171,9 +165,12 @@ class TierStore:
             self.stack.count(n)
         else:
             self.stack.append(layer, {}, n)
-        for li, lay in enumerate(self.layers):
-            if lay.k is not None and (layer is None or layer == li):
-                lay.k.append(None, n)
+        if self.coupled:
+            return
+        if layer is None:
+            ChannelK.count_layers([lay.k for lay in self.layers], n)
+        else:
+            self.layers[layer].k.append(None, n)
 
     def seed_states(self, tier: Tensor, copied: Tensor) -> None:
         """Start the first units at tiers decided elsewhere, e.g. a prefix a server's radix cache

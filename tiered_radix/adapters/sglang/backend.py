@@ -344,7 +344,7 @@ class TieredAttnBackend(AttentionBackend):
             if rid not in tree.views:  # a new request, or one retracted and scheduled again
                 if not self.extend:
                     raise AssertionError(f"decode of request {rid} without a view")
-                self.sessions[rid] = self._open(tree, req, pre)
+                self.sessions[rid] = self._open(tree, req, pre, seq)
             tree.sync_view(req, seq)
             sess = self.sessions[rid]
             grown = seq - sess.store.n_tokens(0)
@@ -484,16 +484,17 @@ class TieredAttnBackend(AttentionBackend):
                 r.session.store.fold_attn(attn[:, b, :, : r.seq], g.steps)
             g.folded()
 
-    def _open(self, tree, req, prefix_len: int) -> Session:
+    def _open(self, tree, req, prefix_len: int, n_tokens: int) -> Session:
         """Borrow the matched prefix; the store's tiers start at the borrowed states. The
-        store runs the request's own policy and budget (its ``kv_policy`` / ``kv_budget``)."""
+        store runs the request's own policy and budget (its ``kv_policy`` / ``kv_budget``),
+        its tier maps made for the ``n_tokens`` the request holds after this batch."""
         view = tree.open_view(req, prefix_len)
         kv = tree.request_kv(req.rid)
         store = TierStore(
             kv.policy, n_layers=self.layers, n_heads=self.pool.head_num,
             head_dim=self.pool.head_dim, dtype=self.pool.dtype, device=self.pool.device,
             budget_override=kv.budget, reader=lambda li: self._read(req.rid, li),
-            shard=self.shard, max_tokens=prefix_len or None,  # its tier maps made at that size
+            shard=self.shard, max_tokens=n_tokens,
         )  # fmt: skip
         n = view.windows.numel()
         if n:
