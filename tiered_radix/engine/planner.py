@@ -459,6 +459,11 @@ def _rd_decoupled_groups(store, groups, cons, head_budget: Tensor, out: Plan) ->
     return out
 
 
+# the allocator's tables over several stores' rows at most this size a pass (float64
+# [rows, units, J], a few of them live at once): long prompts at a large batch go in parts
+_RD_TABLE_BYTES = 1 << 27
+
+
 def _rd_stores(stores: list) -> list[Plan] | None:
     """RDKV's plan of several stores of one decoupled policy whose layers all hold one token
     count and keep no ledger copies: each store's constraints, budgets and weights, then one
@@ -471,7 +476,18 @@ def _rd_stores(stores: list) -> list[Plan] | None:
     parts = [_budgets(s) for s in stores]  # (groups, constraints, head budgets, plan)
     if len(parts[0][0]) > 1 or any(p[0][0].copies is not None for p in parts):
         return [_planned(s, *p) for s, p in zip(stores, parts, strict=True)]
-    g, L, B = parts[0][0][0], s0.n_layers, len(stores)
+    g, J = parts[0][0][0], len(s0.tier_set.names)
+    per = s0.n_layers * s0.n_heads * g.n_units * J * 8  # a store's float64 [L, H, U, J] table
+    n = max(1, _RD_TABLE_BYTES // per)
+    plans = []
+    for b in range(0, len(stores), n):
+        plans += _rd_stacked(stores[b : b + n], parts[b : b + n], g)
+    return plans
+
+
+def _rd_stacked(stores: list, parts: list, g: _Group) -> list[Plan]:
+    """:func:`_rd_stores`' one pass over ``stores`` (``parts``: their :func:`_budgets`)."""
+    s0, L, B = stores[0], stores[0].n_layers, len(stores)
     cons = [p[1][0] for p in parts]
     cap = None if cons[0].cap is None else torch.cat([c.cap for c in cons])
     c = Constraints(torch.cat([c.full for c in cons]), torch.cat([c.evict for c in cons]), cap)
