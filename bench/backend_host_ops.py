@@ -313,6 +313,11 @@ ROUTE_FUNCS = [  # the deferred routing's parts (--rdkv)
     ("tiered_radix.formats.zone_a", None, "pack_layers"),
     ("tiered_radix.adapters.sglang.zones", "ZoneStore", "put"),
     ("tiered_radix.adapters.sglang.stats", "BackendStats", "routed"),
+    # inside begin_routes (the plan) and land
+    ("tiered_radix.engine.planner", None, "_weights_layers"),
+    ("tiered_radix.engine.planner", None, "rd_choice_rows"),
+    ("tiered_radix.engine.store", "TierStore", "_bytes"),
+    ("tiered_radix.engine.decoupled", "ChannelK", "apply"),
 ]
 
 

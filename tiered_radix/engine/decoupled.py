@@ -103,6 +103,20 @@ class KStart(NamedTuple):
         return KStart(*(x[li] for x in self))
 
 
+def nbytes_layers(layers: list[ChannelK], kept: Tensor) -> Tensor:
+    """int64 0-d: the sum over ``layers`` (of equal token counts) of each layer's
+    :meth:`ChannelK.nbytes_heads` and :meth:`ChannelK.rows_bytes` of its ``kept[l]``
+    (bool ``[L, H, T]``), in one pass over the stacked layers."""
+    n_set = torch.stack([k.n_set for k in layers])  # [L, H, J]
+    tier = torch.stack([k.tier for k in layers])  # [L, H, d]
+    in_set = torch.stack([k.in_set for k in layers])  # [L, H, T]
+    k0 = layers[0]
+    per = channel_cost(n_set.flatten(0, 1), k0.bits, k0.group)  # [L*H, J]
+    chan = per.gather(1, tier.flatten(0, 1)).sum(1).round().long()
+    rows = (kept & ~in_set).sum(2) * 2 * k0.head_dim
+    return chan.sum() + rows.sum()
+
+
 class ChannelK:
     def __init__(
         self,

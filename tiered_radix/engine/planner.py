@@ -159,8 +159,12 @@ def _all_heads(shard, forced: Tensor, totals: Tensor | None) -> tuple[Tensor, Te
 
 
 def plan_route(store) -> Plan:
+    return _planned(store, *_budgets(store))
+
+
+def _planned(store, groups, cons, head_budget: Tensor, out: Plan) -> Plan:
+    """:func:`plan_route` once :func:`_budgets` gave its groups, constraints and budgets."""
     pol, st = store.policy, store.stack
-    groups, cons, head_budget, out = _budgets(store)
     if isinstance(pol.allocate, RankAllocation):
         out.tiers = _place(
             st,
@@ -195,8 +199,14 @@ def plan_routes(stores: list) -> list[Plan]:
     padding unit is evicted or scores ``-inf``, holds nothing and costs nothing, so it is never
     placed, and rows never see each other) and planned in one pass: constraints, budgets and
     one allocator call for all of them, the op count not growing with the stores but for each
-    one's scores and inputs; else one by one. Equal to one :func:`plan_route` per store."""
+    one's scores and inputs; under RDKV's decoupled allocation likewise where every layer of
+    every store holds one token count (:func:`_rd_stores`); else one by one. Equal to one
+    :func:`plan_route` per store."""
     pol = stores[0].policy if stores else None
+    if len(stores) > 1 and isinstance(pol.allocate, RateDistortion):
+        plans = _rd_stores(stores)
+        if plans is not None:
+            return plans
     if (
         len(stores) < 2
         or not isinstance(pol.allocate, RankAllocation)
@@ -449,16 +459,77 @@ def _rd_decoupled_groups(store, groups, cons, head_budget: Tensor, out: Plan) ->
     return out
 
 
-def _rd_decoupled_group(store, g: _Group, c: Constraints, cost: Tensor, budgets: Tensor):
+# the allocator's tables over several stores' rows at most this size a pass (float64
+# [rows, units, J], a few of them live at once): long prompts at a large batch go in parts
+_RD_TABLE_BYTES = 1 << 27
+
+
+def _rd_stores(stores: list) -> list[Plan] | None:
+    """RDKV's plan of several stores of one decoupled policy whose layers all hold one token
+    count and keep no ledger copies: each store's constraints, budgets and weights, then one
+    V allocation and one K allocation over every store's (layer, head) rows stacked
+    (``[B * L, H, ...]``); rows never see each other, so each store's plan is the one
+    :func:`_rd_decoupled_groups` makes. None where the stores do not fit."""
+    s0 = stores[0]
+    if s0.coupled or len({tuple(s.stack.n_tokens) for s in stores}) > 1:
+        return None
+    parts = [_budgets(s) for s in stores]  # (groups, constraints, head budgets, plan)
+    if len(parts[0][0]) > 1 or any(p[0][0].copies is not None for p in parts):
+        return [_planned(s, *p) for s, p in zip(stores, parts, strict=True)]
+    g, J = parts[0][0][0], len(s0.tier_set.names)
+    per = s0.n_layers * s0.n_heads * g.n_units * J * 8  # a store's float64 [L, H, U, J] table
+    n = max(1, _RD_TABLE_BYTES // per)
+    plans = []
+    for b in range(0, len(stores), n):
+        plans += _rd_stacked(stores[b : b + n], parts[b : b + n], g)
+    return plans
+
+
+def _rd_stacked(stores: list, parts: list, g: _Group) -> list[Plan]:
+    """:func:`_rd_stores`' one pass over ``stores`` (``parts``: their :func:`_budgets`)."""
+    s0, L, B = stores[0], stores[0].n_layers, len(stores)
+    cons = [p[1][0] for p in parts]
+    cap = None if cons[0].cap is None else torch.cat([c.cap for c in cons])
+    c = Constraints(torch.cat([c.full for c in cons]), torch.cat([c.evict for c in cons]), cap)
+    budgets = torch.cat([p[2][g.sel] for p in parts])  # [B * L, H]
+    weights = [torch.cat(x) for x in zip(*(_rd_weights(s, g) for s in stores), strict=True)]
+    cost = _cost_table(s0, None, B * L, g.n_units)
+    vt, kt, ks = _rd_decoupled_group(s0, g, c, cost, budgets, weights)
+    plans = []
+    for b, (s, p) in enumerate(zip(stores, parts, strict=True)):
+        rows, out = slice(b * L, (b + 1) * L), p[3]
+        out.k, out.k_set = list(kt[rows]), list(ks[rows])
+        out.tiers = _place(s.stack, [vt[rows]], [g])
+        plans.append(out)
+    return plans
+
+
+def _rd_weights(store, g: _Group) -> list[Tensor]:
+    """float64 V weights and spreads ``[G, H, U]``, K weights and spreads ``[G, H, d]`` of a
+    group's layers (each layer's rows read once for all four)."""
+    a: RateDistortion = store.policy.allocate
+    caches = store.scores.caches(g.layers)
+    chan = UnitLayout("channel", 1, store.head_dim)
+    return [
+        _weights_layers(store, g, a.v_weight, store.layout, caches),
+        _weights_layers(store, g, a.sigma, store.layout, caches),
+        _weights_layers(store, g, a.k_weight, chan, caches),
+        _weights_layers(store, g, a.sigma, chan, caches),
+    ]
+
+
+def _rd_decoupled_group(
+    store, g: _Group, c: Constraints, cost: Tensor, budgets: Tensor, weights=None
+):
     """``cost`` float64 ``[G, H, U, J]``, ``budgets`` float64 ``[G, H]``: V tiers ``[G, H, U]``,
-    K channel tiers ``[G, H, d]`` and the channel set ``[G, H, T]``."""
+    K channel tiers ``[G, H, d]`` and the channel set ``[G, H, T]``. ``G`` rows of ``g``'s
+    layers (several stores' stacked: ``weights``, :func:`_rd_weights` of them all)."""
     a: RateDistortion = store.policy.allocate
     ts, H, d = store.tier_set, store.n_heads, store.head_dim
-    G, U = len(g.layers), g.n_units
+    G, U = budgets.shape[0], g.n_units
     cost_p = cost[..., ts.offset :]
     J = cost_p.shape[-1]
-    w = _weights_layers(store, g, a.v_weight, store.layout)
-    sig = _weights_layers(store, g, a.sigma, store.layout)
+    w, sig, kw, ks = weights if weights is not None else _rd_weights(store, g)
     active = ~(c.full | c.evict)
     R = G * H  # one allocator row per (layer, head)
     v_budget = (a.v_share * budgets).reshape(R)
@@ -471,8 +542,6 @@ def _rd_decoupled_group(store, g: _Group, c: Constraints, cost: Tensor, budgets:
     in_set = (v_tier != ev) & ~c.full
     n_set = torch.zeros(G, H, len(ts.names), dtype=torch.long, device=store.device)
     n_set.scatter_add_(2, v_tier.clamp(min=0), in_set.long())  # set tokens per V tier
-    chan = UnitLayout("channel", 1, d)
-    kw, ks = _weights_layers(store, g, a.k_weight, chan), _weights_layers(store, g, a.sigma, chan)
     bits = store.layers[g.layers[0]].k.bits
     k_cost = channel_cost(n_set.view(R, -1), bits, a.group)[:, ts.offset :]
     v_cost = cost.gather(-1, v_tier[..., None])[..., 0]
@@ -487,7 +556,7 @@ def _rd_decoupled_group(store, g: _Group, c: Constraints, cost: Tensor, budgets:
     return v_tier, k_tier, store.layout.token_mask(in_set, g.n_tokens)
 
 
-def _weights_layers(store, g: _Group, expr, layout: UnitLayout) -> Tensor:
-    """:func:`_weights` of a group's layers, ``[G, H, X]``."""
-    w = store.scores.evaluate_layers(g.layers, expr, layout).double()
+def _weights_layers(store, g: _Group, expr, layout: UnitLayout, caches=None) -> Tensor:
+    """:func:`_weights` of a group's layers, ``[G, H, X]`` (``caches``: theirs, shared)."""
+    w = store.scores.evaluate_layers(g.layers, expr, layout, caches=caches).double()
     return torch.nan_to_num(w, nan=0.0, posinf=1e300, neginf=0.0).clamp(min=0)

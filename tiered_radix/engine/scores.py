@@ -238,11 +238,24 @@ class ScoreEvaluator:
         out = self._eval(expr, _Ctx(layer, cache, part, False))
         return torch.broadcast_to(out, (self.n_heads, part.n_units(cache.n_tokens)))
 
-    def evaluate_layers(self, layers: Sequence[int], expr: Expr, part: UnitLayout) -> Tensor:
+    def caches(self, layers: Sequence[int]) -> list[CacheState]:
+        """The cache of each of ``layers``, to pass to several :meth:`evaluate_layers` calls:
+        a layer's rows are read once for all of them (the reads are lazy and kept)."""
+        return [self._cache(li, None) for li in layers]
+
+    def evaluate_layers(
+        self,
+        layers: Sequence[int],
+        expr: Expr,
+        part: UnitLayout,
+        *,
+        caches: Sequence[CacheState] | None = None,
+    ) -> Tensor:
         """``[G, H, U]`` for ``layers`` (they hold the same number of tokens) in one pass of
-        batched ops: what :meth:`evaluate` gives per layer, stacked."""
+        batched ops: what :meth:`evaluate` gives per layer, stacked. ``caches``: the layers'
+        (:meth:`caches`), shared with other calls while the rows stay as they are."""
         layers = tuple(layers)
-        caches = [self._cache(li, None) for li in layers]
+        caches = list(caches) if caches is not None else self.caches(layers)
         assert len({c.n_tokens for c in caches}) == 1, "layers with different token counts"
         out = self._eval(expr, _Ctx(layers, caches, part, False))
         u = part.n_units(caches[0].n_tokens)

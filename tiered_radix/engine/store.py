@@ -29,7 +29,7 @@ from torch import Tensor
 from tiered_radix.policy.model import Budget, Policy, RateDistortion
 
 from .coupled import CoupledLayer, CoupledStack
-from .decoupled import ChannelK
+from .decoupled import ChannelK, nbytes_layers
 from .events import EventLog, StepEvents, Transitions
 from .pending import PendingRoutes
 from .planner import Plan, plan_route, plan_routes
@@ -416,6 +416,13 @@ class TierStore:
     def _bytes(self) -> Tensor:
         """int64 0-d device tensor (no host sync)."""
         total = self.stack.nbytes()
+        st = self.stack
+        if not self.coupled and len(set(st.n_tokens)) == 1:  # every layer at once
+            ev = self.tier_set.evict
+            kept = self.layout.token_mask(
+                st.tier[:, :, : st.n_units(0)] != (-1 if ev is None else ev), st.n_tokens[0]
+            )
+            return total + nbytes_layers([lay.k for lay in self.layers], kept)
         for lay in self.layers:
             if lay.k is not None:
                 _, kept = lay.v.view()
