@@ -16,8 +16,9 @@ def _make(stacked: bool, keep_data: bool = False) -> list[ChannelK]:
     policy = load_policy("rdkv")
     ts = TierSet.of(policy)
     bits = [0] * ts.offset + list(policy.allocate.bits)
-    args = (ts, bits, policy.allocate.group, H, D, torch.float32, torch.device("cpu"), keep_data)
-    return ChannelK.layers(L, *args) if stacked else [ChannelK(*args) for _ in range(L)]
+    kw = dict(tiers=ts, bits=bits, group=policy.allocate.group, n_heads=H, head_dim=D,
+              dtype=torch.float32, device=torch.device("cpu"), keep_data=keep_data)  # fmt: skip
+    return ChannelK.layers(L, **kw) if stacked else [ChannelK(**kw) for _ in range(L)]
 
 
 def _state(k: ChannelK) -> tuple:

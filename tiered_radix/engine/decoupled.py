@@ -145,24 +145,12 @@ class ChannelK:
         self.codes: dict[int, codecs.QuantizedTensor] = {}
 
     @classmethod
-    def layers(
-        cls,
-        n_layers: int,
-        tiers: TierSet,
-        bits: list[int],
-        group: int,
-        n_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        keep_data: bool = True,
-    ) -> list[ChannelK]:
-        """``n_layers`` layers' K, their starting state in one stacked :class:`KStart`."""
-        start = KStart.new(n_layers, n_heads, head_dim, len(tiers.names), device)
-        return [
-            cls(tiers, bits, group, n_heads, head_dim, dtype, device, keep_data, start.layer(li))
-            for li in range(n_layers)
-        ]
+    def layers(cls, n_layers: int, **kw) -> list[ChannelK]:
+        """``n_layers`` layers' K (``kw``: :meth:`__init__`'s arguments but ``start``), their
+        starting state in one stacked :class:`KStart`."""
+        start = KStart.new(n_layers, kw["n_heads"], kw["head_dim"], len(kw["tiers"].names),
+                           kw["device"])  # fmt: skip
+        return [cls(**kw, start=start.layer(li)) for li in range(n_layers)]
 
     @staticmethod
     def count_layers(layers: list[ChannelK], n: int) -> None:

@@ -124,8 +124,8 @@ class TierStore:
             a: RateDistortion = policy.allocate
             bits = [0] * self.tier_set.offset + list(a.bits)
             ks = ChannelK.layers(
-                n_layers, self.tier_set, bits, a.group, n_heads, head_dim, dtype, self.device,
-                keep_data=reader is None,
+                n_layers, tiers=self.tier_set, bits=bits, group=a.group, n_heads=n_heads,
+                head_dim=head_dim, dtype=dtype, device=self.device, keep_data=reader is None,
             )  # fmt: skip
         self.layers = [_Layer(self.stack.layer(li), k) for li, k in enumerate(ks)]
         self.shares = (  # float64 [L, H] budget shares, fixed unless proportional to scores
