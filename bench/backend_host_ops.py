@@ -307,7 +307,7 @@ def extend_phases(a) -> None:
 
 ROUTE_FUNCS = [  # the deferred routing's parts (--rdkv)
     ("tiered_radix.engine.store", "TierStore", "begin_routes"),
-    ("tiered_radix.engine.store", "PendingRoutes", "land"),
+    ("tiered_radix.engine.pending", "PendingRoutes", "land"),
     ("tiered_radix.adapters.sglang.backend", "TieredAttnBackend", "_repack"),
     ("tiered_radix.adapters.sglang.pool", "TieredKVPool", "read_request"),
     ("tiered_radix.formats.zone_a", None, "pack_layers"),

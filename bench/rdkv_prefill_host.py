@@ -71,7 +71,7 @@ FUNCS = [  # (module, class or None, attribute): host work listed per function (
     ("tiered_radix.formats.zone_a", None, "pack_layers"),
     ("tiered_radix.adapters.sglang.zones", "ZoneStore", "put"),
     ("tiered_radix.engine.planner", None, "plan_route"),
-    ("tiered_radix.engine.store", "PendingRoutes", "land"),
+    ("tiered_radix.engine.pending", "PendingRoutes", "land"),
 ]
 COUNTS = ("extend_batches", "decode_steps", "steady_steps", "graph_steps")  # not seconds
 SYNC_METHODS = ("tolist", "item", "__bool__", "__float__", "__int__")

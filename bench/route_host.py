@@ -54,7 +54,7 @@ FUNCS = [  # (module, class or None, attribute): functions whose ops are listed
     ("tiered_radix.engine.planner", None, "plan_route"),
     ("tiered_radix.engine.store", "TierStore", "apply"),
     ("tiered_radix.engine.store", "TierStore", "begin_routes"),
-    ("tiered_radix.engine.store", "PendingRoutes", "land"),
+    ("tiered_radix.engine.pending", "PendingRoutes", "land"),
     ("tiered_radix.engine.coupled", "CoupledStack", "begin"),
     ("tiered_radix.engine.coupled", "CoupledStack", "finish"),
     ("tiered_radix.engine.stacked", "StackedMoves", "__init__"),

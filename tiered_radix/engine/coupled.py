@@ -68,6 +68,31 @@ def _compact(mask: Tensor, n: int) -> Tensor:
     return torch.searchsorted(count, torch.arange(1, n + 1, device=mask.device))
 
 
+def move_masks(
+    new: Tensor, old: Tensor, present: dict[int, Tensor], write_count: dict[int, Tensor],
+    beyond: Tensor, evict: int, write_once: bool,
+) -> tuple[Tensor, Tensor, Tensor, dict[int, Tensor], Tensor]:  # fmt: skip
+    """The masks of a move of units from tiers ``old`` to ``new`` (int64, one shape):
+    ``changed``, ``up`` (promoted to full), ``down`` (demoted from full), ``need`` (per
+    quantized tier ``j``: a copy to write, none ``present``) and ``bad`` (invariant
+    violations: an ``evict``-ed unit promoted, a unit where ``beyond`` (past its layer's
+    complete units) moved, with ``write_once`` a copy written before written again)."""
+    changed = new != old
+    need = {j: (new == j) & ~p for j, p in present.items()}
+    up, down = changed & (new == 0), changed & (old == 0)
+    bad = (up & (old == evict)) | (changed & beyond)
+    if write_once:
+        for j, m in need.items():
+            bad = bad | (m & (write_count[j] > 0))
+    return changed, up, down, need, bad
+
+
+def copies_dropped(gone: Tensor, new: Tensor, old: Tensor, j: int, write_once: bool) -> Tensor:
+    """Units whose tier-``j`` copy goes after a move from ``old`` to ``new``: the evicted ones
+    (``gone``), and without a write-once ledger those leaving tier ``j``."""
+    return gone if write_once else gone | ((old == j) & (new != j))
+
+
 _CONSTANTS: dict[tuple, Tensor] = {}
 
 
@@ -247,16 +272,12 @@ class CoupledStack:
         if u < self.capacity:
             new = torch.cat([new, self.tier[..., u:]], -1)
         old = self.tier.clone()
-        changed = new != old
-        need = {j: (new == j) & ~s.present for j, s in self.stores.items()}
-        up, down = changed & (new == 0), changed & (old == 0)
         nc = per_layer([self.layout.n_complete(t) for t in self.n_tokens], self.device)
-        bad = (up & (old == ev)) | (
-            changed & (torch.arange(self.capacity, device=new.device) >= nc)
-        )
-        if self.write_once:
-            for j, m in need.items():
-                bad = bad | (m & (self.stores[j].write_count > 0))
+        changed, up, down, need, bad = move_masks(
+            new, old, {j: s.present for j, s in self.stores.items()},
+            {j: s.write_count for j, s in self.stores.items()},
+            torch.arange(self.capacity, device=new.device) >= nc, ev, self.write_once,
+        )  # fmt: skip
         masks = torch.stack([changed, up, down, *need.values(), bad]).flatten(1)
         return PendingMove(new, old, changed, up, down, need, masks, masks.sum(1))
 
@@ -281,7 +302,7 @@ class CoupledStack:
                 self._rows(x).index_fill_(0, idx, torch.nan)
         gone = new == ev
         for j, s in self.stores.items():
-            s.present &= ~(gone if self.write_once else gone | ((old == j) & (new != j)))
+            s.present &= ~copies_dropped(gone, new, old, j, self.write_once)
         self.tier.copy_(new)
         wrote = masks[3:-1].any(0).view_as(changed)  # no quantized tier: none written
         idx = _compact(changed, n_changed)

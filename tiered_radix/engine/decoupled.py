@@ -103,6 +103,13 @@ class KStart(NamedTuple):
         return KStart(*(x[li] for x in self))
 
 
+def _with_room(held: Tensor, capacity: int) -> Tensor:
+    """bool ``[..., capacity]``: the set ``held [..., t]`` followed by room (False)."""
+    out = held.new_zeros(*held.shape[:-1], capacity)
+    out[..., : held.shape[-1]] = held
+    return out
+
+
 def nbytes_layers(layers: list[ChannelK], kept: Tensor) -> Tensor:
     """int64 0-d: the sum over ``layers`` (of equal token counts) of each layer's
     :meth:`ChannelK.nbytes_heads` and :meth:`ChannelK.rows_bytes` of its ``kept[l]``
@@ -181,10 +188,8 @@ class ChannelK:
     def _set_to(self, new_set: Tensor) -> None:
         """The set after a routing, in a buffer with room for as many tokens again (the decode
         steps after the routing append without device work)."""
-        n = new_set.shape[1]
-        self._set = new_set.new_zeros(self.n_heads, 2 * n)
-        self._set[:, :n] = new_set
-        self._n = n
+        self._n = new_set.shape[1]
+        self._set = _with_room(new_set, 2 * self._n)
 
     def append(self, k: Tensor | None, n: int | None = None) -> None:
         """``k [H, t, d]`` new tokens (outside the set until the next routing); without data
@@ -198,9 +203,7 @@ class ChannelK:
                 self.k_full = torch.cat([self.k_full, fill], 1)
             self.k_full[:, self.n_tokens : t] = k.to(self.dtype)
         if t > self._set.shape[1]:
-            grown = self._set.new_zeros(self.n_heads, 2 * t)
-            grown[:, : self._n] = self.in_set
-            self._set = grown
+            self._set = _with_room(self.in_set, 2 * t)
         self._n = t
 
     def view(self, kept: Tensor) -> Tensor:

@@ -20,6 +20,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .routing import to_device
+
 Kind = Literal["demote", "promote", "evict"]
 KINDS: tuple[Kind, ...] = ("demote", "promote", "evict")
 
@@ -105,14 +107,9 @@ class Transitions(Sequence):
         if raw is None or any(not _same(c.device, dev) for c in raw):
             return tuple(self._column(n).to(dev) for n in names)
         if self._shape is None:
-            cols = dict(zip(self._COLS, raw, strict=True))
-        else:  # unravel only the index columns asked for
-            (idx, *rest), (_, h, u) = raw, self._shape
-            cols = dict(zip(self._COLS[3:], rest, strict=True))
-            ravel = {"layer": lambda: idx // (h * u), "head": lambda: idx // u % h,
-                     "unit": lambda: idx % u}  # fmt: skip
-            cols.update({n: ravel[n]() for n in names if n in ravel})
-        return tuple(cols[n].bool() if n == "ledger_write" else cols[n].long() for n in names)
+            return _picked(dict(zip(self._COLS, raw, strict=True)), names)
+        (idx, *rest), (_, h, u) = raw, self._shape
+        return _unravelled(idx, rest, h, u, names)
 
     @staticmethod
     def gather(parts: Sequence[Transitions], device, *names: str) -> tuple[Tensor, ...]:
@@ -130,9 +127,7 @@ class Transitions(Sequence):
             and all(_same(c.device, dev) for c in p._raw)
             for p in parts
         )  # fmt: skip
-        meta = [[len(p), 1 if p._shape is None else p._shape[2]] for p in parts]
-        meta = torch.tensor(meta, dtype=torch.long)
-        meta = (meta.pin_memory() if dev.type == "cuda" else meta).to(dev, non_blocking=True)
+        meta = to_device([[len(p), 1 if p._shape is None else p._shape[2]] for p in parts], dev)
         part = torch.repeat_interleave(
             torch.arange(len(parts), device=dev), meta[:, 0], output_size=sum(sizes)
         )
@@ -140,13 +135,7 @@ class Transitions(Sequence):
             cols = [p.on(dev, *names) for p in parts]
             return (*(torch.cat([c[i] for c in cols]) for i in range(len(names))), part)
         idx, *rest = (torch.cat([p._raw[i] for p in parts]) for i in range(4))
-        cols = dict(zip(Transitions._COLS[3:], rest, strict=True))
-        h, u = parts[0]._shape[1], meta[part, 1]
-        ravel = {"layer": lambda: idx // (h * u), "head": lambda: idx // u % h,
-                 "unit": lambda: idx % u}  # fmt: skip
-        cols.update({n: ravel[n]() for n in names if n in ravel})
-        out = (cols[n].bool() if n == "ledger_write" else cols[n].long() for n in names)
-        return (*out, part)
+        return (*_unravelled(idx, rest, parts[0]._shape[1], meta[part, 1], names), part)
 
     layer = property(lambda self: self._column("layer"))
     head = property(lambda self: self._column("head"))
@@ -209,6 +198,22 @@ class Transitions(Sequence):
 
 def _same(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (b.index is None or a.index == b.index)
+
+
+def _picked(cols: dict[str, Tensor], names: tuple[str, ...]) -> tuple[Tensor, ...]:
+    """Columns ``names`` of ``cols`` (int64; ``ledger_write`` bool)."""
+    return tuple(cols[n].bool() if n == "ledger_write" else cols[n].long() for n in names)
+
+
+def _unravelled(idx: Tensor, rest, h: int, u, names: tuple[str, ...]) -> tuple[Tensor, ...]:
+    """:func:`_picked` of transitions at flat positions ``idx`` of ``(L, h, u)`` tier maps
+    (``u`` an int, or int64 per row) with their ``src, dst, ledger_write`` columns ``rest``:
+    only the index columns asked for are unravelled."""
+    cols = dict(zip(Transitions._COLS[3:], rest, strict=True))
+    ravel = {"layer": lambda: idx // (h * u), "head": lambda: idx // u % h,
+             "unit": lambda: idx % u}  # fmt: skip
+    cols.update({n: ravel[n]() for n in names if n in ravel})
+    return _picked(cols, names)
 
 
 class StepEvents:

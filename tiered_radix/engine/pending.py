@@ -11,10 +11,10 @@ as one flat tensor.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .events import Transitions
-from .stacked import StackedMoves, stackable
+from .routing import to_device
+from .stacked import StackedMoves, stack_key, stackable
 
 
 class PendingRoutes:
@@ -48,10 +48,8 @@ class PendingRoutes:
         groups: dict[tuple, list[int]] = {}
         for i in plans:
             s = stores[i]
-            st = s.stack
-            key = (st.tiers, st.layout, st.n_layers, st.n_heads, st.write_once, st.parts)
-            together = s.coupled and s.shard.world == 1 and not st.keep_data
-            groups.setdefault(key if together else (i,), []).append(i)
+            key = stack_key(s.stack) if s.stacks_with_others else (i,)
+            groups.setdefault(key, []).append(i)
         movers = []
         for idx in groups.values():
             stacks = [stores[i].stack for i in idx]
@@ -96,15 +94,9 @@ class PendingRoutes:
         pass."""
         keep = [i not in self.dropped for i in idx]
         moves, used = st.finish(counts, keep), st.nbytes()
-        budgets = _on([self.stores[i].budget_bytes() for i in idx], used.device)
+        budgets = to_device([self.stores[i].budget_bytes() for i in idx], used.device)
         over = torch.stack([self.plans[i].over for i in idx]) | (used > budgets)
         for k, (i, m) in enumerate(zip(idx, moves, strict=True)):
             if m is not None:
                 s = self.stores[i]
                 self.done[i] = s._applied(self.plans[i], self.reasons[i], m, used[k], over[k])
-
-
-def _on(values: list[int], device: torch.device) -> Tensor:
-    """int64 ``[n]`` on ``device`` without a host sync (pinned, non-blocking on CUDA)."""
-    t = torch.tensor(values, dtype=torch.long)
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)

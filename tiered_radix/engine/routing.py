@@ -120,16 +120,22 @@ def spread_shares(
     return torch.where(total > 0, t / torch.where(total > 0, total, 1.0), even)
 
 
+def to_device(values: list | Tensor, device) -> Tensor:
+    """Host ``values`` (ints, nested lists of ints: int64; or a host tensor) on ``device``,
+    copied from pinned memory on CUDA: no host sync, no wait for the device's stream."""
+    t = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.long)
+    if device is not None and torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def per_layer(values: list[int], device: torch.device | None = None) -> int | Tensor:
     """One int per layer, to broadcast against ``[G, H, U]``: the int itself when every layer
     has the same (the usual case, no copy), else int64 ``[G, 1, 1]`` on ``device`` (copied
     without a host sync on CUDA)."""
     if len(set(values)) == 1:
         return values[0]
-    t = torch.tensor(values, dtype=torch.long)
-    if device is not None and torch.device(device).type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)[:, None, None]
+    return to_device(values, device)[:, None, None]
 
 
 def coupled_costs(tiers: TierSet, unit_bytes: Tensor, copies: Tensor | None) -> Tensor:

@@ -17,30 +17,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .coupled import CoupledStack, Moves, _compact
+from .coupled import CoupledStack, Moves, _compact, copies_dropped, move_masks
 from .ledger import LedgerError
+from .routing import to_device
+
+
+def stack_key(s: CoupledStack) -> tuple:
+    """What stacks moving together share: tier set, unit layout, model shape, ledger mode,
+    parts and device."""
+    return (s.tiers, s.layout, s.n_layers, s.n_heads, s.write_once, s.parts, s.device)
 
 
 def stackable(stacks: list[CoupledStack]) -> bool:
     """Whether :class:`StackedMoves` can move ``stacks`` together: two or more, none holding
-    rows, all of one tier set, unit layout (over tokens), model shape, ledger mode and device."""
+    rows, all of one :func:`stack_key` with a unit layout over tokens."""
     if len(stacks) < 2:
         return False
-    s0 = stacks[0]
-    key = (s0.tiers, s0.layout, s0.n_layers, s0.n_heads, s0.write_once, s0.parts, s0.device)
-    return s0.layout.over_tokens and all(
-        not s.full and not s.keep_data
-        and (s.tiers, s.layout, s.n_layers, s.n_heads, s.write_once, s.parts, s.device) == key
-        for s in stacks
-    )  # fmt: skip
-
-
-def _to_device(rows: list, device: torch.device) -> Tensor:
-    """int64 ``[len(rows), ...]`` on ``device`` without a host sync (pinned, non-blocking)."""
-    t = torch.tensor(rows, dtype=torch.long)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+    key = stack_key(stacks[0])
+    return stacks[0].layout.over_tokens and all(
+        not s.full and not s.keep_data and stack_key(s) == key for s in stacks
+    )
 
 
 class StackedMoves:
@@ -56,7 +52,7 @@ class StackedMoves:
         self.starts = [sum(self.caps[:i]) for i in range(len(stacks))]
         n = sum(self.caps)
         # per stack: capacity, start along N, then per layer its complete units
-        meta = _to_device(
+        meta = to_device(
             [
                 [c, a, *(s.layout.n_complete(t) for t in s.n_tokens)]
                 for s, c, a in zip(stacks, self.caps, self.starts, strict=True)
@@ -80,13 +76,9 @@ class StackedMoves:
         self.new = new = torch.cat(parts, 2)
         self.present = {j: torch.cat([s.stores[j].present for s in stacks], 2) for j in s0.stores}
         self.count = {j: torch.cat([s.stores[j].write_count for s in stacks], 2) for j in s0.stores}
-        changed = new != self.old
-        need = {j: (new == j) & ~p for j, p in self.present.items()}
-        up, down = changed & (new == 0), changed & (self.old == 0)
-        bad = (up & (self.old == ev)) | (changed & (self.unit >= nc))
-        if s0.write_once:
-            for j, m in need.items():
-                bad = bad | (m & (self.count[j] > 0))
+        changed, up, down, need, bad = move_masks(
+            new, self.old, self.present, self.count, self.unit >= nc, ev, s0.write_once
+        )
         self.changed, self.up, self.need, self.ev = changed, up, need, ev
         self.masks = torch.stack([changed, up, down, *need.values(), bad])  # [K, L, H, N]
         per_slot = self.masks.sum((1, 2))  # [K, N]
@@ -109,7 +101,7 @@ class StackedMoves:
         gone = new == self.ev
         self.held = {}
         for q, (j, p) in enumerate(self.present.items()):
-            drop = gone if s0.write_once else gone | ((old == j) & (new != j))
+            drop = copies_dropped(gone, new, old, j, s0.write_once)
             self.held[j] = (p | self.need[j]) & ~drop
             self._give([s.stores[j].present for s in sel], self.held[j], keep)
             if any(c[3 + q] for c, k in zip(counts, keep, strict=True) if k):
@@ -151,7 +143,7 @@ class StackedMoves:
         :meth:`finish` (of the tiers and copies it moved to)."""
         s0 = self.stacks[0]
         w = s0.layout.size
-        n_tok = _to_device([s.n_tokens for s in self.stacks], s0.device)[self.which]  # [N, L]
+        n_tok = to_device([s.n_tokens for s in self.stacks], s0.device)[self.which]  # [N, L]
         tokens = (n_tok.T[:, None] - self.unit * w).clamp(0, w)  # [L, 1, N]
         per_slot = ((self.new == 0) * tokens).sum((0, 1)) * (2 * len(s0.parts) * s0.head_dim)
         for j, s in s0.stores.items():
@@ -176,7 +168,7 @@ def settle(stacks: list[CoupledStack], sizes: list[int], layer: Tensor, head: Te
     0's, and so on; each sits at ``tier`` with a ledger copy where ``copy``, for the units
     ``where``. Returns bool ``[S]``: the stacks where a unit stayed above its planned tier."""
     caps = [s.capacity for s in stacks]
-    meta = _to_device([[sum(caps[:i]), m] for i, m in enumerate(sizes)], stacks[0].device)
+    meta = to_device([[sum(caps[:i]), m] for i, m in enumerate(sizes)], stacks[0].device)
     S = len(stacks)
     which = torch.repeat_interleave(
         torch.arange(S, device=meta.device), meta[:, 1], output_size=sum(sizes)

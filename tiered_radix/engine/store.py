@@ -374,7 +374,7 @@ class TierStore:
         where)`` of store ``i``. Stores that move together (as :meth:`begin_routes` moves
         them: one tier set and shape, rows elsewhere, one rank) settle in one pass."""
         stacks = [s.stack for s in stores]
-        if not (stackable(stacks) and all(s.coupled and s.shard.world == 1 for s in stores)):
+        if not (stackable(stacks) and all(s.stacks_with_others for s in stores)):
             for s, u in zip(stores, units, strict=True):
                 s.settle(*u)
             return
@@ -453,6 +453,13 @@ class TierStore:
     @property
     def tier_names(self) -> tuple[str, ...]:
         return self.tier_set.names
+
+    @property
+    def stacks_with_others(self) -> bool:
+        """Whether its moves may run with other stores' (:mod:`.stacked`, where the stacks are
+        :func:`~.stacked.stackable`): a coupled policy on one rank (a decoupled one also moves
+        its K channels, a sharded one sums its bytes over the ranks)."""
+        return self.coupled and self.shard.world == 1
 
     def occupancy(self) -> dict[str, int]:
         """Units per tier, over layers and heads (the partial window counts as full)."""

@@ -38,7 +38,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from torch import Tensor
 
 from tiered_radix.engine.events import Transitions
-from tiered_radix.engine.routing import total_budget
+from tiered_radix.engine.routing import to_device, total_budget
 from tiered_radix.policy.model import Policy
 
 from . import usage
@@ -80,13 +80,6 @@ class RequestView:
         if not self.moves:
             return None
         return torch.stack([s[r] for s, r in self.moves]).sum(0)
-
-
-def _on(values: list[int], device: torch.device) -> Tensor:
-    """int64 ``[n]`` on ``device`` without a host sync (pinned, non-blocking on CUDA)."""
-    t = torch.tensor(values, dtype=torch.long)
-    cuda = torch.device(device).type == "cuda"
-    return (t.pin_memory() if cuda else t).to(device, non_blocking=True)
 
 
 class _Moves(NamedTuple):
@@ -314,7 +307,7 @@ class TieredRadixCache(RadixCache):
             w = views[0].windows[u]
         else:  # each pair's window: its request's u-th, all requests' windows side by side
             starts = list(itertools.accumulate([v.windows.numel() for v in views], initial=0))
-            w = torch.cat([v.windows for v in views])[u + _on(starts[:-1], dev)[which]]
+            w = torch.cat([v.windows for v in views])[u + to_device(starts[:-1], dev)[which]]
         parts = [
             _Moves(rid, v, *cols, v.borrowed[cols[2]] if v.n_borrowed else None, d)
             for (rid, _), v, *cols, d in zip(

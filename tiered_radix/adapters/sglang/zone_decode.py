@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tiered_radix.engine.routing import to_device
 from tiered_radix.formats.layout import TriZoneLayout
 from tiered_radix.kernels import decode
 
@@ -76,13 +77,6 @@ class ZoneLists:
             page_ids=torch.arange(hi - lo, dtype=torch.int32, device=ptr.device),
             k_table=self.k_table[li], perm=self.perm[li],
         )  # fmt: skip
-
-
-def _to_device(host: Tensor, dev) -> Tensor:
-    """A host tensor on ``dev``, copied from pinned memory on CUDA (no wait for the stream)."""
-    if torch.device(dev).type == "cuda":
-        host = host.pin_memory()
-    return host.to(dev, non_blocking=True)
 
 
 def _excl(x: Tensor) -> Tensor:
@@ -164,7 +158,7 @@ def lists(pool, rids: list[str], views, seqs: list[int], n_max: int | None = Non
     )]).view(7, -1)  # fmt: skip
     full_ptr, page_ptr = _ptr(per_list[0]), _ptr(sz.pages)
     parts = [per_list, full_ptr, page_ptr, sz.pages.sum(2), sz.pages_at]
-    meta = _to_device(torch.cat([x.flatten() for x in parts]), dev)  # every size, one copy
+    meta = to_device(torch.cat([x.flatten() for x in parts]), dev)  # every size, one copy
     per_list_d, full_ptr_d, page_ptr_d, page_n, pages_at = meta.split([x.numel() for x in parts])
     rows, routed, routed_at, start, blk_at, unit_at, ahead_n = per_list_d.view(7, -1)
     slots, units = _rows(pool, got, views, rows, routed, routed_at, start, blk_at, unit_at,
