@@ -120,7 +120,6 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
     kw = _engine_kwargs(kind, a, a.context)
     if kind.startswith("tiered"):
         kw.update(kv_stats=str(stats), kv_device_times=True)  # two CUDA events a replay
-        kw["kv_overlap"] = kind != "tiered_serial"
         # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
         kw["kv_observe"] = "step" if kind == "tiered_step" else "fold"
         if a.profile:  # a window of decode steps (.profile)
@@ -185,7 +184,7 @@ def _engine_kwargs(kind: str, a, context: int) -> dict:
     if a.load_format != "auto":  # "dummy": random weights of the model's shapes (timing only)
         kw.update(load_format=a.load_format, skip_tokenizer_init=True)
     if kind.startswith("tiered"):
-        kw.update(kv_policy=a.policy)
+        kw.update(kv_policy=a.policy, kv_overlap=kind != "tiered_serial")
         kw.pop("attention_backend")
         if a.budget:
             kw["kv_budget"] = a.budget

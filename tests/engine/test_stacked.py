@@ -185,3 +185,45 @@ def test_settle_many_equals_each_store_settled(device):
         ea, eb = a.store.events.steps[-1], b.store.events.steps[-1]
         assert ea.over_budget == eb.over_budget and a.store.bytes_used() == b.store.bytes_used()
     assert any(r.store.events.steps[-1].over_budget for r in many)  # some unit stayed above
+
+
+def _k_state(s: TierStore) -> list[torch.Tensor]:
+    """A decoupled store's K per layer: its set, channel tiers and set counts."""
+    return [x for lay in s.layers if lay.k is not None
+            for x in (lay.k.in_set, lay.k.tier, lay.k.n_set)]  # fmt: skip
+
+
+@pytest.mark.parametrize("appended", [1, 40])
+def test_a_routing_landing_after_new_tokens_equals_it_landed_before_them(appended):
+    """Under SGLang's overlap scheduler a decode step's routing lands at the next step, after
+    that step's token was appended. GPU run 18 crashed there where the stack grew in between
+    (qevict at 30K: 938 -> 1,876 units) and where rdkv's K set was planned one token short
+    (4,097 of 4,098). Landed late, every store ends as if it landed first and the tokens came
+    after: transitions, tiers, copies, K sets, bytes (stacked stores, one alone, rdkv)."""
+    specs = [("qevict", 0.3, 352), ("qevict", 0.3, 416), ("qevict", 0.4, 299), ("h2o", 0.3, 256),
+             ("rdkv", 0.5, 128)]  # fmt: skip
+    late, serial = _requests(specs, 7), _requests(specs, 7)
+    for reqs in (late, serial):
+        g = torch.Generator().manual_seed(3)
+        for r, (_, _, t) in zip(reqs, specs, strict=True):
+            r.feed(t, g, True)
+    caps = [r.store.stack.capacity for r in late]
+    pending = TierStore.begin_routes([r.store for r in late], ["x"] * len(specs))
+    assert any(isinstance(m, StackedMoves) for _, m in pending.movers)
+    for r in late:
+        r.store.append_tokens(None, appended)
+    got = pending.land()
+    want = [r.store.route("x") for r in serial]
+    for r in serial:
+        r.store.append_tokens(None, appended)
+    grown = [r.store.stack.capacity > c for r, c in zip(late, caps, strict=True)]
+    assert grown[0] and grown[1] and grown[-1]  # windows of 32 full, rdkv's tokens
+    for a, b, ra, rb in zip(got, want, late, serial, strict=True):
+        assert list(a) == list(b)
+        assert (a.promoted, a.written) == (b.promoted, b.written)
+        assert ra.store.bytes_used() == rb.store.bytes_used()
+        for x, y in zip(_state(ra.store) + _k_state(ra.store),
+                        _state(rb.store) + _k_state(rb.store), strict=True):  # fmt: skip
+            assert torch.equal(x, y)
+    assert _k_state(late[-1].store)  # rdkv's K was compared
+    assert [len(b) > 0 for b in want] == [True] * len(specs), [len(b) for b in want]

@@ -282,8 +282,10 @@ class CoupledStack:
         return PendingMove(new, old, changed, up, down, need, masks, masks.sum(1))
 
     def finish(self, step: PendingMove, counts: list[int]) -> Moves:
-        """:meth:`apply` after :meth:`begin`, with ``step.counts`` read by the host."""
-        new, old, changed, up, down, need, masks = step[:7]
+        """:meth:`apply` after :meth:`begin`, with ``step.counts`` read by the host. Tokens
+        appended in between (a routing that lands late, under SGLang's overlap scheduler) stay
+        at their tiers, even where the stack grew for them (:meth:`regrown`)."""
+        new, old, changed, up, down, need, masks = self.regrown(step)[:7]
         ev = -1 if self.tiers.evict is None else self.tiers.evict
         (n_changed, n_up, n_down), n_need = counts[:3], counts[3:-1]
         if counts[-1]:
@@ -309,6 +311,23 @@ class CoupledStack:
         flat = [t.flatten()[idx] for t in (old, new, wrote)]
         shape = (self.n_layers, self.n_heads, self.capacity)
         return Moves(idx, shape, *flat, promoted=n_up, written=sum(n_need))
+
+    def regrown(self, step: PendingMove) -> PendingMove:
+        """``step`` over the stack's capacity now: where the stack grew since :meth:`begin`,
+        its tier maps go on with the tiers the new units hold and its masks with False (the
+        units added since are not part of the move; the counts stay)."""
+        u = step.new.shape[-1]
+        if u == self.capacity:
+            return step
+        tail = self.tier[..., u:]
+        new, old = (torch.cat([x, tail], -1) for x in (step.new, step.old))
+        changed, up, down, *need, bad = (
+            zero_padded(m, (*m.shape[:-1], self.capacity - u), m.dim() - 1)
+            for m in step.masks.view(-1, *step.new.shape)
+        )
+        masks = torch.stack([changed, up, down, *need, bad]).flatten(1)
+        need = dict(zip(step.need, need, strict=True))
+        return PendingMove(new, old, changed, up, down, need, masks, step.counts)
 
     def _rows(self, x: Tensor) -> Tensor:
         """Full rows ``[L, H, cap * W, d]`` as unit blocks ``[L * H * cap, W, d]`` (a view)."""

@@ -110,6 +110,11 @@ def _with_room(held: Tensor, capacity: int) -> Tensor:
     return out
 
 
+def _padded(x: Tensor, extra: tuple[int, int], value) -> Tensor:
+    """``x [H, T]`` followed by ``value`` for ``extra`` ``(H, n)`` more tokens."""
+    return torch.cat([x, x.new_full(extra, value)], 1)
+
+
 def nbytes_layers(layers: list[ChannelK], kept: Tensor) -> Tensor:
     """int64 0-d: the sum over ``layers`` (of equal token counts) of each layer's
     :meth:`ChannelK.nbytes_heads` and :meth:`ChannelK.rows_bytes` of its ``kept[l]``
@@ -186,9 +191,9 @@ class ChannelK:
         return self._set[:, : self._n]
 
     def _set_to(self, new_set: Tensor) -> None:
-        """The set after a routing, in a buffer with room for as many tokens again (the decode
-        steps after the routing append without device work)."""
-        self._n = new_set.shape[1]
+        """The set after a routing (``new_set [H, T]`` over :attr:`n_tokens`), in a buffer with
+        room for as many tokens again (the decode steps after the routing append without
+        device work)."""
         self._set = _with_room(new_set, 2 * self._n)
 
     def append(self, k: Tensor | None, n: int | None = None) -> None:
@@ -227,8 +232,15 @@ class ChannelK:
     def apply(self, new_tier: Tensor, new_set: Tensor, kept: Tensor, v_tier: Tensor) -> None:
         """Re-encode K for channel tiers ``new_tier[H, d]`` over ``new_set[H, T]``, grouped as
         :func:`zone_a_order` says from the tokens' V tiers ``v_tier[H, T]``; tokens not
-        ``kept[H, T]`` are evicted (their rows poisoned)."""
+        ``kept[H, T]`` are evicted (their rows poisoned). ``T`` may be short of
+        :attr:`n_tokens` (a routing that lands late, under SGLang's overlap scheduler): the
+        tokens appended since are full and kept, outside the set."""
         J = len(self.tiers.names)
+        t = new_set.shape[1]
+        if t < self._n:
+            extra = (self.n_heads, self._n - t)
+            new_set = _padded(new_set, extra, False)
+            kept, v_tier = _padded(kept[:, :t], extra, True), _padded(v_tier[:, :t], extra, 0)
         index, valid, counts = zone_a_order(v_tier[:, : self.n_tokens], new_set, J, self.group)
         if not self.keep_data:
             self.n_set, self.tier = counts, new_tier

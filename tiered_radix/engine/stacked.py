@@ -88,7 +88,8 @@ class StackedMoves:
     def finish(self, counts: list[list[int]], keep: list[bool]) -> list[Moves | None]:
         """Move the stacks where ``keep`` (the others keep their tiers and copies; ``None`` for
         them) given :attr:`counts` read by the host: each stack's :class:`Moves` as its own
-        ``finish`` gives them.
+        ``finish`` gives them. A stack that grew since (tokens appended before a late landing)
+        moves the units it had; those added since keep their tiers.
 
         Raises:
             LedgerError: a write-once copy would be written twice (an engine bug).
@@ -111,9 +112,14 @@ class StackedMoves:
         return self._moves(counts, keep)
 
     def _give(self, dst: list[Tensor], src: Tensor, keep: list[bool]) -> None:
-        """Each kept stack's slice of ``src [L, H, N]`` into its tensor (one op)."""
-        parts = src.split(self.caps, 2)
-        torch._foreach_copy_(dst, [p for p, k in zip(parts, keep, strict=True) if k])
+        """Each kept stack's slice of ``src [L, H, N]`` into its tensor's first units (the
+        stack's capacity at :meth:`__init__`; one op)."""
+        parts = [p for p, k in zip(src.split(self.caps, 2), keep, strict=True) if k]
+        torch._foreach_copy_([d[..., : p.shape[-1]] for d, p in zip(dst, parts)], parts)
+
+    def _grown(self) -> list[int]:
+        """Units each stack added since :meth:`__init__` (its capacity grew: 0 for most)."""
+        return [s.capacity - c for s, c in zip(self.stacks, self.caps, strict=True)]
 
     def _moves(self, counts: list[list[int]], keep: list[bool]) -> list[Moves | None]:
         L, H, N = self.new.shape
@@ -123,7 +129,10 @@ class StackedMoves:
         which = self.which[slot]
         order = torch.sort(which, stable=True).indices  # each stack's moves together, in order
         idx, slot, which = idx[order], slot[order], which[order]
-        local = idx // N * self.cap[which] + slot - self.start[which]
+        cap = self.cap
+        if any(self._grown()):  # flat positions in each stack's tier map as it is now
+            cap = to_device([s.capacity for s in self.stacks], cap.device)
+        local = idx // N * cap[which] + slot - self.start[which]
         wrote = self.masks[3:-1].any(0)  # no quantized tier: none written
         cols = [t.flatten()[idx] for t in (self.old, self.new, wrote)]
         split = [x.split(n) for x in (local, *cols)]
@@ -149,7 +158,13 @@ class StackedMoves:
         for j, s in s0.stores.items():
             per_slot = per_slot + self.held[j].sum((0, 1)) * s.unit_nbytes
         out = per_slot.new_zeros(len(self.stacks))
-        return out.index_add_(0, self.which, per_slot)
+        out.index_add_(0, self.which, per_slot)
+        if any(self._grown()):  # the units added since hold full rows only
+            row = s0.n_heads * 2 * len(s0.parts) * s0.head_dim  # a token's, every head
+            tail = [sum(max(0, t - c * w) for t in s.n_tokens) * row
+                    for s, c in zip(self.stacks, self.caps, strict=True)]  # fmt: skip
+            out = out + to_device(tail, out.device)
+        return out
 
     def _fail(self, i: int) -> None:
         """Stack ``i``'s move breaks an invariant: the error its own ``finish`` raises."""

@@ -78,11 +78,11 @@ def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, 
     """GPU run 16's crash (``KeyError`` in ``route_many``): a replayed step's routing is planned
     at the flush a request's close runs (``before_close``), so under ``--kv-overlap`` it was
     still pending when the view closed, and landed at the next step over a view that was gone.
-    The ended request's part is dropped (its windows stay at the states its close left); the
-    other's lands as in the serial order (same tiers, owner states). The last request ends
-    with its routing pending too, which a flush_cache then drops; every slot, row and block
-    comes back (finish: inserted in the tree, then evicted; retract: SGLang's
-    ``cache_finished_req(is_insert=False)``)."""
+    The closing request's part is not planned (GPU run 18: it held up the request's last
+    token), the other's lands as in the serial order (same tiers, owner states); a part whose
+    view closes while it is pending is dropped (its windows stay at the states its close
+    left). Every slot, row and block comes back (finish: inserted in the tree, then evicted;
+    retract: SGLang's ``cache_finished_req(is_insert=False)``)."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     pytest.importorskip("triton")
@@ -103,7 +103,7 @@ def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, 
             h.sim.cache.cache_finished_req(c, is_insert=False, kv_len_to_handle=len(c.tokens))
             h.sim.r2t.free_slots.append(c.req_pool_idx)
         reqs[h] = a
-    assert late.backend.landing is not None  # a's and c's parts, c's view closed
+    assert [r.rid for r, _ in late.backend.landing[0]] == ["a"]  # c's close planned a's only
     before = tiers(late, "a")
     for h, a in reqs.items():
         h.replay([a], [[70]], 2, rids=True)  # lands first: a's part only
@@ -117,9 +117,13 @@ def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, 
     want, got = (h.sim.pool.owner_all[:, :, wa] for h in (serial, late))
     assert torch.equal(want, got)  # (c's windows stay as its close left them: not routed)
     for h, a in reqs.items():
-        h.replay([a], [[71]], 2, rids=True)  # decode step 3: a's routing is due
-        h.finish(a)
-    assert late.backend.landing is not None  # a's part, its view closed
+        h.replay([a], [[71]], 2, rids=True)  # decode step 3: a's routing is due at the flush
+    stores = {h: h.backend.sessions["a"].store for h in reqs}
+    steps = {h: st.step for h, st in stores.items()}
+    for h, a in reqs.items():
+        h.finish(a)  # its close's flush: routed in the serial order, not planned late
+    assert late.backend.landing is None
+    assert stores[serial].step == steps[serial] + 1 and stores[late].step == steps[late]
     for h in reqs:
         h.sim.cache.evict(EvictParams(num_tokens=10_000))
         h.sim.cache.reset()  # flush_cache: lands what is pending (nothing: a ended)
@@ -128,3 +132,68 @@ def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, 
     assert [len(f) for f in sim.pool.free_rows] == free0
     assert set(sim.pool.blocks_in_use().values()) == {0}
     assert bool((sim.pool.owner_all < 0).all()) and not bool(sim.pool.ref_all.any())
+
+
+def _rdkv_every_2() -> str:
+    from test_rdkv import DEFERRED, RDKV_TEXT
+
+    text = RDKV_TEXT.replace(DEFERRED, "schedule: after_prefill, every(2)")
+    return text.replace("budget: 10%", "budget: 40%")
+
+
+def _replayed(policy: str, overlap: bool, pages: int, blocks) -> Harness:
+    from tiered_radix.adapters.sglang.options import KVOptions
+
+    h = Harness(policy=policy, head_dim=64, pages=pages, blocks=blocks, overlap_schedule=overlap,
+                options=KVOptions(decode="kernel"))  # fmt: skip
+    h.backend.init_cuda_graph_state(2, 2)
+    h.capture(2)
+    return h
+
+
+@pytest.mark.parametrize("policy", ["windows", "rdkv"])
+def test_a_replayed_routing_lands_after_the_next_token_as_the_serial_one(monkeypatch, policy):
+    """GPU run 18's crashes: a replayed step's routing is planned at the next step's metadata
+    and, under ``--kv-overlap``, lands at the one after, so that step's token is appended in
+    between: qevict's stack grew for it (a 30K prompt's 938 windows -> 1,876: the masks no
+    longer matched) and rdkv's K set was planned over one token fewer than the store held.
+    Here request ``a``'s 62-token prompt fills its 4 windows of 16 with the second decode token;
+    decode step 1's routing is planned at the third step's metadata, whose token starts a fifth
+    window, and lands at the fourth's: the tiers and bytes are the serial order's. The steps
+    after read what each order left (late: old tiers one step longer), so later routings may
+    differ; they land too."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if policy == "windows":
+        text, pages, blocks = GRAPH_POLICY, 30, PoolBlocks(64, 64)
+    else:
+        text, pages, blocks = _rdkv_every_2(), 12, PoolBlocks(24, 0, 1 << 20)
+    serial, late = (_replayed(text, overlap, pages, blocks) for overlap in (False, True))
+    reqs = {}
+    for h in (serial, late):
+        a, c = h.start("a", list(range(1, 63))), h.start("c", list(range(5, 45)))
+        h.step([a, c], [a.origin_input_ids, c.origin_input_ids], extend=True)
+        reqs[h] = a, c
+    stores = {r: [h.backend.sessions[r].store for h in (serial, late)] for r in "ac"}
+    cap = stores["a"][1].stack.capacity
+
+    def replay(t: int) -> None:
+        for h, (a, c) in reqs.items():
+            h.replay([a, c], [[60 + t], [30 + t]], 2, rids=True)
+
+    for t in range(3):
+        replay(t)
+    assert late.backend.landing is not None and stores["a"][1].stack.capacity > cap
+    replay(3)  # the late routing lands first
+    assert late.backend.landing is None
+    assert late.backend.stats()["routes"] == serial.backend.stats()["routes"]
+    for s, g in stores.values():
+        assert s.step == g.step > 0
+        for li in range(serial.sim.L):
+            assert torch.equal(s.tiers(li), g.tiers(li)), li
+        assert s.bytes_used() == g.bytes_used()
+    for t in range(4, 9):
+        replay(t)
+    late.backend.flush()
+    late.backend._land()
+    assert late.backend.stats()["routes"] == serial.backend.stats()["routes"] > 3

@@ -45,7 +45,10 @@ finished at step t runs one more step (its token is dropped) and its view closes
 -> :meth:`flush`) after step t+1 was launched. Other requests' steps, scores and routings are as in
 the serial order (each store is its own). A routing that lands one step late (``late_landing``'s
 ``landing``) drops the parts of requests whose view closed before it landed (finished, aborted,
-retracted, flushed): their windows stay at the states their close left. On the device every piece of
+retracted, flushed): their windows stay at the states their close left. So the flush a close runs
+plans no routing for the closing requests: it would be dropped, and it would hold up their last
+token (GPU run 18: rdkv's deferred first routing of a 30K prompt, ~0.2 s, ran after the prompt of
+a one-token request and before its token went out). On the device every piece of
 work runs in the order the host issued it: SGLang's forward stream waits for its schedule stream
 before each forward, and the plugin's :func:`~.plugin.graph_execute` makes the schedule stream wait
 for the whole replay.
@@ -450,11 +453,12 @@ class TieredAttnBackend(AttentionBackend):
         ``--kv-device-times``, the end mark of the replay's device time."""
         self.timer.replay_launched()
 
-    def flush(self) -> None:
+    def flush(self, closing: list[str] = ()) -> None:
         """A replayed decode step's work after its last layer, which a graph cannot record:
         the side output to each request's engine, and routing where due. Runs before the next
-        forward's metadata and before a request's view closes (:attr:`~.radix.TieredRadixCache.
-        before_close`): routing happens before anything reads its result, as in eager mode."""
+        forward's metadata and before requests' views close (:attr:`~.radix.TieredRadixCache.
+        before_close`, with their ids as ``closing``): routing happens before anything reads
+        its result, as in eager mode."""
         if self._land():  # blocks moved: the next step rebuilds its lists
             self.graph_last = None
         if not self.pending:
@@ -467,7 +471,7 @@ class TieredAttnBackend(AttentionBackend):
             with self._timed("observe"):
                 self._observe_decode()
         with self._timed("route"):
-            if self._route_due():  # blocks moved: the next step rebuilds its lists
+            if self._route_due(closing):  # blocks moved: the next step rebuilds its lists
                 self.graph_last = None
 
     def fold_pending(self) -> None:
@@ -654,15 +658,18 @@ class TieredAttnBackend(AttentionBackend):
             r.session.store.observe_attn(attn[:, b, :, : r.seq])
 
     # -- routing ---------------------------------------------------------------------------
-    def _route_due(self) -> bool:
+    def _route_due(self, closing: list[str] = ()) -> bool:
         """Route the batch's requests whose schedule is due; whether blocks moved now. Under
         SGLang's overlap scheduler a decode step's routing is planned and its masks computed
         now, and it lands (units and blocks move) at the next :meth:`flush`, so the host does
-        not wait for the device here: the next step still reads the old tiers (one step late)."""
+        not wait for the device here: the next step still reads the old tiers (one step late);
+        requests ``closing`` are not planned (their part would not land)."""
         self._land()
         alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
         self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
         due = due_routings(self.batch, self.extend)
+        if self.late_landing and closing:
+            due = [(r, why) for r, why in due if r.rid not in closing]
         if due:
             self.fold_pending()  # scores up to date (replayed steps summed their attention)
         # planned together (one pass over their stacked layers), then one pool move for all

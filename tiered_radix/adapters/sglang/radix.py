@@ -123,8 +123,9 @@ class TieredRadixCache(RadixCache):
             raise PoolConfigError(f"the tiered radix cache needs a TieredKVPool, got {type(pool)}")
         self.pool, self.layout, self.policy = pool, Layout.of(policy), policy
         self.views: dict[str, RequestView] = {}
-        # the attention backend's pending work on the views (a replayed decode step's routing)
-        self.before_close: Callable[[], None] | None = None
+        # the attention backend's pending work on the views (a replayed decode step's routing),
+        # given the ids of the requests whose views close next
+        self.before_close: Callable[[list[str]], None] | None = None
         self.after_reset: Callable[[], None] | None = None  # the backend's, after reset()
         n_tiers = len(self.layout.engine_tiers)
         self._next = None  # decoupled windows never move: their requests repack (.zones)
@@ -398,7 +399,7 @@ class TieredRadixCache(RadixCache):
     # -- SGLang entry points ---------------------------------------------------------------
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         if self.before_close is not None:
-            self.before_close()
+            self.before_close([req.rid])
         self._report(req, kv_len_to_handle)
         self.close_view(req.rid)
         return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
@@ -424,7 +425,7 @@ class TieredRadixCache(RadixCache):
         the pool here, or pages handed out again would find them owned (routed ones fail the
         pool's write check; full ones keep their rows forever)."""
         if getattr(self, "before_close", None) is not None:
-            self.before_close()
+            self.before_close(list(getattr(self, "views", {})))
         for rid in list(getattr(self, "views", {})):
             self.close_view(rid)
         # SGLang flushes only when idle: no request waits with the settings it asked for (a
