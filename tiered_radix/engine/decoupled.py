@@ -261,6 +261,28 @@ class ChannelK:
         rows = torch.where(keep_row[..., None] | full_chan, cur, torch.nan)
         self.k_full[:, : self.n_tokens] = rows.to(self.dtype)
 
+    @staticmethod
+    def apply_layers(
+        layers: list[ChannelK], new_tier: list[Tensor], new_set: list[Tensor], v_tier: Tensor
+    ) -> bool:
+        """:meth:`apply` of every layer at once (``new_tier[l]``, ``new_set[l]`` per layer,
+        ``v_tier [L, H, >= T]``) where no layer keeps data and all hold as many tokens: their
+        set counts per V tier, channel tiers and sets over the stacked layers, with no host sync
+        (the per-layer path orders Zone A's groups, which only a layer with data reads).
+        Returns False, having done nothing, otherwise."""
+        k0 = layers[0] if layers else None
+        if k0 is None or any(k.keep_data or k._n != k0._n for k in layers):
+            return False
+        sets = torch.stack(new_set)  # [L, H, T]
+        t, n = sets.shape[-1], k0._n  # T < n: tokens appended since the plan, outside the set
+        J = len(k0.tiers.names)
+        counts = sets.new_zeros(*sets.shape[:2], J, dtype=torch.long)
+        counts.scatter_add_(2, v_tier[..., :t].clamp(0, J - 1), sets.long())
+        room = _with_room(sets, 2 * n)
+        for k, c, tier, s in zip(layers, counts, torch.stack(new_tier), room, strict=True):
+            k.n_set, k.tier, k._set = c, tier, s
+        return True
+
     def nbytes_heads(self) -> Tensor:
         """int64 ``[H]`` bytes of K: full rows outside the set plus the channel encodings."""
         per = channel_cost(self.n_set, self.bits, self.group)  # [H, J]

@@ -267,8 +267,9 @@ class TierStore:
         ev = self.tier_set.evict
         for li, u in enumerate(plan.units):
             self.stack.routed_units[li] = u
-            k = self.layers[li].k
-            if k is not None:
+        ks = [lay.k for lay in self.layers if lay.k is not None]  # every layer's, or none
+        if ks and not ChannelK.apply_layers(ks, plan.k, plan.k_set, plan.tiers):
+            for li, k in enumerate(ks):
                 kept = plan.v[li] != (-1 if ev is None else ev)
                 k.apply(plan.k[li], plan.k_set[li], kept, plan.tiers[li])
         out = Transitions.from_flat(
