@@ -197,3 +197,52 @@ def test_a_replayed_routing_lands_after_the_next_token_as_the_serial_one(monkeyp
     late.backend.flush()
     late.backend._land()
     assert late.backend.stats()["routes"] == serial.backend.stats()["routes"] > 3
+
+
+GRAPHED = ["kivi", "qevict", "rdkv"]  # the shipped policies whose decode replays graphs
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+def test_a_shipped_policy_decodes_under_graphs_in_the_overlap_order(monkeypatch, name):
+    """The schedule GPU run 18 served and the eager CPU tests missed: graph replays under the
+    overlap default (a step's routing planned at the next step's metadata, landed at the one
+    after, tokens appended between), a request finishing mid-run (its close's flush), stacks
+    growing past their first capacity; the shipped policy at 35% (as the batch-invariance
+    tests run it). Every routing lands, and every slot, row, block and Zone A page comes back."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from test_batch_invariance import policy_text
+
+    from tiered_radix.adapters.sglang.options import KVOptions
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    h = Harness(policy=policy_text(name), head_dim=64, pages=24,
+                blocks=PoolBlocks(96, 96, 1 << 20), overlap_schedule=True,
+                options=KVOptions(decode="kernel"))  # fmt: skip
+    h.backend.init_cuda_graph_state(2, 2)
+    h.capture(2)
+    sim = h.sim
+    free0, avail0 = [len(f) for f in sim.pool.free_rows], sim.alloc.available_size()
+    # a: 48 tokens in 2 windows of 32; qevict's routing of decode step 15 is planned at step
+    # 16's metadata, whose token (the 65th) makes a's stack grow before it lands
+    a, c = h.start("a", list(range(1, 49))), h.start("c", list(range(5, 69)))
+    h.step([a, c], [a.origin_input_ids, c.origin_input_ids], extend=True)
+    cap = h.backend.sessions["a"].store.stack.capacity
+    pending = 0
+    for t in range(34):
+        live = [a, c] if t < 20 else [a]
+        h.replay(live, [[60 + t % 30], [30 + t % 30]][: len(live)], 2, rids=True)
+        pending += h.backend.landing is not None
+        if t == 19:
+            h.finish(c)  # closes after step 20 was planned, as SGLang's overlap loop does
+    assert h.backend.sessions["a"].store.stack.capacity > cap
+    assert pending > 0 and h.backend.stats()["routes"] >= 2
+    h.finish(a)
+    assert h.backend.landing is None
+    sim.cache.evict(EvictParams(num_tokens=10_000))
+    sim.cache.reset()
+    assert sim.alloc.available_size() == avail0
+    assert [len(f) for f in sim.pool.free_rows] == free0
+    assert set(sim.pool.blocks_in_use().values()) <= {0}
+    if sim.pool.zones is not None:
+        assert not sim.pool.zones.holds("a") and not sim.pool.zones.holds("c")
