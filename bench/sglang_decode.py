@@ -31,10 +31,10 @@ tiered run reads it at the tiers its first request left), so they are decode onl
 time per output token is (t_long - t_short) / (long - short), each the faster of two calls;
 ``decode_ms_per_token_ex`` is (t_long - t_extend) / (long - 1) with ``t_extend`` a call of one new
 token (the extend over the cached prompt alone), a check on the extend's spread between calls.
-Peak KV bytes of the tiered run come from the backend's stats file (most pool bytes held after a
-forward, over the whole run); the bf16 baseline holds ``2 * 2 * L * H_kv * d`` bytes for each
-token the allocator held then (running requests and prompts cached in the radix tree, as plain
-SGLang's pool would). Writes
+Peak KV bytes of the tiered run come from the backend's stats (SGLang's ``/server_info``: most
+pool bytes held after a forward, over the whole run); the bf16 baseline holds
+``2 * 2 * L * H_kv * d`` bytes for each token the allocator held then (running requests and
+prompts cached in the radix tree, as plain SGLang's pool would). Writes
 ``sglang_decode.json`` under ``--out``.
 
 ``--prefill``: time to first token instead (issue 19). Per kind (default ``plain tiered``, one
@@ -46,8 +46,9 @@ writes ``prefill-summary.json`` under ``--out``: ``{"gpu", "commit", "model", "r
 [{"system" (plain or the policy), "kind", "budget", "prompts", "tokens_each", "ttft_s"}]}``,
 rewritten after every case, and the tiered rows' host
 milliseconds per extend batch (``extend_attend``, ``route_extend``, ...) in
-``prefill-detail.json`` (the stats file, which ``flush_cache`` rewrites: every kind flushes
-before and after its timed calls; a deferred prefill routing does not rewrite it).
+``prefill-detail.json`` (the backend's stats from ``/server_info``, read before and after the
+timed calls; every kind flushes the radix cache around them). The stats are read when asked, not
+written after every routing (``--kv-stats FILE``), so the timed runs are the launch a user makes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,6 @@ import json
 import os
 import platform
 import random
-import tempfile
 import time
 from pathlib import Path
 
@@ -78,20 +78,25 @@ def timed(engine, prompts: list[list[int]], n: int, digest: list | None = None) 
     return dt
 
 
-def _host_s(stats: Path) -> dict:
-    """The backend's host seconds per phase so far (the stats file, rewritten at each routing:
-    up to one routing interval stale), with the device seconds of graph replays as
+def _stats(engine) -> dict:
+    """The tiered backend's stats as SGLang's ``/server_info`` gives them
+    (``internal_states[0]["tiered_radix"]``, computed when asked: no per-routing file and its
+    host syncs, which ``--kv-stats FILE`` would add to every routing); {} for plain SGLang."""
+    states = engine.get_server_info().get("internal_states") or [{}]
+    return states[0].get("tiered_radix", {})
+
+
+def _host_s(engine) -> dict:
+    """The backend's host seconds per phase so far, with the device seconds of graph replays as
     ``replay_device`` (``kv_device_times=True``; counted by ``replays_steps``)."""
-    if not stats.exists():
-        return {}
-    st = json.loads(stats.read_text())
+    st = _stats(engine)
     dev = st.get("device_s", {})
     extra = {"replay_device": dev["replay"], "replays_steps": dev["replays"]} if dev else {}
     return st.get("host_s", {}) | extra
 
 
 def _per_step(before: dict, after: dict) -> dict:
-    """Host milliseconds of each phase between two reads of the stats file: decode phases per
+    """Host milliseconds of each phase between two reads of the stats: decode phases per
     decode step, ``*_extend`` phases and ``extend_attend`` per extend batch (the long call's
     first token is an extend of every request); the counts (``*_steps``, ``*_batches``: decode
     steps, graph replays, steady replays, extend batches) as they are."""
@@ -116,10 +121,9 @@ def _per_step(before: dict, after: dict) -> dict:
 def run(kind: str, a, vocab: int = 30000) -> dict:
     import sglang
 
-    stats = Path(tempfile.mkdtemp()) / "stats.json"
     kw = _engine_kwargs(kind, a, a.context)
     if kind.startswith("tiered"):
-        kw.update(kv_stats=str(stats), kv_device_times=True)  # two CUDA events a replay
+        kw.update(kv_device_times=True)  # two CUDA events a replay, read with the stats
         # tiered_step: graphs, each replayed step's attention observed on the host (before run 9)
         kw["kv_observe"] = "step" if kind == "tiered_step" else "fold"
         if a.profile:  # a window of decode steps (.profile)
@@ -132,7 +136,7 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
     engine = sglang.Engine(**kw)
     startup = time.perf_counter() - t0
     rng = random.Random(0)
-    rows = []
+    rows, tiered_stats = [], {}
     try:
         # compile every kernel variant first: pages (quantized windows) appear only past the
         # protected tokens, and the first routing of a long prompt has them
@@ -150,7 +154,7 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
             shorts = [timed(engine, prompts, a.short) for _ in range(2)]
             # one new token: the extend over the cached prompt alone, no decode step
             ext = min(timed(engine, prompts, 1) for _ in range(2))
-            before = _host_s(stats)
+            before = _host_s(engine)
             digest: list[str] = []
             longs = [timed(engine, prompts, a.long, digest) for _ in range(2)]
             short, long = min(shorts), min(longs)
@@ -162,13 +166,14 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
                          "decode_ms_per_token_ex": 1e3 * (long - ext) / (a.long - 1),
                          "long_outputs_sha256": digest})  # fmt: skip
             if kind.startswith("tiered"):
-                rows[-1]["host_ms_per_step"] = _per_step(before, _host_s(stats))
+                rows[-1]["host_ms_per_step"] = _per_step(before, _host_s(engine))
             print(kind, rows[-1], flush=True)
+        tiered_stats = _stats(engine)
     finally:
         engine.shutdown()
     out = {"kind": kind, "startup_s": startup, "rows": rows, "engine_kwargs": kw}
-    if stats.exists():
-        out["tiered_stats"] = json.loads(stats.read_text())
+    if tiered_stats:
+        out["tiered_stats"] = tiered_stats
     return out
 
 
@@ -209,10 +214,8 @@ def prefill(kind: str, a, save, vocab: int = 30000) -> tuple[list[dict], dict]:
     import sglang
 
     cases = [tuple(int(x) for x in c.split("x")) for c in a.prefill_cases]
-    stats = Path(tempfile.mkdtemp()) / "stats.json"
     kw = _engine_kwargs(kind, a, max(t for _, t in cases))
     if kind.startswith("tiered"):
-        kw["kv_stats"] = str(stats)
         # tiered_gather: the gather path (SDPA per request and layer), before the extend kernel
         kw["kv_extend"] = "sdpa" if kind == "tiered_gather" else "kernel"
     engine = sglang.Engine(**kw)
@@ -223,8 +226,8 @@ def prefill(kind: str, a, save, vocab: int = 30000) -> tuple[list[dict], dict]:
             fresh = [[[rng.randrange(100, vocab) for _ in range(tokens)] for _ in range(n)]
                      for _ in range(3)]  # fmt: skip
             timed(engine, fresh[0], 1)  # compiles this shape's kernels
-            engine.flush_cache()  # the tiered kind rewrites its stats file here
-            before = _host_s(stats)
+            engine.flush_cache()
+            before = _host_s(engine)
             best = min(timed(engine, f, 1) for f in fresh[1:])
             engine.flush_cache()
             tiered = kind.startswith("tiered")
@@ -232,7 +235,7 @@ def prefill(kind: str, a, save, vocab: int = 30000) -> tuple[list[dict], dict]:
                          "budget": _budget(a) if tiered else "100%", "prompts": n,
                          "tokens_each": tokens, "ttft_s": round(best, 4)})  # fmt: skip
             if kind.startswith("tiered"):
-                detail[f"{n}x{tokens}"] = _per_step(before, _host_s(stats))
+                detail[f"{n}x{tokens}"] = _per_step(before, _host_s(engine))
             if n <= 8:  # greedy tokens after the prompt: kinds that prefill alike agree
                 digest: list[str] = []
                 engine.flush_cache()  # a whole prefill again, not a radix hit

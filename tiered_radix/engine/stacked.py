@@ -115,7 +115,8 @@ class StackedMoves:
         """Each kept stack's slice of ``src [L, H, N]`` into its tensor's first units (the
         stack's capacity at :meth:`__init__`; one op)."""
         parts = [p for p, k in zip(src.split(self.caps, 2), keep, strict=True) if k]
-        torch._foreach_copy_([d[..., : p.shape[-1]] for d, p in zip(dst, parts)], parts)
+        dst = [d[..., : p.shape[-1]] for d, p in zip(dst, parts, strict=True)]
+        torch._foreach_copy_(dst, parts)
 
     def _grown(self) -> list[int]:
         """Units each stack added since :meth:`__init__` (its capacity grew: 0 for most)."""

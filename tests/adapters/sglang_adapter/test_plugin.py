@@ -392,3 +392,33 @@ def test_the_chunked_request_is_cut_to_the_free_rows_or_parked():
     assert plugin.add_chunked_req(parked.admit, parked, req) is req and not parked.can_run_list
     alone = Adder(sim, chunk=100, running=False)
     assert plugin.add_chunked_req(alone.admit, alone, prompt(2, W)) == "CONTINUE"
+
+
+def test_server_info_carries_the_backend_stats(baseline):
+    """``Scheduler.get_internal_state`` (what ``/server_info`` and ``Engine.get_server_info``
+    read) gets the tiered backend's stats, read at the call; other backends' state is left
+    as SGLang made it."""
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from test_backend import Harness
+
+    target = "sglang.srt.managers.scheduler.Scheduler.get_internal_state"
+    assert callable(Scheduler.get_internal_state)
+    assert any(h is plugin.internal_state for _, h, _ in HookRegistry._hooks[target])
+    h = Harness()
+    req = h.start("a", list(range(1, 41)))
+    h.step([req], [req.origin_input_ids], extend=True)
+
+    def scheduler(backend):
+        return SimpleNamespace(tp_worker=SimpleNamespace(
+            model_runner=SimpleNamespace(attn_backend=backend)))  # fmt: skip
+
+    out = plugin.internal_state(GetInternalStateReqOutput(internal_state={"x": 1}),
+                                scheduler(h.backend))  # fmt: skip
+    st = out.internal_state["tiered_radix"]
+    assert out.internal_state["x"] == 1
+    assert st["requests"] == 1 and st["pool_bytes_used"] == h.sim.pool.bytes_used() > 0
+    assert st["host_s"]["extend_batches"] == 1
+    assert plugin.internal_state(GetInternalStateReqOutput(internal_state={}),
+                                 scheduler(object())) is None  # fmt: skip

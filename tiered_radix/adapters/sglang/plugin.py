@@ -35,6 +35,9 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   invariance);
 - radix cache backend ``tiered`` (a :class:`~.radix.TieredRadixCache`) and attention backend
   ``tiered_triton`` (:class:`~.backend.TieredAttnBackend`), one for every policy;
+- ``Scheduler.get_internal_state`` (AFTER): the backend's stats (``TieredAttnBackend.stats``:
+  bytes, tiers, transitions, host seconds per phase) under ``"tiered_radix"`` in SGLang's
+  ``/server_info`` and ``Engine.get_server_info()`` (``internal_states[i]``), read when asked;
 - the request path (:mod:`.serving`): a request's ``kv_policy`` / ``kv_budget`` from the OpenAI
   API, native sampling parameters and ``Engine.generate``, checked (400 with the accepted
   values), and its KV usage in the response (``meta_info["kv_usage"]``, OpenAI ``usage.kv``).
@@ -452,6 +455,22 @@ def attention_backend_factory(runner):
     return TieredAttnBackend(runner, options, policies)
 
 
+def internal_state(result, scheduler=None, *_args, **_kwargs):
+    """``Scheduler.get_internal_state`` (AFTER): a tiered launch's backend stats under
+    ``internal_state["tiered_radix"]`` (the state a ``/server_info`` reader gets; computed at
+    the call, with the host syncs :meth:`~.backend.TieredAttnBackend.stats` makes, so nothing
+    is written per routing as ``--kv-stats FILE`` does). None (SGLang's result as it is)
+    without a tiered backend."""
+    from .backend import TieredAttnBackend
+
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    backend = getattr(runner, "attn_backend", None)
+    if not isinstance(backend, TieredAttnBackend):
+        return None
+    result.internal_state["tiered_radix"] = backend.stats()
+    return result
+
+
 def register() -> None:
     """Entry point: register hooks and backends (idempotent)."""
     global _registered
@@ -487,6 +506,9 @@ def register() -> None:
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
         graph_execute,
         HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.scheduler.Scheduler.get_internal_state", internal_state, HookType.AFTER
     )
     HookRegistry.register(
         "sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem",
