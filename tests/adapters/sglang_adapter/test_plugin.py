@@ -422,3 +422,46 @@ def test_server_info_carries_the_backend_stats(baseline):
     assert st["host_s"]["extend_batches"] == 1
     assert plugin.internal_state(GetInternalStateReqOutput(internal_state={}),
                                  scheduler(object())) is None  # fmt: skip
+
+
+class _DeviceOnly:
+    """``req_pool_indices`` that must not be read back (a host sync on CUDA)."""
+
+    def tolist(self):
+        raise AssertionError("read back from the device")
+
+
+def test_extend_metadata_takes_the_slots_sglang_noted_not_a_device_read(baseline):
+    """``ForwardBatch.init_new``'s hook hands the batch's request slots (host ints from SGLang's
+    requests) to the backend, whose metadata then reads no ``req_pool_indices`` back; a batch
+    the hook did not see (or another batch's note) falls back to the read."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from test_backend import Harness, Mode
+
+    target = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+    assert callable(ForwardBatch.init_new)
+    assert any(h is plugin.forward_batch_made for _, h, _ in HookRegistry._hooks[target])
+    h = Harness(blocks=sizing.PoolBlocks(256, 256))
+    reqs = [h.start("a", list(range(1, 41))), h.start("b", list(range(3, 30)))]
+    new = [r.origin_input_ids for r in reqs]
+    locs, pre = h._locs(reqs, new)
+
+    def batch():
+        return SimpleNamespace(
+            forward_mode=Mode(True), seq_lens_cpu=torch.tensor([len(r.tokens) for r in reqs]),
+            req_pool_indices=_DeviceOnly(), extend_prefix_lens_cpu=pre,
+            extend_seq_lens_cpu=[len(t) for t in new], rids=[r.rid for r in reqs],
+            out_cache_loc=torch.cat(locs),
+        )  # fmt: skip
+
+    runner = SimpleNamespace(attn_backend=h.backend)
+    seen, other = batch(), batch()
+    plugin.forward_batch_made(other, ForwardBatch, SimpleNamespace(reqs=reqs), runner)
+    with pytest.raises(AssertionError, match="read back"):
+        h.backend.init_forward_metadata(seen)  # noted for another batch: read back
+    assert plugin.forward_batch_made(seen, ForwardBatch, SimpleNamespace(reqs=reqs), runner) is None
+    h.backend.init_forward_metadata(seen)
+    assert h.backend.pool_of == {r.rid: r.req_pool_idx for r in reqs}
+    assert set(h.backend.sessions) == {"a", "b"}
+    plugin.forward_batch_made(seen, ForwardBatch, SimpleNamespace(reqs=reqs), object())  # no-op

@@ -35,6 +35,8 @@ every scheduler process. It registers, through ``sglang.srt.plugins.hook_registr
   invariance);
 - radix cache backend ``tiered`` (a :class:`~.radix.TieredRadixCache`) and attention backend
   ``tiered_triton`` (:class:`~.backend.TieredAttnBackend`), one for every policy;
+- ``ForwardBatch.init_new`` (AFTER): the batch's request slots, host ints from SGLang's
+  requests, to the tiered backend (:func:`forward_batch_made`: no device read in its metadata);
 - ``Scheduler.get_internal_state`` (AFTER): the backend's stats (``TieredAttnBackend.stats``:
   bytes, tiers, transitions, host seconds per phase) under ``"tiered_radix"`` in SGLang's
   ``/server_info`` and ``Engine.get_server_info()`` (``internal_states[i]``), read when asked;
@@ -455,6 +457,21 @@ def attention_backend_factory(runner):
     return TieredAttnBackend(runner, options, policies)
 
 
+def forward_batch_made(result, *args, **kwargs):
+    """``ForwardBatch.init_new(cls, batch, model_runner, ...)`` (AFTER): the slots
+    (``req_pool_idx``) of ``batch``'s requests to a tiered backend
+    (:meth:`~.backend.TieredAttnBackend.note_slots`), so its metadata does not read them back
+    from the device. SGLang's forward batch is returned as it is."""
+    from .backend import TieredAttnBackend
+
+    batch = kwargs.get("batch", args[1] if len(args) > 1 else None)
+    runner = kwargs.get("model_runner", args[2] if len(args) > 2 else None)
+    backend = getattr(runner, "attn_backend", None)
+    if isinstance(backend, TieredAttnBackend) and batch is not None and result is not None:
+        backend.note_slots(result, [req.req_pool_idx for req in batch.reqs])
+    return None
+
+
 def internal_state(result, scheduler=None, *_args, **_kwargs):
     """``Scheduler.get_internal_state`` (AFTER): a tiered launch's backend stats under
     ``internal_state["tiered_radix"]`` (the state a ``/server_info`` reader gets; computed at
@@ -506,6 +523,11 @@ def register() -> None:
         "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
         graph_execute,
         HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+        forward_batch_made,
+        HookType.AFTER,
     )
     HookRegistry.register(
         "sglang.srt.managers.scheduler.Scheduler.get_internal_state", internal_state, HookType.AFTER
