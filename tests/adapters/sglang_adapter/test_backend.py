@@ -15,6 +15,7 @@ from sglang_sim import POLICY, Sim, require
 
 require("sglang.srt.mem_cache.radix_cache")
 
+from tiered_radix.adapters.sglang import plugin  # noqa: E402
 from tiered_radix.adapters.sglang.backend import TieredAttnBackend, window_starts  # noqa: E402
 from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa: E402
 from tiered_radix.adapters.sglang.profile import StepProfiler  # noqa: E402
@@ -85,6 +86,9 @@ class Harness:
             rids=[r.rid for r in reqs],
             out_cache_loc=torch.cat(locs),
         )
+        # SGLang's ForwardBatch.init_new, through the plugin's hook: the slots as host ints
+        runner = SimpleNamespace(attn_backend=self.backend)
+        plugin.forward_batch_made(fb, None, SimpleNamespace(reqs=reqs), runner)
         self.backend.init_forward_metadata(fb)
         outs = []
         for li, layer in enumerate(self.layers):
