@@ -155,7 +155,7 @@ class Harness:
             out_cache_loc=torch.cat(locs),
         )  # fmt: skip
         if rids:
-            self.backend.replay_rids = [r.rid for r in reqs]
+            self.backend.note_replay([r.rid for r in reqs])
         self.backend.init_forward_metadata_out_graph(fb)
         ks, vs, qs = self._dummy(bs)
         for li in range(sim.L):

@@ -174,22 +174,22 @@ def test_a_graph_replay_carries_its_rids_ends_with_the_mark_and_a_whole_forward_
     tiered backend before the replay (its metadata runs inside it), then SGLang's output, the
     backend's ``replay_done``, and no read-done event left for the scheduler's write-after-read
     barrier (it waits for the whole forward); other backends pass through untouched."""
-    calls = []
-    tiered = SimpleNamespace(replay_done=lambda: calls.append("done"), replay_rids=None)
+    calls, noted = [], []
+    tiered = SimpleNamespace(replay_done=lambda: calls.append("done"), note_replay=noted.append)
 
     def execute(self, fb, pp=None):
-        calls.append(("replay", fb.rids, pp, getattr(self.attn_backend, "replay_rids", None)))
+        calls.append(("replay", fb.rids, pp, len(noted)))  # ids noted before the replay
         self.model_runner.war_fastpath_read_done_event = "read-done"  # as SGLang's replay does
         return "logits"
 
     fb = SimpleNamespace(rids=["r1", "r2"])
     runner = SimpleNamespace(attn_backend=tiered, model_runner=SimpleNamespace())
     assert plugin.graph_execute(execute, runner, fb, pp="pp") == "logits"
-    assert calls == [("replay", ["r1", "r2"], "pp", ["r1", "r2"]), "done"]
+    assert calls == [("replay", ["r1", "r2"], "pp", 1), "done"] and noted == [["r1", "r2"]]
     assert runner.model_runner.war_fastpath_read_done_event is None
     stock = SimpleNamespace(attn_backend=SimpleNamespace(), model_runner=SimpleNamespace())
     assert plugin.graph_execute(execute, stock, fb) == "logits"
-    assert calls[-1] == ("replay", ["r1", "r2"], None, None)
+    assert calls[-1] == ("replay", ["r1", "r2"], None, 1) and len(noted) == 1
     assert stock.model_runner.war_fastpath_read_done_event == "read-done"
 
 

@@ -337,6 +337,12 @@ class TieredAttnBackend(AttentionBackend):
         starts = window_starts(prefix, new, self.pool.layout.window) if self.extend else None
         self.pool.prepare_write(fb.out_cache_loc, starts=starts)
 
+    def note_replay(self, rids: list[str] | None) -> None:
+        """The request ids of the decode graph replay about to run, as the plugin's hook on the
+        graph runner's ``execute`` reads them from SGLang's forward batch (the replay view the
+        metadata gets has none); None: read them back from its padded ``req_pool_indices``."""
+        self.replay_rids = None if rids is None else list(rids)
+
     def note_slots(self, fb, slots: list[int]) -> None:
         """The request slots (``req_pool_idx``, host ints) of the forward batch ``fb`` about to
         run, as the plugin's hook on ``ForwardBatch.init_new`` reads them from SGLang's requests:

@@ -272,7 +272,7 @@ def can_run_graph(original, self, forward_batch) -> bool:
 def graph_execute(original, self, forward_batch, *args, **kwargs):
     """SGLang's decode graph replay, for the tiered backend with three additions:
 
-    - before it, the batch's request ids (``replay_rids``): the replay view its metadata gets
+    - before it, the batch's request ids (``note_replay``): the replay view its metadata gets
       has none, and reading them back from the padded ``req_pool_indices`` would be a host sync
       (under the overlap scheduler: a wait for the step still in flight);
     - after it, ``replay_done`` (the replay's device time with ``--kv-device-times``);
@@ -286,7 +286,7 @@ def graph_execute(original, self, forward_batch, *args, **kwargs):
     backend = self.attn_backend
     tiered = hasattr(backend, "replay_done")
     if tiered:
-        backend.replay_rids = getattr(forward_batch, "rids", None)
+        backend.note_replay(getattr(forward_batch, "rids", None))
     out = original(self, forward_batch, *args, **kwargs)
     if tiered:
         backend.replay_done()
