@@ -433,8 +433,9 @@ class _DeviceOnly:
 
 def test_extend_metadata_takes_the_slots_sglang_noted_not_a_device_read(baseline):
     """``ForwardBatch.init_new``'s hook hands the batch's request slots (host ints from SGLang's
-    requests) to the backend, whose metadata then reads no ``req_pool_indices`` back; a batch
-    the hook did not see (or another batch's note) falls back to the read."""
+    requests) to the backend, whose metadata then reads no ``req_pool_indices`` back, also from
+    the copy of the batch SGLang's runner makes (``load_batch``); a batch of other requests
+    falls back to the read."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.plugins.hook_registry import HookRegistry
     from test_backend import Harness, Mode
@@ -456,12 +457,14 @@ def test_extend_metadata_takes_the_slots_sglang_noted_not_a_device_read(baseline
         )  # fmt: skip
 
     runner = SimpleNamespace(attn_backend=h.backend)
-    seen, other = batch(), batch()
-    plugin.forward_batch_made(other, ForwardBatch, SimpleNamespace(reqs=reqs), runner)
+    seen = batch()
+    others = [SimpleNamespace(rid="x", req_pool_idx=5), SimpleNamespace(rid="y", req_pool_idx=6)]
+    plugin.forward_batch_made(SimpleNamespace(rids=["x", "y"]), ForwardBatch,
+                              SimpleNamespace(reqs=others), runner)  # fmt: skip
     with pytest.raises(AssertionError, match="read back"):
-        h.backend.init_forward_metadata(seen)  # noted for another batch: read back
+        h.backend.init_forward_metadata(seen)  # noted for other requests: read back
     assert plugin.forward_batch_made(seen, ForwardBatch, SimpleNamespace(reqs=reqs), runner) is None
-    h.backend.init_forward_metadata(seen)
+    h.backend.init_forward_metadata(batch())  # the runner's copy of the batch
     assert h.backend.pool_of == {r.rid: r.req_pool_idx for r in reqs}
     assert set(h.backend.sessions) == {"a", "b"}
     plugin.forward_batch_made(seen, ForwardBatch, SimpleNamespace(reqs=reqs), object())  # no-op

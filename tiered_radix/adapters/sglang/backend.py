@@ -272,7 +272,7 @@ class TieredAttnBackend(AttentionBackend):
         self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
         self.pool_of: dict[str, int] = {}  # rid -> req_pool_idx, for the same
         self.replay_rids: list[str] | None = None  # the next replay's, from the plugin's hook
-        self.noted: tuple | None = None  # (batch id, rids, slots): note_slots, for its metadata
+        self.noted: tuple | None = None  # (rids, slots) of the next forward: note_slots
         self.graph_last: tuple | None = None  # the last replay's (bs, pools, seqs)
         timing = options.device_times and torch.device(pool.device).type == "cuda"
         self.timer = StepTimer(timing, options.profile)  # host/device times, see stats()
@@ -348,15 +348,17 @@ class TieredAttnBackend(AttentionBackend):
         run, as the plugin's hook on ``ForwardBatch.init_new`` reads them from SGLang's requests:
         its metadata then need not read ``fb.req_pool_indices`` back from the device, a host
         sync that under the overlap scheduler waits for the forward in flight (GPU run 18: extend
-        metadata at 8 x 30K 5 -> 13 ms a batch for qevict, 6 -> 27 ms for rdkv)."""
-        self.noted = (id(fb), list(fb.rids or ()), list(slots))
+        metadata at 8 x 30K 5 -> 13 ms a batch for qevict, 6 -> 27 ms for rdkv). Matched by
+        request ids: SGLang's runner hands the metadata a copy of ``fb`` (its ``load_batch``), and
+        a running request keeps its slot."""
+        self.noted = (list(fb.rids or ()), list(slots))
 
     def _slots(self, fb) -> list[int]:
-        """The slots of ``fb``'s requests: noted for this batch (:meth:`note_slots`), else read
-        from the device."""
+        """The slots of ``fb``'s requests: noted for the same requests (:meth:`note_slots`),
+        else read from the device."""
         noted, self.noted = self.noted, None
-        if noted is not None and noted[0] == id(fb) and noted[1] == list(fb.rids):
-            return noted[2]
+        if noted is not None and noted[0] == list(fb.rids) and len(noted[1]) == len(noted[0]):
+            return noted[1]
         return fb.req_pool_indices.tolist()
 
     def _admit(self, rids, pools, seqs, prefix, new) -> None:
