@@ -29,6 +29,7 @@ from .routing import (
     per_layer,
     rank_heads,
     spread_shares,
+    to_device,
     total_budget,
 )
 from .units import UnitLayout
@@ -258,9 +259,8 @@ def plan_routes(stores: list) -> list[Plan]:
     budget = [
         total_budget(s.budget, s.stack.n_tokens, s.shard.heads_total, s.head_dim) for s in stores
     ]
-    rest = torch.tensor(budget, dtype=torch.float64)  # the host's exact budgets
-    rest = rest.pin_memory() if torch.device(dev).type == "cuda" else rest
-    rest = rest.to(dev, non_blocking=True) - forced.view(B, -1).sum(1)
+    rest = to_device(torch.tensor(budget, dtype=torch.float64), dev)  # the host's exact budgets
+    rest = rest - forced.view(B, -1).sum(1)
     if totals is None:
         shares = s0.shares.expand(B, *s0.shares.shape)
     else:  # each store's own spread over its layers and heads

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tiered_radix.engine.routing import to_device
+
 
 class DeviceCounts:
     """An int64 vector on the device whose host copy is refreshed lazily: :meth:`changed` after
@@ -133,8 +135,7 @@ class FreeStacks:
             pos += range(have[li] - 1, have[li] - 1 - k, -1)
             have[li] -= k
         dev = self.ids.device
-        idx = torch.tensor([ly, pos], dtype=torch.long)
-        idx = (idx.pin_memory() if dev.type == "cuda" else idx).to(dev, non_blocking=True)
+        idx = to_device([ly, pos], dev)
         out = self.ids[idx[0], idx[1]]
         top = torch.tensor(have, dtype=torch.long)  # pinned: the copy does not wait for the device
         self.top.t.copy_(top.pin_memory() if dev.type == "cuda" else top, non_blocking=True)

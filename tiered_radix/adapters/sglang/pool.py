@@ -35,6 +35,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from torch import Tensor
 
+from tiered_radix.engine.routing import to_device
 from tiered_radix.formats import zone_a
 from tiered_radix.formats.layout import (
     uniform_page_nbytes,
@@ -243,7 +244,7 @@ class TieredKVPool(MHATokenToKVPool):
         else:
             keep, win = None, lo // W
             _check((lo >= W).all(), "a padding slot among an extend batch's")
-            self.open_windows(win, layers, new=win[self._on_device(starts)])
+            self.open_windows(win, layers, new=win[to_device(starts, self.device)])
         ly = list(range(self.layer_num)) if layers is None else layers
         # windows first, then layers: indexing the whole tables by a layer list would copy them
         own = self.owner_all.index_select(2, win)[ly]
@@ -270,14 +271,6 @@ class TieredKVPool(MHATokenToKVPool):
             at = (keep[:, None] * H + torch.arange(H, device=self.device)).flatten()
             dest[:, at] = rows
         self.prepared, self.graph_dest = None, dest
-
-    def _on_device(self, values: list[int]) -> Tensor:
-        """int64 ``values`` on the pool's device, copied from pinned memory on CUDA (a copy
-        from pageable memory would wait for the stream)."""
-        t = torch.tensor(values, dtype=torch.long)
-        if torch.device(self.device).type == "cuda":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
 
     def end_step(self) -> None:
         """Forget :meth:`prepare_write`'s and :meth:`graph_write`'s rows: later writes prepare
@@ -307,7 +300,7 @@ class TieredKVPool(MHATokenToKVPool):
         if layers == list(range(self.layer_num)):
             lt = torch.arange(self.layer_num, device=self.device)[:, None, None]
         else:
-            lt = self._on_device(layers)[:, None, None]
+            lt = to_device(layers, self.device)[:, None, None]
         h = torch.arange(self.head_num, device=self.device)[None, :, None]
         self.block_all[lt, FULL, h, new] = blocks.view(len(layers), self.head_num, -1).to(
             self.block_all.dtype

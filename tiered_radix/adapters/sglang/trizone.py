@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tiered_radix.engine.routing import to_device
 from tiered_radix.formats.layout import K_BITS, V_BITS, TriZoneLayout, k_sections
 from tiered_radix.kernels import decode, extend
 
@@ -131,10 +132,7 @@ def _window_states(pool, views, n: list[int], N: int) -> tuple[Tensor, Tensor]:
     flat = torch.cat([v.windows for v in views])
     mine = torch.cat([v.state for v in views], 2)  # [L, H, sum n]
     borrowed = torch.cat([v.borrowed for v in views])
-    counts, total = torch.tensor(n), sum(n)
-    if torch.device(dev).type == "cuda":  # pinned: the copy does not wait for the device
-        counts = counts.pin_memory()
-    counts = counts.to(dev, non_blocking=True)
+    counts, total = to_device(n, dev), sum(n)
     shift = torch.arange(B, device=dev) * N - (counts.cumsum(0) - counts)
     pos = torch.arange(total, device=dev) + shift.repeat_interleave(counts, output_size=total)
     win = torch.zeros(B * N, dtype=torch.long, device=dev).index_copy_(0, pos, flat).view(B, N)
