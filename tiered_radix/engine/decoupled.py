@@ -49,6 +49,14 @@ def channel_cost(n_set: Tensor, bits: list[int], group: int) -> Tensor:
     return torch.stack(cols, -1)
 
 
+def set_counts(v_tier: Tensor, in_set: Tensor, n_tiers: int) -> Tensor:
+    """int64 ``[..., J]``: the K channel set's tokens (``in_set`` bool ``[..., T]``) per V tier
+    (``v_tier [..., >= T]``, its first ``T``), what :func:`channel_cost` prices."""
+    counts = torch.zeros(*in_set.shape[:-1], n_tiers, dtype=torch.long, device=in_set.device)
+    vt = v_tier[..., : in_set.shape[-1]].clamp(0, n_tiers - 1)
+    return counts.scatter_add_(-1, vt, in_set.long())
+
+
 def zone_a_order(v_tier: Tensor, in_set: Tensor, n_tiers: int, group: int):
     """The set's tokens as K groups are made of them: per head, by V tier then position, each
     tier's run padded to a multiple of ``group`` with its last token (Zone A's pages,
@@ -58,8 +66,7 @@ def zone_a_order(v_tier: Tensor, in_set: Tensor, n_tiers: int, group: int):
     H, T = in_set.shape
     dev = in_set.device
     vt = v_tier.clamp(0, n_tiers - 1)
-    counts = torch.zeros(H, n_tiers, dtype=torch.long, device=dev)
-    counts.scatter_add_(1, vt, in_set.long())
+    counts = set_counts(vt, in_set, n_tiers)
     pos = torch.arange(T, device=dev)
     key = torch.where(in_set, vt * T + pos, n_tiers * T)
     order = torch.sort(key, dim=1).indices  # set tokens by (tier, position), then the rest
@@ -241,11 +248,11 @@ class ChannelK:
             extra = (self.n_heads, self._n - t)
             new_set = _padded(new_set, extra, False)
             kept, v_tier = _padded(kept[:, :t], extra, True), _padded(v_tier[:, :t], extra, 0)
-        index, valid, counts = zone_a_order(v_tier[:, : self.n_tokens], new_set, J, self.group)
-        if not self.keep_data:
-            self.n_set, self.tier = counts, new_tier
+        if not self.keep_data:  # the counts alone: Zone A's slot order is for data
+            self.n_set, self.tier = set_counts(v_tier, new_set, J), new_tier
             self._set_to(new_set)
             return
+        index, valid, counts = zone_a_order(v_tier[:, : self.n_tokens], new_set, J, self.group)
         cur = self.view(kept)  # what the layer holds now, before anything is freed
         self.codes = {}
         if index.shape[1]:
@@ -267,18 +274,15 @@ class ChannelK:
     ) -> bool:
         """:meth:`apply` of every layer at once (``new_tier[l]``, ``new_set[l]`` per layer,
         ``v_tier [L, H, >= T]``) where no layer keeps data and all hold as many tokens: their
-        set counts per V tier, channel tiers and sets over the stacked layers, with no host sync
-        (the per-layer path orders Zone A's groups, which only a layer with data reads).
+        set counts per V tier, channel tiers and sets over the stacked layers (as :meth:`apply`
+        without data).
         Returns False, having done nothing, otherwise."""
         k0 = layers[0] if layers else None
         if k0 is None or any(k.keep_data or k._n != k0._n for k in layers):
             return False
-        sets = torch.stack(new_set)  # [L, H, T]
-        t, n = sets.shape[-1], k0._n  # T < n: tokens appended since the plan, outside the set
-        J = len(k0.tiers.names)
-        counts = sets.new_zeros(*sets.shape[:2], J, dtype=torch.long)
-        counts.scatter_add_(2, v_tier[..., :t].clamp(0, J - 1), sets.long())
-        room = _with_room(sets, 2 * n)
+        sets = torch.stack(new_set)  # [L, H, T], T < n: tokens appended since the plan, outside
+        counts = set_counts(v_tier, sets, len(k0.tiers.names))
+        room = _with_room(sets, 2 * k0._n)
         for k, c, tier, s in zip(layers, counts, torch.stack(new_tier), room, strict=True):
             k.n_set, k.tier, k._set = c, tier, s
         return True

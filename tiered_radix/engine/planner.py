@@ -22,7 +22,7 @@ from torch import Tensor
 from tiered_radix.policy.model import Demote, Evict, Keep, Promote, RankAllocation, RateDistortion
 
 from .allocate_rd import rd_allocate, rd_choice_rows
-from .decoupled import channel_cost
+from .decoupled import channel_cost, set_counts
 from .routing import (
     Constraints,
     coupled_costs,
@@ -427,8 +427,7 @@ def _rd_decoupled(store, li: int, c: Constraints, cost: Tensor, budgets: list[fl
     v_tier = _rd_coupled(store, li, c, cost, [a.v_share * b for b in budgets])
     ev = -1 if ts.evict is None else ts.evict
     k_set = (v_tier != ev) & ~c.full
-    n_set = torch.zeros(store.n_heads, len(ts.names), dtype=torch.long, device=store.device)
-    n_set.scatter_add_(1, v_tier.clamp(min=0), k_set.long())  # set tokens per V tier
+    n_set = set_counts(v_tier, k_set, len(ts.names))
     chan = UnitLayout("channel", 1, store.head_dim)
     kw, ks = _weights(store, li, a.k_weight, chan), _weights(store, li, a.sigma, chan)
     k_cost = channel_cost(n_set, lay.k.bits, a.group)[:, ts.offset :]
@@ -540,8 +539,7 @@ def _rd_decoupled_group(
     v_tier = _finish(store, choice.view(G, H, U), cost_p, c)
     ev = -1 if ts.evict is None else ts.evict
     in_set = (v_tier != ev) & ~c.full
-    n_set = torch.zeros(G, H, len(ts.names), dtype=torch.long, device=store.device)
-    n_set.scatter_add_(2, v_tier.clamp(min=0), in_set.long())  # set tokens per V tier
+    n_set = set_counts(v_tier, in_set, len(ts.names))
     bits = store.layers[g.layers[0]].k.bits
     k_cost = channel_cost(n_set.view(R, -1), bits, a.group)[:, ts.offset :]
     v_cost = cost.gather(-1, v_tier[..., None])[..., 0]
