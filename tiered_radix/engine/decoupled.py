@@ -33,6 +33,7 @@ from torch import Tensor
 
 from tiered_radix.formats import codecs
 
+from .ledger import zero_padded
 from .routing import TierSet
 
 
@@ -112,9 +113,7 @@ class KStart(NamedTuple):
 
 def _with_room(held: Tensor, capacity: int) -> Tensor:
     """bool ``[..., capacity]``: the set ``held [..., t]`` followed by room (False)."""
-    out = held.new_zeros(*held.shape[:-1], capacity)
-    out[..., : held.shape[-1]] = held
-    return out
+    return zero_padded(held, (*held.shape[:-1], capacity - held.shape[-1]), held.dim() - 1)
 
 
 def _padded(x: Tensor, extra: tuple[int, int], value) -> Tensor:
