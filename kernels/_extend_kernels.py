@@ -74,7 +74,18 @@ def _page_kv(arena8, arena16, page_bytes, ent_blk, ent_win, e, ok, seq, D: tl.co
     return tl.reshape(k, (D, PPI * W)), tl.reshape(v, (PPI * W, D)), pos, valid
 
 
-@triton.jit
+# Arguments that change with the batch (list and tile counts, strides of per-batch buffers, and
+# index tables sliced from one packed tensor, whose addresses move with the batch size) are out
+# of the compiled key: otherwise each new combination of "== 1", "% 16 == 0" and "16-byte
+# aligned" compiles the kernel again, in front of that batch's first token. The index tables
+# are read one scalar at a time, so the alignment hint bought nothing.
+_BATCH_INDEX = ("ent_blk", "ent_win", "n_rows", "n_pages", "q_start", "q_len", "seq_len")
+
+
+@triton.jit(
+    do_not_specialize=("list_stride", "qsq_sb"),
+    do_not_specialize_on_alignment=_BATCH_INDEX + ("tile_b", "tile_m", "lse_ptr", "qsq_ptr"),
+)
 def _extend_attn_kernel(
     q_ptr, q_st, q_sh, out_ptr, o_st, o_sh, lse_ptr, rows_k, rows_v, arena8, arena16, page_bytes,
     ent_blk, ent_win, n_rows, n_pages, list_stride, tile_b, tile_m, q_start, q_len, seq_len,
@@ -188,7 +199,11 @@ def _column_sums(
         tl.store(attn_ptr + at, la, mask=valid)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=("list_stride", "sig_sr", "sig_sh", "TILES", "S_MAX"),
+    do_not_specialize_on_alignment=_BATCH_INDEX + (
+        "lse_ptr", "colmass_ptr", "obs_ptr", "attn_ptr", "split_off", "split_n"),
+)
 def _extend_signals_kernel(
     q_ptr, q_st, q_sh, lse_ptr, rows_k, rows_v, arena8, arena16, page_bytes, ent_blk, ent_win,
     n_rows, n_pages, list_stride, q_start, q_len, seq_len, colmass_ptr, obs_ptr, attn_ptr,

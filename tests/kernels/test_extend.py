@@ -271,3 +271,34 @@ def test_plan_tiles_are_every_tile_once_the_furthest_first():
     seqs, q_lens = [40, 300, 5], [40, 100, 5]
     last = [seqs[b] - q_lens[b] + min(m + 16, q_lens[b]) for b, m in tiles]
     assert last == sorted(last, reverse=True)
+
+
+def test_batches_of_any_shape_launch_one_compiled_variant():
+    """The server's batches change every step (requests, lengths, tiles, list lengths, layer
+    slices of the shared buffers); each of them compiling a new variant of the kernels costs
+    seconds in front of a first token (run 19's serving benchmark: 57 s of extend host time over
+    38 batches). The arguments that change with the batch are kept out of the compiled key, so
+    one set of constexprs (dtype, page format, which signals) is one variant for every batch."""
+    from jit_variants import JitVariants
+
+    L, H = 3, 2
+    g = torch.Generator().manual_seed(3)
+    with JitVariants() as v:
+        for t in range(9):
+            B = int(torch.randint(1, 7, (), generator=g))
+            prefix = torch.randint(0, 100, (B,), generator=g).tolist()
+            chunk = torch.randint(1, 70, (B,), generator=g).tolist()
+            q, st, ls, p, _ = make_batch(prefix, chunk, H=H, W=32, seed=t)
+            every = extend.WindowLists(*(torch.stack([x] * L) for x in (ls.blk, ls.win, ls.rows,
+                                                                         ls.pages)), ls.n_max)  # fmt: skip
+            splits = extend.signal_splits(p, 32, H, frozenset({"colmass"}))
+            sig = torch.zeros(L, splits.rows, H, p.t_max, device=DEV)
+            qsq = torch.zeros(L, B, p.tiles_max, H, q.shape[-1], device=DEV)
+            li = t % L
+            _, lse = extend.run(q, st, every.layer(li), p, H, sm_scale=0.125, qnorm_sq=qsq[li])
+            extend.signals(q, lse, st, every.layer(li), p, H, frozenset({"attn", "colmass"}),
+                           sm_scale=0.125, into={"attn": sig[li], "colmass": sig[(li + 1) % L]},
+                           zeroed=True, splits=splits)  # fmt: skip
+    for name in ("_extend_attn_kernel", "_extend_signals_kernel"):
+        assert len(v.specs[name]) == 9
+        assert len(v.keys[name]) == 1, v.varying(name)
