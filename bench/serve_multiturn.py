@@ -134,6 +134,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-inflight", type=int, default=64, help="poisson: most conversations in flight at once"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="conversations of another seed sent (all at once) before the measured loads, the "
+        "cache flushed after: JIT compiles and allocator growth out of the numbers, their "
+        "seconds recorded as warmup_s (0: none)",
+    )
     p.add_argument("--port", type=int, default=31100)
     p.add_argument("--mem-fraction", type=float, default=0.85)
     p.add_argument("--hicache-gb", type=float, default=40.0)
@@ -160,8 +168,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_system(system, convs, loads, kv_bytes, geometry, opts, args) -> list[dict]:
-    """Start ``system``'s server, run every load, stop it; one row per load."""
+def run_system(system, convs, loads, kv_bytes, geometry, opts, args, warm=()) -> list[dict]:
+    """Start ``system``'s server, send it the ``warm`` conversations, run every load, stop it;
+    one row per load."""
     name = system.name.replace("%", "")
     server = Server(server_command(system, kv_bytes, geometry, opts), opts.port,
                     args.out / f"{name}.log")  # fmt: skip
@@ -180,8 +189,11 @@ def run_system(system, convs, loads, kv_bytes, geometry, opts, args) -> list[dic
             # SGLang's own GB figures (weights, kvcache: the pool's get_kv_size_bytes, graphs)
             states = info.get("internal_states") or [{}]
             base["memory_usage_gb"] = states[0].get("memory_usage")
+            if warm:
+                base.update(_warm_up(server, warm, args))
             for i, load in enumerate(loads):
-                flushed = None if i == 0 else server.flush_cache()  # None: the cache was new
+                # None: the cache was new
+                flushed = None if i == 0 and not warm else server.flush_cache()
                 if flushed is False:
                     print(f"[{system.name}] flush_cache failed: a warm cache", file=sys.stderr)
                 recs = asyncio.run(
@@ -208,6 +220,18 @@ def run_system(system, convs, loads, kv_bytes, geometry, opts, args) -> list[dic
         r["peak_gpu_mib"] = mem.peak_mib  # over the server's life, all its loads
         r["gpu_released"] = released
     return rows
+
+
+def _warm_up(server: Server, warm, args) -> dict:
+    """The ``warm`` conversations, all in flight at once (a fresh server compiles its kernels
+    for the batch shapes it meets first): their wall seconds and failed requests."""
+    load = Load("saturation", len(warm), seed=args.seed, request_timeout_s=args.request_timeout,
+                run_timeout_s=args.run_timeout)  # fmt: skip
+    t0 = time.time()
+    recs = asyncio.run(run_load(server.url, warm, load, ignore_eos=not args.no_ignore_eos,
+                                progress=False))  # fmt: skip
+    return {"warmup_s": round(time.time() - t0, 1),
+            "warmup_errors": sum(1 for r in recs if r.get("error"))}  # fmt: skip
 
 
 def _brief(row: dict) -> str:
@@ -261,16 +285,20 @@ def run(args: argparse.Namespace) -> int:
         for system in systems:
             print(system.name, " ".join(server_command(system, kv_bytes, geometry, opts)[1:]))
         return 0
+    # the warm-up's own seed: none of its histories is a prefix of a measured one
+    warm = []
+    if args.warmup > 0:
+        warm = workload(args.seed + 1, dataclasses.replace(scale, conversations=args.warmup), sizer)
     meta = {
         "gpu": _gpu_name(), "commit": args.commit or _commit(), "model": args.model,
         "kv_bytes": kv_bytes, "kv_bytes_per_bf16_token": geometry.bytes_per_token(),
         "preset": args.preset, "scale": dataclasses.asdict(scale), "seed": args.seed,
         "sizer": "tokenizer" if sizer.exact else "approximate",
         "history_tokens": [c.history_tokens for c in convs], "ignore_eos": not args.no_ignore_eos,
-        "command": sys.argv,
+        "warmup_conversations": args.warmup, "command": sys.argv,
     }  # fmt: skip
     for system in systems:
-        rows = run_system(system, convs, loads, kv_bytes, geometry, opts, args)
+        rows = run_system(system, convs, loads, kv_bytes, geometry, opts, args, warm)
         summary = report.merge(meta, rows, args.out)
         try:
             report.plot(summary, args.out / "serve.png")

@@ -141,7 +141,7 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
               "--port", str(_free_port()), "--out", str(out), "--no-progress",
               "--start-timeout", "60", "--commit", "abc"]  # fmt: skip
     assert serve_multiturn.main(common + ["--systems", "bf16,fp8"]) == 0
-    assert serve_multiturn.main(common + ["--systems", "qevict@10%"]) == 0
+    assert serve_multiturn.main(common + ["--systems", "qevict@10%", "--warmup", "0"]) == 0
     summary = json.loads((out / "serve-summary.json").read_text())
     assert summary["kv_bytes"] == 16_000 * 12_288 and summary["commit"] == "abc"
     assert {"gpu", "commit", "model", "kv_bytes", "rows"} <= summary.keys()
@@ -158,8 +158,14 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
         assert row["errors"] == 0 and row["recall"] == 1.0 and row["hit_rate"] > 0
         assert row["pool"]["tokens"] == 1234 and row["max_total_num_tokens"] == 1234
         assert row["memory_usage_gb"]["kvcache"] == 0.183
-    assert rows["bf16", "poisson:50"]["flushed"] is None  # a new server's cache
-    assert rows["bf16", "saturation:2"]["flushed"] is True  # emptied between arrival modes
+    # the warm-up's conversations, then the cache emptied before each arrival mode
+    warmed = rows["bf16", "poisson:50"]
+    assert warmed["warmup_errors"] == 0 and warmed["warmup_s"] >= 0
+    assert rows["bf16", "poisson:50"]["flushed"] is True
+    assert rows["bf16", "saturation:2"]["flushed"] is True
+    assert rows["qevict@10%", "poisson:50"]["flushed"] is None  # --warmup 0: a new server's cache
+    assert "warmup_s" not in rows["qevict@10%", "poisson:50"]
+    assert summary["warmup_conversations"] == 0  # the last call's
     hits = [rows["bf16", a]["hit_rate"] for a in ("poisson:50", "saturation:2")]
     assert hits[0] == hits[1]  # the second mode's first turns found no earlier answers
     assert rows["qevict@10%", "saturation:2"]["budget"] == "10%"

@@ -30,8 +30,10 @@ def _binder(kernel):
     if isinstance(kernel, InterpretedFunction):
         opts = {k: v for k, v in kernel.kwargs.items() if k.startswith("do_not_specialize")}
     else:
-        opts = {"do_not_specialize": kernel.do_not_specialize,
-                "do_not_specialize_on_alignment": kernel.do_not_specialize_on_alignment}  # fmt: skip
+        opts = {
+            "do_not_specialize": kernel.do_not_specialize,
+            "do_not_specialize_on_alignment": kernel.do_not_specialize_on_alignment,
+        }
     jf = JITFunction(kernel.fn, **opts)
     return jf.arg_names, create_function_from_signature(jf.signature, jf.params, _BACKEND)
 
@@ -48,7 +50,7 @@ class JitVariants:
 
     @property
     def keys(self) -> dict[str, set[str]]:
-        return {name: {repr(sorted(s.items())) for s in specs} for name, specs in self.specs.items()}
+        return {n: {repr(sorted(s.items())) for s in specs} for n, specs in self.specs.items()}
 
     def varying(self, name: str) -> dict[str, set[str]]:
         specs = self.specs[name]

@@ -289,8 +289,8 @@ def test_batches_of_any_shape_launch_one_compiled_variant():
             prefix = torch.randint(0, 100, (B,), generator=g).tolist()
             chunk = torch.randint(1, 70, (B,), generator=g).tolist()
             q, st, ls, p, _ = make_batch(prefix, chunk, H=H, W=32, seed=t)
-            every = extend.WindowLists(*(torch.stack([x] * L) for x in (ls.blk, ls.win, ls.rows,
-                                                                         ls.pages)), ls.n_max)  # fmt: skip
+            stacked = (torch.stack([x] * L) for x in (ls.blk, ls.win, ls.rows, ls.pages))
+            every = extend.WindowLists(*stacked, ls.n_max)
             splits = extend.signal_splits(p, 32, H, frozenset({"colmass"}))
             sig = torch.zeros(L, splits.rows, H, p.t_max, device=DEV)
             qsq = torch.zeros(L, B, p.tiles_max, H, q.shape[-1], device=DEV)
