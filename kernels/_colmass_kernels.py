@@ -40,7 +40,7 @@ def _visible(offs_m, offs_n, Tk, q_offset, CAUSAL: tl.constexpr):
     return ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq", "Tk", "q_offset"))
 def _row_lse_kernel(
     q_ptr, k_ptr, lse_ptr, Tq, Tk, q_offset, scale_log2,
     sq0, sq1, sq2, sk0, sk1, sk2,
@@ -71,7 +71,7 @@ def _row_lse_kernel(
     tl.store(lse_ptr + head * Tq + offs_m, m_i + tl.log2(l_i), mask=offs_m < Tq)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("Tq", "Tk", "q_offset"))
 def _column_mass_kernel(
     q_ptr, k_ptr, lse_ptr, out_ptr, Tq, Tk, q_offset, scale_log2,
     sq0, sq1, sq2, sk0, sk1, sk2,

@@ -39,7 +39,15 @@ def _mass_rows(score_ptr, units_ptr, mass_row, lse, g, gm, start, end, row0, row
                   row0 + n * row_mul + row_add, u, ok, G)  # fmt: skip
 
 
-@triton.jit
+# batch-dependent offsets, counts and index lists out of the compiled key (_decode_split.py)
+@triton.jit(
+    do_not_specialize=("mass_stride", "row_full", "row_fresh", "S"),
+    do_not_specialize_on_alignment=(
+        "mass_ptr", "full_indptr_ptr", "full_end_ptr", "full_units_ptr",
+        "fresh_indptr_ptr", "fresh_units_ptr", "page_indptr_ptr", "page_ids_ptr",
+        "page_ntok_ptr", "page_units_ptr", "page_unit_ptr",
+    ),
+)  # fmt: skip
 def _decode_mass_kernel(
     score_ptr, lse_ptr, mass_ptr, mass_stride, full_indptr_ptr, full_end_ptr, full_units_ptr,
     fresh_indptr_ptr, fresh_units_ptr, page_indptr_ptr, page_ids_ptr, page_ntok_ptr,

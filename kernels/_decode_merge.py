@@ -8,7 +8,7 @@ import triton.language as tl
 from tiered_radix.kernels._decode_common import NEG
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("S",))  # the split count changes with the batch
 def _decode_merge_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, out_stride_b, out_stride_h, lse_ptr, H_KV, G, S,
     D: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_S: tl.constexpr,

@@ -48,7 +48,18 @@ def _rows(
     return m, l_i, acc
 
 
-@triton.jit
+# The split count, score-row offsets and the step's index lists (slices of packed per-step
+# tensors, whose addresses move with the batch) are out of the compiled key, so an eager step of
+# a new batch shape does not compile the kernel again ("== 1", "% 16", "16-byte aligned"); the
+# lists are read a scalar at a time. Under CUDA graphs every captured batch has its own buffers.
+@triton.jit(
+    do_not_specialize=("row_full", "row_fresh", "S"),
+    do_not_specialize_on_alignment=(
+        "perm_ptr", "full_indptr_ptr", "full_end_ptr", "full_slots_ptr", "fresh_indptr_ptr",
+        "fresh_slots_ptr", "page_off_ptr", "page_ntok_ptr", "page_indptr_ptr", "page_ids_ptr",
+        "page_unit_ptr", "full_units_ptr", "fresh_units_ptr",
+    ),
+)  # fmt: skip
 def _decode_split_kernel(
     q_ptr, q_stride_b, q_stride_h, perm_ptr, k_pool, v_pool, pool_stride_s, pool_stride_h,
     full_indptr_ptr, full_end_ptr, full_slots_ptr, fresh_indptr_ptr, fresh_slots_ptr, arena8,

@@ -201,8 +201,8 @@ def _column_sums(
 
 @triton.jit(
     do_not_specialize=("list_stride", "sig_sr", "sig_sh", "TILES", "S_MAX"),
-    do_not_specialize_on_alignment=_BATCH_INDEX + (
-        "lse_ptr", "colmass_ptr", "obs_ptr", "attn_ptr", "split_off", "split_n"),
+    do_not_specialize_on_alignment=_BATCH_INDEX
+    + ("lse_ptr", "colmass_ptr", "obs_ptr", "attn_ptr", "split_off", "split_n"),
 )
 def _extend_signals_kernel(
     q_ptr, q_st, q_sh, lse_ptr, rows_k, rows_v, arena8, arena16, page_bytes, ent_blk, ent_win,

@@ -34,7 +34,7 @@ def _round_half_even(y):
     return tl.where(up, f + 1.0, f)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))
 def _quantize_pack_kernel(
     x_ptr, codes_ptr, scale_ptr, lo_ptr, M, N, NG,
     BITS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, GPB: tl.constexpr,
@@ -86,7 +86,7 @@ def _quantize_pack_kernel(
     tl.store(codes_ptr + byte_offs, packed.to(tl.uint8), mask=bytes_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))
 def _dequantize_unpack_kernel(
     codes_ptr, scale_ptr, lo_ptr, out_ptr, M, N, NG,
     BITS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr, GPB: tl.constexpr,

@@ -53,7 +53,9 @@ def _grid_and_blocks(m: int, n: int, group: int) -> tuple[tuple[int, int], dict[
     ng = n // group
     gp = triton.next_power_of_2(group)
     gpb = min(triton.next_power_of_2(ng), max(1, _TILE_ELEMS // gp))
-    block_r = min(triton.next_power_of_2(m), max(1, _TILE_ELEMS // (gpb * gp)))
+    # not shrunk to small m: BLOCK_R is compiled in, and a routing's row count changes every
+    # time (one variant per power of two, each compiled in front of that routing's moves)
+    block_r = max(1, _TILE_ELEMS // (gpb * gp))
     grid = (triton.cdiv(m, block_r), triton.cdiv(ng, gpb))
     return grid, {"GROUP": group, "GP": gp, "GPB": gpb, "BLOCK_R": block_r}
 

@@ -475,3 +475,23 @@ def test_cuda_full_size_and_graph(grp, d):
     graph.replay()
     torch.testing.assert_close(out.float(), ro, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(mass, rm, atol=2e-3, rtol=1e-2)
+
+
+def test_steps_of_any_batch_launch_one_compiled_variant():
+    """An eager decode step of a new batch (request count, lengths, split count) compiles no
+    new variant of the three kernels: the per-step lists and counts are out of the compiled key
+    (tests/kernels/jit_variants.py; the extend kernels' test says why it matters)."""
+    from jit_variants import JitVariants
+
+    g = torch.Generator().manual_seed(5)
+    with JitVariants() as v:
+        for t in range(6):
+            lens = torch.randint(20, 90, (int(torch.randint(1, 5, (), generator=g)),),
+                                 generator=g).tolist()  # fmt: skip
+            q, k, vv, tp = make_case(t, lens, 2, 7, 64, torch.bfloat16, [2, 16])
+            lay = build_trizone(k, vv, tp, page_size=32, v_group=32)
+            p = decode.plan(lay, num_q_heads=14, side_output=True, num_splits=1 + t % 2)
+            decode.run(q, lay, p, mass=torch.zeros(len(lens), lay.max_units, device=DEV))
+    for name in ("_decode_split_kernel", "_decode_merge_kernel", "_decode_mass_kernel"):
+        assert len(v.specs[name]) == 6
+        assert len(v.keys[name]) == 1, v.varying(name)

@@ -145,3 +145,17 @@ def test_launcher_rejects_bad_input():
         quantize_pack(x, bits=4, group=32, out=quantize_pack(x[:2], bits=4, group=32))
     with pytest.raises(ValueError, match="out is"):
         dequantize_unpack(q, dtype=torch.float16, out=torch.empty(4, 64, device=DEVICE))
+
+
+def test_any_row_count_launches_one_compiled_variant():
+    """A routing quantizes a different number of windows each time; the row count is not part
+    of the compiled key (tests/kernels/jit_variants.py), in either direction."""
+    from jit_variants import JitVariants
+
+    with JitVariants() as v:
+        for m in (1, 2, 3, 16, 17, 40):
+            q = quantize_pack(_data((m, 64, 32), torch.bfloat16, m), bits=2, group=32)
+            dequantize_unpack(q, dtype=torch.bfloat16)
+    for name in ("_quantize_pack_kernel", "_dequantize_unpack_kernel"):
+        assert len(v.specs[name]) == 6
+        assert len(v.keys[name]) == 1, v.varying(name)
