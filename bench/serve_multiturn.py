@@ -203,7 +203,11 @@ def run_system(system, convs, loads, kv_bytes, geometry, opts, args, warm=()) ->
                 path = args.out / "records" / f"{name}.{load.label.replace(':', '-')}.jsonl"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-                rows.append(dict(base, arrival=load.label, flushed=flushed, **summarize(recs)))
+                row = dict(base, arrival=load.label, flushed=flushed, **summarize(recs))
+                tiered = _tiered_stats(server)
+                if tiered:
+                    row["tiered"] = tiered
+                rows.append(row)
                 print(f"[{system.name}] {load.label}: {_brief(rows[-1])}", flush=True)
         except Exception as err:  # noqa: BLE001 - recorded in the system's rows; on to the next
             print(f"[{system.name}] failed: {str(err)[:2000]}", file=sys.stderr)
@@ -232,6 +236,21 @@ def _warm_up(server: Server, warm, args) -> dict:
                                 progress=False))  # fmt: skip
     return {"warmup_s": round(time.time() - t0, 1),
             "warmup_errors": sum(1 for r in recs if r.get("error"))}  # fmt: skip
+
+
+# what a tiered server's stats (/server_info) say about a load: where its rows and ledger stood,
+# what new tokens took from the radix cache, and its host seconds per phase
+TIERED_KEYS = ("tokens_held", "units", "blocks", "row_blocks_free", "ledger_blocks_free",
+               "cached_windows_demoted", "cached_tokens_evicted", "degraded_moves",
+               "over_budget_routings", "routes", "host_s")  # fmt: skip
+
+
+def _tiered_stats(server: Server) -> dict | None:
+    """The tiered backend's stats after a load (running totals since the start), or None for
+    a server without ``--kv-policy``."""
+    states = server.info().get("internal_states") or [{}]
+    stats = states[0].get("tiered_radix")
+    return {k: stats[k] for k in TIERED_KEYS if k in stats} if stats else None
 
 
 def _brief(row: dict) -> str:

@@ -8,8 +8,8 @@ of this one (a radix cache that never evicts). ``/health``, ``/server_info``, ``
 (empties the cache) as SGLang has them. ``app[STATE]["max_inflight"]`` counts concurrent streams.
 A message containing ``HANG`` never gets an answer (timeouts).
 
-Run alone: ``python fake_openai.py --port N [--fail]`` (``--fail``: exit 3 at once, a server
-that does not start).
+Run alone: ``python fake_openai.py --port N [--fail] [--tiered]`` (``--fail``: exit 3 at once,
+a server that does not start; ``--tiered``: ``/server_info`` carries tiered stats).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _words(messages) -> int:
 STATE = web.AppKey("state", dict)
 
 
-def make_app(delay_s: float = 0.002) -> web.Application:
+def make_app(delay_s: float = 0.002, tiered: bool = False) -> web.Application:
     state = {"seen": [], "inflight": 0, "max_inflight": 0, "requests": 0}
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -73,9 +73,11 @@ def make_app(delay_s: float = 0.002) -> web.Application:
 
     async def info(_request):
         usage = {"weight": 0.9, "kvcache": 0.183, "graph": {"decode": 0.1}}
-        return web.json_response(
-            {"max_total_num_tokens": 1234, "internal_states": [{"memory_usage": usage}]}
-        )
+        states = {"memory_usage": usage}
+        if tiered:  # the tiered backend's stats (plugin: Scheduler.get_internal_state)
+            states["tiered_radix"] = {"cached_tokens_evicted": 0, "routes": state["requests"],
+                                      "host_s": {"route": 0.1}, "peak_tokens": 7}  # fmt: skip
+        return web.json_response({"max_total_num_tokens": 1234, "internal_states": [states]})
 
     async def flush(_request):
         state["seen"].clear()
@@ -94,13 +96,14 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--fail", action="store_true")
+    p.add_argument("--tiered", action="store_true", help="/server_info has tiered stats")
     a, _ = p.parse_known_args()
     if a.fail:
         print("fake server: refusing to start", flush=True)
         return 3
     print("KV Cache is allocated. dtype: torch.bfloat16, #tokens: 1234, K size: 0.01 GB, "
           "V size: 0.01 GB", flush=True)  # fmt: skip
-    web.run_app(make_app(), host="127.0.0.1", port=a.port, print=None)
+    web.run_app(make_app(tiered=a.tiered), host="127.0.0.1", port=a.port, print=None)
     return 0
 
 

@@ -127,7 +127,11 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
 
     def command(system, kv_bytes, geometry, opts):
         cmd = [sys.executable, fake, "--port", str(opts.port)]
-        return cmd + (["--fail"] if system.kind == "fp8" else [])
+        return (
+            cmd
+            + (["--fail"] if system.kind == "fp8" else [])
+            + (["--tiered"] if system.kind == "qevict" else [])
+        )
 
     monkeypatch.setattr(serve_multiturn, "server_command", command)
     model = tmp_path / "model"
@@ -169,6 +173,10 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
     hits = [rows["bf16", a]["hit_rate"] for a in ("poisson:50", "saturation:2")]
     assert hits[0] == hits[1]  # the second mode's first turns found no earlier answers
     assert rows["qevict@10%", "saturation:2"]["budget"] == "10%"
+    # the tiered server's stats after each load, only the keys the benchmark keeps
+    stats = rows["qevict@10%", "saturation:2"]["tiered"]
+    assert stats["routes"] > 0 and stats["host_s"] == {"route": 0.1} and "peak_tokens" not in stats
+    assert "tiered" not in rows["bf16", "saturation:2"]
     from serving.servers import KVGeometry, System
 
     qevict = System.parse("qevict@10%").pool_tokens(16_000 * 12_288, KVGeometry(24, 2, 64))

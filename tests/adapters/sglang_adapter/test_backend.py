@@ -590,33 +590,58 @@ def test_gathers_of_every_window_match_gathers_of_live_ones(extend):
         KVOptions(gather="some")
 
 
-@pytest.mark.parametrize("reclaim", [True, False])
+@pytest.mark.parametrize("reclaim", ["demote", "evict", "off"])
 def test_cached_windows_yield_their_rows_to_a_new_prompt(monkeypatch, reclaim):
-    """Row blocks short for a new prompt: the pool evicts radix-cached windows that no running
-    request holds instead of failing the forward (without that, PoolFullError); afterwards every
-    block and slot comes back."""
+    """Row blocks short for a new prompt. With ledger room the pool demotes the rows that only
+    the tree reads (a's finished prompt, routed at 50%) to ledger copies: a's prefix stays
+    cached, whole, and a later turn of a still hits it, reading quantized windows where it read
+    rows. Without ledger room it evicts cached windows that no running request holds. Without
+    either, PoolFullError. Afterwards every block and slot comes back."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     from tiered_radix.adapters.sglang.pool import PoolFullError
+    from tiered_radix.adapters.sglang.reps import S_FULL, S_Q
 
-    h = Harness(blocks=PoolBlocks(24, 64))  # 10 windows x 2 heads fit once, not twice
+    # 10 windows x 2 heads fit once, not twice; 20 ledger pages hold a's copies, 2 do not
+    h = Harness(blocks=PoolBlocks(24, 2 if reclaim == "evict" else 20))
     sim = h.sim
-    if not reclaim:
+    if reclaim == "off":
         monkeypatch.setattr(sim.pool, "_reclaim_rows", lambda need, layers: None)
     free0, avail0 = [len(f) for f in sim.pool.free_rows], sim.alloc.available_size()
     a = h.start("a", list(range(1, 41)))
     h.step([a], [a.origin_input_ids], extend=True)
+    a_windows = sim.r2t.req_to_token[a.req_pool_idx, :40:4].long() // 4
     h.finish(a)  # cached in the tree at the states routing left
+    before = sim.pool.owner_all[:, :, a_windows].clone()
     held = free0[0] - len(sim.pool.free_rows[0])
-    assert 0 < held and len(sim.pool.free_rows[0]) < 20 and sim.cache.evictable_size() > 0
+    assert 0 < held and len(sim.pool.free_rows[0]) < 20 and sim.cache.evictable_size() == 40
     b = h.start("b", list(range(50, 90)))  # nothing shared with a: 20 new row blocks a layer
-    if not reclaim:
+    if reclaim == "off":
         with pytest.raises(PoolFullError, match="row blocks needed"):
             h.step([b], [b.origin_input_ids], extend=True)
         return
     h.step([b], [b.origin_input_ids], extend=True)
-    assert sim.cache.evictable_size() < 40  # some of a's cached windows made room
-    h.finish(b)
+    took = sim.pool.reclaimed
+    if reclaim == "evict":
+        assert sim.cache.evictable_size() < 40  # some of a's cached windows made room
+        assert took["cached_tokens_evicted"] > 0 and took["cached_windows_demoted"] == 0
+    else:
+        assert sim.cache.evictable_size() == 40  # a's prefix is all still cached
+        assert took["cached_windows_demoted"] > 0 and took["cached_tokens_evicted"] == 0
+        after = sim.pool.owner_all[:, :, a_windows]
+        assert (before == S_FULL).any() and not (after == S_FULL).any()
+        assert torch.equal(after[before != S_FULL], before[before != S_FULL])
+        assert (after[before == S_FULL] == S_Q).all()
+        h.finish(b)
+        a2 = h.start("a2", list(range(1, 41)) + [95, 96, 97, 98])  # a's next turn
+        assert a2.prefix_len == 40
+        h.step([a2], [a2.origin_input_ids[40:]], extend=True)
+        out = torch.stack(h.step([a2], [[99]], extend=False))
+        assert out.isfinite().all()
+        h.finish(a2)
+        b = None
+    if b is not None:
+        h.finish(b)
     sim.cache.evict(EvictParams(num_tokens=10_000))
     assert sim.alloc.available_size() == avail0
     assert [len(f) for f in sim.pool.free_rows] == free0
@@ -779,7 +804,8 @@ def test_graphs_need_the_decode_kernel():
 
 def test_rows_for_windows_evicts_cached_windows_before_saying_no():
     """The decode-memory check's question (SGLang retracts on no): cached windows that no
-    running request holds give their rows first; more windows than the pool has rows for: no."""
+    running request holds give their rows first, demoted to the ledger while it has room (the
+    prefix stays cached), then evicted; more windows than the pool has rows for: no."""
     h = Harness(blocks=PoolBlocks(24, 64))  # 12 windows of 2 heads a layer
     sim = h.sim
     a = h.start("a", list(range(1, 41)))
@@ -787,8 +813,8 @@ def test_rows_for_windows_evicts_cached_windows_before_saying_no():
     h.finish(a)
     cached, free = sim.cache.evictable_size(), min(len(f) for f in sim.pool.free_rows)
     want = free // sim.H + 1  # one window more than the free rows hold
-    assert sim.pool.rows_for_windows(want) and sim.cache.evictable_size() < cached
-    assert not sim.pool.rows_for_windows(13)
+    assert sim.pool.rows_for_windows(want) and sim.cache.evictable_size() == cached
+    assert not sim.pool.rows_for_windows(13) and sim.cache.evictable_size() == 0
 
 
 # ops that read only the elements they are given (views, indexing): free over a whole table

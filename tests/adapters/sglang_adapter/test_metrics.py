@@ -89,6 +89,8 @@ def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
         (P + "borrowed_quantized_total", ()): moves["borrowed"],
         (P + "degraded_moves_total", ()): pool.degraded,
         (P + "zone_full_routings_total", ()): pool.zone_full,
+        (P + "cached_windows_demoted_total", ()): pool.reclaimed["cached_windows_demoted"],
+        (P + "cached_tokens_evicted_total", ()): pool.reclaimed["cached_tokens_evicted"],
     }
     out |= {(P + "units", (("state", s),)): own.count(i) for i, s in enumerate(names)}
     for kind, row in zip(("full", "ledger", "restored"), blk, strict=True):

@@ -49,6 +49,14 @@ COUNTERS = {  # snapshot running total -> (metric name, help); exported with a _
         "zone_full_routings",
         "Decoupled routings whose pages found no room in the Zone A store (read what they held).",
     ),
+    "cached_windows_demoted": (
+        "cached_windows_demoted",
+        "Radix-cached windows whose rows went to their ledger copies to make room for new tokens.",
+    ),
+    "cached_tokens_evicted": (
+        "cached_tokens_evicted",
+        "Radix-cached tokens evicted to make room in the row blocks for new tokens.",
+    ),
 }
 UNITS = (f"{P}units", "(layer, KV head, window) units of the cache by the owner's state.")
 BLOCK_KINDS = ("full", "restored", "ledger")

@@ -109,6 +109,8 @@ class TieredKVPool(MHATokenToKVPool):
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
         self._warned_short = False  # the first degraded move is logged (see degraded)
+        # rows reclaimed from the radix cache (_reclaim_rows): windows demoted, tokens evicted
+        self._reclaimed = {"cached_windows_demoted": 0, "cached_tokens_evicted": 0}
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
         kwargs.pop("post_capture_active", None)
         super().__init__(
@@ -324,14 +326,23 @@ class TieredKVPool(MHATokenToKVPool):
         ``H`` a window."""
         return min(self.row_stacks.counts()) // self.head_num
 
+    def _short(self, need: int, layers: list[int]) -> int:
+        """Row blocks the scarcest of ``layers`` lacks for ``need`` free ones (host read)."""
+        free = self.row_stacks.counts()
+        return max(need - free[li] for li in layers)
+
     def _reclaim_rows(self, need: int, layers: list[int]) -> None:
         """Before opening windows: while a layer of ``layers`` has fewer than ``need`` free row
-        blocks, evict radix-cached windows that no running request holds (SGLang's own LRU
-        eviction, whose frees come back here through the allocator), so cached prefixes yield
-        to new tokens instead of the forward failing. Locked prefixes are never touched."""
+        blocks, first demote the rows of radix-cached windows that no running request holds to
+        their ledger copies (:meth:`_demote_cached`: the prefix stays cached, at the quantized
+        tier), then evict such windows (SGLang's own eviction, whose frees come back here
+        through the allocator), so cached prefixes yield to new tokens instead of the forward
+        failing. Locked prefixes are never touched."""
         tree = getattr(self, "tree", None)
-        if tree is None:
+        if tree is None or self._short(need, layers) <= 0:
             return
+        if self.layout.quant is not None:
+            self._demote_cached(tree, need, layers)
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         evicted = 0
@@ -346,7 +357,54 @@ class TieredKVPool(MHATokenToKVPool):
             if tree.evictable_size() == before:
                 break
         if evicted:
+            self._reclaimed["cached_tokens_evicted"] += evicted
             log.info("tiered-radix: evicted %d cached tokens for row blocks", evicted)
+
+    def _demote_cached(self, tree, need: int, layers: list[int]) -> None:
+        """Cached prefixes' full-precision rows to their ledger copies, the prefix SGLang would
+        evict first first (:meth:`.radix.TieredRadixCache.cold_windows`), until every layer of
+        ``layers`` has ``need`` free row blocks: the tree moves its own hold of each
+        (layer, head, window) it alone reads from rows (``FULL`` or ``R``; a borrower's
+        reference would keep the block) to ``Q``, making the ledger copy where the window has
+        none (write-once). A request that matches the prefix later borrows it quantized, and its
+        own routing may restore it (``R``), as for any demoted window. Stops at the first node
+        whose ledger copies some layer has no free blocks for: the rest is evicted (a move that
+        finds no ledger block would evict the window in place, inside a prefix still cached)."""
+        demoted = 0
+        for w in tree.cold_windows():
+            ly, h, ww = self._pairs(w)
+            st = self.owner_all[ly, h, ww].long()
+            kind = torch.where(st == S_R, R, FULL)
+            sole = ((st == S_FULL) | (st == S_R)) & (self.ref_all[ly, kind, h, ww] == 1)
+            fresh = sole & (st == S_FULL) & (self.block_all[ly, Q, h, ww] == 0)
+            per_layer = torch.bincount(ly[fresh], minlength=self.layer_num).tolist()
+            if not sole.any():
+                continue
+            if any(n > f for n, f in zip(per_layer, self.q_stacks.counts(), strict=True)):
+                break
+            ly, h, ww, st = ly[sole], h[sole], ww[sole], st[sole]
+            make = {Q: int(sum(per_layer)), R: 0}
+            reached = self.move(ly, h, ww, st, torch.full_like(st, S_Q), make)
+            self.owner_all[ly, h, ww] = reached.to(self.owner_all.dtype)
+            demoted += w.numel()
+            if self._short(need, layers) <= 0:
+                break
+        if demoted:
+            self._reclaimed["cached_windows_demoted"] += demoted
+            log.info("tiered-radix: demoted %d cached windows' rows to the ledger", demoted)
+
+    @property
+    def reclaimed(self) -> dict[str, int]:
+        """What new tokens' rows took from the radix cache so far: windows whose rows went to
+        the ledger (the prefix stayed cached) and tokens evicted (host counts)."""
+        return dict(self._reclaimed)
+
+    def _pairs(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Every (layer, head, window) of windows ``w [n]``, flat, in ``[L, H, n]`` order."""
+        L, H, n = self.layer_num, self.head_num, w.numel()
+        ly = torch.arange(L, device=self.device)[:, None, None].expand(L, H, n)
+        h = torch.arange(H, device=self.device)[None, :, None].expand(L, H, n)
+        return ly.flatten(), h.flatten(), w.expand(L, H, n).flatten()
 
     def _take(self, free: FreeStacks, counts: dict[int, int], what: str) -> Tensor:
         """``counts[l]`` blocks off layer ``l``'s free stack, in ``counts``' order: int64
@@ -607,12 +665,10 @@ class TieredKVPool(MHATokenToKVPool):
     def release_pages(self, pages: Tensor) -> None:
         """The allocator freed ``pages`` (= windows): their owner lets go in every layer."""
         pages = torch.unique(pages.long())
-        st = self.owner_all[:, :, pages].long()  # [L, H, n]
-        L, H, n = st.shape
-        ly = torch.arange(L, device=self.device)[:, None, None].expand(L, H, n)
-        h = torch.arange(H, device=self.device)[None, :, None].expand(L, H, n)
+        ly, h, w = self._pairs(pages)
+        st = self.owner_all[ly, h, w].long()
         st = torch.where(st >= 0, st, S_EVICT)  # nobody owns it: holds nothing
-        self.release(ly.flatten(), h.flatten(), pages.expand(L, H, n).flatten(), st.flatten())
+        self.release(ly, h, w, st)
         self.owner_all[:, :, pages] = -1
 
     # -- accounting ------------------------------------------------------------------------

@@ -247,6 +247,21 @@ class TieredRadixCache(RadixCache):
         view.state = torch.cat([view.state, view.state.new_full((L, H, new.numel()), -1)], 2)
         return view
 
+    def cold_windows(self) -> list[Tensor]:
+        """The windows of every cached prefix that no running request holds (nodes with no
+        lock), one int64 tensor a node, in the order SGLang's eviction strategy would take them
+        (least recently used first, for the default): what the pool demotes to the ledger
+        before it evicts prefixes for rows (:meth:`.pool.TieredKVPool.rows_for_windows`)."""
+        nodes, stack = [], list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.lock_ref == 0 and len(node.value):
+                nodes.append(node)
+        nodes.sort(key=self.eviction_strategy.get_priority)
+        W, dev = self.layout.window, self.pool.device
+        return [(n.value[::W].long() // W).to(dev) for n in nodes]
+
     def _triples(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Flat (layer, head, window) of every layer and head of windows ``w [n]``: ``[L*H*n]``
         each, in ``[L, H, n]`` order."""

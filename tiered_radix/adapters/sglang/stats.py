@@ -124,6 +124,7 @@ class BackendStats:
             **self.moved(),
             "degraded_moves": getattr(pool, "degraded", 0),  # moves short of blocks (pool.move)
             "zone_full_routings": getattr(pool, "zone_full", 0),  # repacks with no room (rdkv)
+            **getattr(pool, "reclaimed", {}),  # cached rows demoted / evicted for new tokens
             "peak_bytes": self.peak_bytes,
             "peak_tokens": self.peak_tokens,
             "bf16_bytes_per_token": per_token,
