@@ -119,8 +119,8 @@ def main(argv=None) -> int:
         print(json.dumps(r))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        out = {"command": sys.argv, "torch": torch.__version__, "args": vars(args) | {"out": str(args.out)},
-               "rows": rows}  # fmt: skip
+        run_args = vars(args) | {"out": str(args.out)}
+        out = {"command": sys.argv, "torch": torch.__version__, "args": run_args, "rows": rows}
         (args.out / "reclaim.json").write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
