@@ -51,11 +51,10 @@ ledger: write_once
 
 
 def run(mode: str, args) -> dict:
-    from test_backend import Harness
-
+    """One mode's conversations (see the module docstring): its row of the results."""
     from tiered_radix.adapters.sglang import backend
-    from tiered_radix.adapters.sglang.sizing import PoolBlocks
 
+    args = argparse.Namespace(**vars(args), mode=mode)
     gen = torch.Generator().manual_seed(0)
 
     def stub(q, layout, plan, mass=None, **kw):  # cache behaviour only: random mass, zeros out
@@ -63,14 +62,25 @@ def run(mode: str, args) -> dict:
             mass.copy_(torch.rand(mass.shape, generator=gen) ** 8)
         return torch.zeros_like(q)
 
-    backend.decode.run = stub
+    kernel, backend.decode.run = backend.decode.run, stub
+    try:
+        return _chat(args)
+    finally:
+        backend.decode.run = kernel
+
+
+def _chat(args) -> dict:
+    from test_backend import Harness
+
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
     W, H = 8, args.heads
     longest = args.history + args.turns * (args.question + args.answer)
     pages = args.convs * (longest // W + 2) + 8  # slots: every conversation stays cached
     rows = int(args.row_prompts * (args.history // W) * H)  # full precision for that many histories
     h = Harness(policy=POLICY, layers=args.layers, heads=H, head_dim=args.head_dim, pages=pages,
                 blocks=PoolBlocks(rows, pages * H), context=longest + 64)  # fmt: skip
-    if mode == "evict":  # the reclaim before demotion: cached prefixes are evicted for rows
+    if args.mode == "evict":  # the reclaim before demotion: cached prefixes are evicted for rows
         h.sim.pool._demote_cached = lambda tree, need, layers: None
     rng = torch.Generator().manual_seed(1)
     convs = [torch.randint(1, 100, (args.history,), generator=rng).tolist()
@@ -92,7 +102,7 @@ def run(mode: str, args) -> dict:
             h.finish(req)
     took = h.sim.pool.reclaimed
     return {
-        "mode": mode,
+        "mode": args.mode,
         "hit_rate": round(matched / prompt_tokens, 4),
         "reprefilled_tokens": prompt_tokens - matched,
         "later_turn_prompt_tokens": prompt_tokens,
