@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 from tiered_radix.kernels._extend_kernels import _extend_attn_kernel, _extend_signals_kernel
+from tiered_radix.kernels.decode import IL_MIN_PAGE_CUDA  # the same tl.interleave miscompile
 from torch import Tensor
 
 from tiered_radix.formats.layout import uniform_page_nbytes, unpack_uniform_pages
@@ -31,8 +32,6 @@ from tiered_radix.formats.layout import uniform_page_nbytes, unpack_uniform_page
 LOG2E = 1.4426950408889634
 OBS_WINDOW = 32  # as adapters/transformers/attention.py (SnapKV's observation window)
 ROW, PAGE, ABSENT = 0, 1, 2  # window kinds of :func:`window_lists`
-# tl.interleave unpacking is miscompiled for pages under 32 tokens on the H200 (decode.py)
-IL_MIN_PAGE_CUDA = 32
 # signal_splits: a grid of ~4 waves of the H200's 132 SMs at 2 programs each; a split reads at
 # least 16 blocks of query rows (its key tile's load amortised), and at most 8 partial sums
 SIGNAL_PROGRAMS, SPLIT_MIN_BLOCKS, MAX_SPLITS = 1024, 16, 8
