@@ -299,11 +299,10 @@ class TieredAttnBackend(AttentionBackend):
     # -- per batch -------------------------------------------------------------------------
     @property
     def tree(self):
-        tree = getattr(self.pool, "tree", None)
+        tree = self.pool.tree
         if tree is None:
             raise PoolConfigError("tiered_triton needs --radix-cache-backend tiered")
-        tree.before_close = self.flush
-        tree.after_reset = self._after_reset
+        tree.connect(self.flush, self._after_reset)
         return tree
 
     def _after_reset(self) -> None:

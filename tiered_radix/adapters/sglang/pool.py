@@ -111,6 +111,7 @@ class TieredKVPool(MHATokenToKVPool):
         self._warned_short = False  # the first degraded move is logged (see degraded)
         # rows reclaimed from the radix cache (_reclaim_rows): windows demoted, tokens evicted
         self._reclaimed = {"cached_windows_demoted": 0, "cached_tokens_evicted": 0}
+        self._tree = None  # the radix cache over this pool (attach_tree)
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
         kwargs.pop("post_capture_active", None)
         super().__init__(
@@ -135,6 +136,16 @@ class TieredKVPool(MHATokenToKVPool):
         )
 
     # -- storage ---------------------------------------------------------------------------
+    def attach_tree(self, tree) -> None:
+        """The radix cache over this pool (:class:`.radix.TieredRadixCache`): where the attention
+        backend finds the requests' views, and what :meth:`rows_for_windows` reclaims from."""
+        self._tree = tree
+
+    @property
+    def tree(self):
+        """The attached radix cache, or None."""
+        return self._tree
+
     def _create_buffers(self) -> None:
         L, H, d, W = self.layer_num, self.head_num, self.head_dim, self.layout.window
         F, Qn, dev = self.blocks.full, self.blocks.quant, self.device
@@ -338,7 +349,7 @@ class TieredKVPool(MHATokenToKVPool):
         tier), then evict such windows (SGLang's own eviction, whose frees come back here
         through the allocator), so cached prefixes yield to new tokens instead of the forward
         failing. Locked prefixes are never touched."""
-        tree = getattr(self, "tree", None)
+        tree = self._tree
         if tree is None or self._short(need, layers) <= 0:
             return
         if self.layout.quant is not None:

@@ -125,8 +125,8 @@ class TieredRadixCache(RadixCache):
         self.views: dict[str, RequestView] = {}
         # the attention backend's pending work on the views (a replayed decode step's routing),
         # given the ids of the requests whose views close next
-        self.before_close: Callable[[list[str]], None] | None = None
-        self.after_reset: Callable[[], None] | None = None  # the backend's, after reset()
+        self._before_close: Callable[[list[str]], None] | None = None
+        self._after_reset: Callable[[], None] | None = None  # the backend's, after reset()
         n_tiers = len(self.layout.engine_tiers)
         self._next = None  # decoupled windows never move: their requests repack (.zones)
         if self.layout.tier_bits is None:  # [holder state, engine tier] -> the next state
@@ -135,8 +135,14 @@ class TieredRadixCache(RadixCache):
                 dtype=torch.long,
                 device=pool.device,
             )
-        pool.tree = self  # the attention backend (same scheduler process) finds the views here
+        pool.attach_tree(self)  # the attention backend (same scheduler process) finds us there
         self._attach(self.token_to_kv_pool_allocator)
+
+    def connect(self, before_close: Callable[[list[str]], None], after_reset: Callable[[], None]):
+        """The attention backend's hooks: ``before_close(rids)``, its pending work on the views
+        of requests about to close (a replayed decode step's routing), and ``after_reset()``,
+        after :meth:`reset` emptied the tree."""
+        self._before_close, self._after_reset = before_close, after_reset
 
     def _attach(self, alloc) -> None:
         """Every page the allocator takes back first releases its owner's representations."""
@@ -413,8 +419,8 @@ class TieredRadixCache(RadixCache):
 
     # -- SGLang entry points ---------------------------------------------------------------
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
-        if self.before_close is not None:
-            self.before_close([req.rid])
+        if self._before_close is not None:
+            self._before_close([req.rid])
         self._report(req, kv_len_to_handle)
         self.close_view(req.rid)
         return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
@@ -439,8 +445,8 @@ class TieredRadixCache(RadixCache):
         allocator, which frees no page through it: the windows the tree held are given back to
         the pool here, or pages handed out again would find them owned (routed ones fail the
         pool's write check; full ones keep their rows forever)."""
-        if getattr(self, "before_close", None) is not None:
-            self.before_close(list(getattr(self, "views", {})))
+        if getattr(self, "_before_close", None) is not None:
+            self._before_close(list(getattr(self, "views", {})))
         for rid in list(getattr(self, "views", {})):
             self.close_view(rid)
         # SGLang flushes only when idle: no request waits with the settings it asked for (a
@@ -452,5 +458,5 @@ class TieredRadixCache(RadixCache):
             if owned.numel():
                 pool.release_pages(owned)
         super().reset()
-        if getattr(self, "after_reset", None) is not None:
-            self.after_reset()
+        if getattr(self, "_after_reset", None) is not None:
+            self._after_reset()
