@@ -378,28 +378,40 @@ class TieredKVPool(MHATokenToKVPool):
         (layer, head, window) it alone reads from rows (``FULL`` or ``R``; a borrower's
         reference would keep the block) to ``Q``, making the ledger copy where the window has
         none (write-once). A request that matches the prefix later borrows it quantized, and its
-        own routing may restore it (``R``), as for any demoted window. Stops at the first node
-        whose ledger copies some layer has no free blocks for: the rest is evicted (a move that
-        finds no ledger block would evict the window in place, inside a prefix still cached)."""
-        demoted = 0
-        for w in tree.cold_windows():
+        own routing may restore it (``R``), as for any demoted window. Stops at the first group
+        of prefixes whose ledger copies some layer has no free blocks for: the rest is evicted (a
+        move that finds no ledger block would evict the window in place, inside a prefix still
+        cached)."""
+        demoted, short = 0, self._short(need, layers)
+        nodes = iter(tree.cold_windows())
+        while short > 0:
+            # the next prefixes, oldest first, with a few times the windows the rows lack (most
+            # of a routed prefix is quantized or evicted already): one pass, a few host reads
+            group, n = [], 0
+            for w in nodes:
+                group.append(w)
+                n += w.numel()
+                if n * self.head_num >= 4 * short:
+                    break
+            if not group:
+                break
+            w = torch.cat(group)
             ly, h, ww = self._pairs(w)
             st = self.owner_all[ly, h, ww].long()
             kind = torch.where(st == S_R, R, FULL)
             sole = ((st == S_FULL) | (st == S_R)) & (self.ref_all[ly, kind, h, ww] == 1)
             fresh = sole & (st == S_FULL) & (self.block_all[ly, Q, h, ww] == 0)
             per_layer = torch.bincount(ly[fresh], minlength=self.layer_num).tolist()
-            if not sole.any():
-                continue
-            if any(n > f for n, f in zip(per_layer, self.q_stacks.counts(), strict=True)):
+            if any(k > f for k, f in zip(per_layer, self.q_stacks.counts(), strict=True)):
                 break
-            ly, h, ww, st = ly[sole], h[sole], ww[sole], st[sole]
-            make = {Q: int(sum(per_layer)), R: 0}
-            reached = self.move(ly, h, ww, st, torch.full_like(st, S_Q), make)
-            self.owner_all[ly, h, ww] = reached.to(self.owner_all.dtype)
-            demoted += w.numel()
-            if self._short(need, layers) <= 0:
-                break
+            windows = int(sole.view(self.layer_num * self.head_num, -1).any(0).sum())
+            if windows:
+                ly, h, ww, st = ly[sole], h[sole], ww[sole], st[sole]
+                make = {Q: sum(per_layer), R: 0}
+                reached = self.move(ly, h, ww, st, torch.full_like(st, S_Q), make)
+                self.owner_all[ly, h, ww] = reached.to(self.owner_all.dtype)
+                demoted += windows
+                short = self._short(need, layers)
         if demoted:
             self._reclaimed["cached_windows_demoted"] += demoted
             log.info("tiered-radix: demoted %d cached windows' rows to the ledger", demoted)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -253,7 +253,7 @@ class TieredRadixCache(RadixCache):
         view.state = torch.cat([view.state, view.state.new_full((L, H, new.numel()), -1)], 2)
         return view
 
-    def cold_windows(self) -> list[Tensor]:
+    def cold_windows(self) -> Iterator[Tensor]:
         """The windows of every cached prefix that no running request holds (nodes with no
         lock), one int64 tensor a node, in the order SGLang's eviction strategy would take them
         (least recently used first, for the default): what the pool demotes to the ledger
@@ -266,7 +266,7 @@ class TieredRadixCache(RadixCache):
                 nodes.append(node)
         nodes.sort(key=self.eviction_strategy.get_priority)
         W, dev = self.layout.window, self.pool.device
-        return [(n.value[::W].long() // W).to(dev) for n in nodes]
+        return ((n.value[::W].long() // W).to(dev) for n in nodes)  # read as far as needed
 
     def _triples(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Flat (layer, head, window) of every layer and head of windows ``w [n]``: ``[L*H*n]``
