@@ -396,7 +396,7 @@ class TieredKVPool(MHATokenToKVPool):
             if not group:
                 break
             w = torch.cat(group)
-            ly, h, ww = self._pairs(w)
+            ly, h, ww = self.pairs(w)
             st = self.owner_all[ly, h, ww].long()
             kind = torch.where(st == S_R, R, FULL)
             sole = ((st == S_FULL) | (st == S_R)) & (self.ref_all[ly, kind, h, ww] == 1)
@@ -422,8 +422,9 @@ class TieredKVPool(MHATokenToKVPool):
         the ledger (the prefix stayed cached) and tokens evicted (host counts)."""
         return dict(self._reclaimed)
 
-    def _pairs(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Every (layer, head, window) of windows ``w [n]``, flat, in ``[L, H, n]`` order."""
+    def pairs(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Every (layer, head, window) of windows ``w [n]``: int64 ``[L*H*n]`` each, in
+        ``[L, H, n]`` order (the order of ``owner_all[:, :, w].flatten()``)."""
         L, H, n = self.layer_num, self.head_num, w.numel()
         ly = torch.arange(L, device=self.device)[:, None, None].expand(L, H, n)
         h = torch.arange(H, device=self.device)[None, :, None].expand(L, H, n)
@@ -688,7 +689,7 @@ class TieredKVPool(MHATokenToKVPool):
     def release_pages(self, pages: Tensor) -> None:
         """The allocator freed ``pages`` (= windows): their owner lets go in every layer."""
         pages = torch.unique(pages.long())
-        ly, h, w = self._pairs(pages)
+        ly, h, w = self.pairs(pages)
         st = self.owner_all[ly, h, w].long()
         st = torch.where(st >= 0, st, S_EVICT)  # nobody owns it: holds nothing
         self.release(ly, h, w, st)

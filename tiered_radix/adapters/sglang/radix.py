@@ -234,7 +234,7 @@ class TieredRadixCache(RadixCache):
         w = self._windows(req, 0, prefix_len)
         st = self.pool.owner_all[:, :, w]  # [L, H, n]
         torch._assert_async((st >= 0).all(), "borrowing a window nobody owns")
-        self.pool.acquire(*self._triples(w), st.flatten())
+        self.pool.acquire(*self.pool.pairs(w), st.flatten())
         view = RequestView(w, torch.ones_like(w, dtype=torch.bool), st, w.numel())
         self.views[req.rid] = view
         return view
@@ -267,14 +267,6 @@ class TieredRadixCache(RadixCache):
         nodes.sort(key=self.eviction_strategy.get_priority)
         W, dev = self.layout.window, self.pool.device
         return ((n.value[::W].long() // W).to(dev) for n in nodes)  # read as far as needed
-
-    def _triples(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Flat (layer, head, window) of every layer and head of windows ``w [n]``: ``[L*H*n]``
-        each, in ``[L, H, n]`` order."""
-        L, H, n, dev = self.pool.layer_num, self.pool.head_num, w.numel(), self.pool.device
-        ly = torch.arange(L, device=dev)[:, None, None].expand(L, H, n)
-        h = torch.arange(H, device=dev)[None, :, None].expand(L, H, n)
-        return ly.flatten(), h.flatten(), w.expand(L, H, n).flatten()
 
     def states(self, rid: str, layer_id: int) -> Tensor:
         """int8 ``[H, n]``: how request ``rid`` reads each of its windows in ``layer_id``."""
@@ -415,7 +407,7 @@ class TieredRadixCache(RadixCache):
         if view is None:
             return
         w = view.windows[view.borrowed]
-        self.pool.release(*self._triples(w), view.state[:, :, view.borrowed].flatten())
+        self.pool.release(*self.pool.pairs(w), view.state[:, :, view.borrowed].flatten())
 
     # -- SGLang entry points ---------------------------------------------------------------
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
@@ -435,7 +427,7 @@ class TieredRadixCache(RadixCache):
         moved = (now != view.windows) & ~view.borrowed
         if bool(moved.any()):
             st = self.pool.owner_all[:, :, now[moved]]
-            self.pool.acquire(*self._triples(now[moved]), st.flatten())
+            self.pool.acquire(*self.pool.pairs(now[moved]), st.flatten())
             view.state[:, :, moved] = st
             view.windows, view.borrowed = now, view.borrowed | moved
             view.n_borrowed = int(view.borrowed.sum())
