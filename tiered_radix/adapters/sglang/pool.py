@@ -358,9 +358,7 @@ class TieredKVPool(MHATokenToKVPool):
 
         evicted = 0
         for _ in range(16):
-            free = self.row_stacks.counts()
-            short = max(need - free[li] for li in layers)
-            before = tree.evictable_size()
+            short, before = self._short(need, layers), tree.evictable_size()
             if short <= 0 or before == 0:
                 break
             tree.evict(EvictParams(num_tokens=-(-short // self.head_num) * self.layout.window))
@@ -397,7 +395,7 @@ class TieredKVPool(MHATokenToKVPool):
                 break
             w = torch.cat(group)
             ly, h, ww = self.pairs(w)
-            st = self.owner_all[ly, h, ww].long()
+            st = self.owner_all[:, :, w].long().flatten()  # in pairs' order
             kind = torch.where(st == S_R, R, FULL)
             sole = ((st == S_FULL) | (st == S_R)) & (self.ref_all[ly, kind, h, ww] == 1)
             fresh = sole & (st == S_FULL) & (self.block_all[ly, Q, h, ww] == 0)
@@ -690,7 +688,7 @@ class TieredKVPool(MHATokenToKVPool):
         """The allocator freed ``pages`` (= windows): their owner lets go in every layer."""
         pages = torch.unique(pages.long())
         ly, h, w = self.pairs(pages)
-        st = self.owner_all[ly, h, w].long()
+        st = self.owner_all[:, :, pages].long().flatten()  # in pairs' order
         st = torch.where(st >= 0, st, S_EVICT)  # nobody owns it: holds nothing
         self.release(ly, h, w, st)
         self.owner_all[:, :, pages] = -1
