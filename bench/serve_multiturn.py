@@ -148,6 +148,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--graph-max-bs", type=int, default=32)
     p.add_argument("--server-args", default="", help="extra flags for every server")
     p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--start-together",
+        action="store_true",
+        help="launch every system's server at once (ports --port, --port + 10, ...) and run "
+        "the loads one system at a time: the start-ups overlap (each server's peak GPU memory "
+        "is then its own processes')",
+    )
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument(
         "--run-timeout",
@@ -168,62 +175,110 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_system(system, convs, loads, kv_bytes, geometry, opts, args, warm=()) -> list[dict]:
-    """Start ``system``'s server, send it the ``warm`` conversations, run every load, stop it;
-    one row per load."""
-    name = system.name.replace("%", "")
-    server = Server(server_command(system, kv_bytes, geometry, opts), opts.port,
-                    args.out / f"{name}.log")  # fmt: skip
-    base = {
-        "system": system.kind, "budget": system.budget, "name": system.name,
-        "pool_tokens_flag": system.pool_tokens(kv_bytes, geometry), "command": server.cmd[1:],
-    }  # fmt: skip
-    rows = []
-    with GpuMemory() as mem:
+class SystemRun:
+    """One system's server through its life: started, waited for (``/health``), then its
+    ``warm`` conversations and every load, then stopped; one row per load, a failure anywhere
+    recorded as the rows' ``error``. ``alone``: the GPU's only user while it runs, so its peak
+    memory is the device's over the baseline before the launch; else (``--start-together``)
+    the peak of its own processes (:class:`~serving.servers.GpuMemory` with a PID)."""
+
+    def __init__(self, system, kv_bytes, geometry, opts, args, *, alone: bool = True) -> None:
+        name = system.name.replace("%", "")
+        self.system, self.args, self.alone = system, args, alone
+        self.server = Server(server_command(system, kv_bytes, geometry, opts), opts.port,
+                             args.out / f"{name}.log")  # fmt: skip
+        self.base = {
+            "system": system.kind, "budget": system.budget, "name": system.name,
+            "pool_tokens_flag": system.pool_tokens(kv_bytes, geometry),
+            "command": self.server.cmd[1:], "started_together": not alone,
+        }  # fmt: skip
+        self.error: Exception | None = None
+        self.memory: GpuMemory | None = None
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self.memory = GpuMemory(pid=None if self.alone else lambda: self.server.pid)
+        self.memory.__enter__()
+        self._t0 = time.time()
+        self.server.start()
+
+    def wait(self) -> None:
+        """Until healthy (``startup_s`` from the launch), then the server's own figures."""
         try:
-            server.start()
-            base["startup_s"] = round(server.wait_healthy(args.start_timeout), 1)
-            info = server.info()
-            base["max_total_num_tokens"] = info.get("max_total_num_tokens")
-            base["pool"] = pool_from_log(server.log_tail(1 << 20))
+            left = self.args.start_timeout - (time.time() - self._t0)
+            self.server.wait_healthy(max(left, 1.0))
+            self.base["startup_s"] = round(time.time() - self._t0, 1)
+            info = self.server.info()
+            self.base["max_total_num_tokens"] = info.get("max_total_num_tokens")
+            self.base["pool"] = pool_from_log(self.server.log_tail(1 << 20))
             # SGLang's own GB figures (weights, kvcache: the pool's get_kv_size_bytes, graphs)
             states = info.get("internal_states") or [{}]
-            base["memory_usage_gb"] = states[0].get("memory_usage")
+            self.base["memory_usage_gb"] = states[0].get("memory_usage")
+        except Exception as err:  # noqa: BLE001 - recorded in the system's rows
+            self.error = err
+
+    def run(self, convs, loads, warm=()) -> list[dict]:
+        """The warm-up and every load (after :meth:`wait`), then the server stopped."""
+        args, rows = self.args, []
+        try:
+            if self.error is not None:
+                raise self.error
+            base = self.base
             if warm:
-                base.update(_warm_up(server, warm, args))
+                base.update(_warm_up(self.server, warm, args))
             for i, load in enumerate(loads):
                 # None: the cache was new
-                flushed = None if i == 0 and not warm else server.flush_cache()
+                flushed = None if i == 0 and not warm else self.server.flush_cache()
                 if flushed is False:
-                    print(f"[{system.name}] flush_cache failed: a warm cache", file=sys.stderr)
+                    print(f"[{self.system.name}] flush_cache failed: a warm cache", file=sys.stderr)
                 recs = asyncio.run(
-                    run_load(server.url, convs, load, ignore_eos=not args.no_ignore_eos,
+                    run_load(self.server.url, convs, load, ignore_eos=not args.no_ignore_eos,
                              progress=not args.no_progress)
                 )  # fmt: skip
+                name = self.system.name.replace("%", "")
                 path = args.out / "records" / f"{name}.{load.label.replace(':', '-')}.jsonl"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text("".join(json.dumps(r) + "\n" for r in recs))
                 row = dict(base, arrival=load.label, flushed=flushed, **summarize(recs))
-                tiered = _tiered_stats(server)
+                tiered = _tiered_stats(self.server)
                 if tiered:
                     row["tiered"] = tiered
                 rows.append(row)
-                print(f"[{system.name}] {load.label}: {_brief(rows[-1])}", flush=True)
+                print(f"[{self.system.name}] {load.label}: {_brief(rows[-1])}", flush=True)
         except Exception as err:  # noqa: BLE001 - recorded in the system's rows; on to the next
-            print(f"[{system.name}] failed: {str(err)[:2000]}", file=sys.stderr)
+            print(f"[{self.system.name}] failed: {str(err)[:2000]}", file=sys.stderr)
             done = {r["arrival"] for r in rows}
-            rows += [
-                dict(base, arrival=ld.label, error=str(err)[-4000:])
-                for ld in loads
-                if ld.label not in done
-            ]
+            rows += [dict(self.base, arrival=ld.label, error=str(err)[-4000:])
+                     for ld in loads if ld.label not in done]  # fmt: skip
         finally:
-            server.stop()
-    released = mem.wait_released()
-    for r in rows:
-        r["peak_gpu_mib"] = mem.peak_mib  # over the server's life, all its loads
-        r["gpu_released"] = released
-    return rows
+            self.stop()
+        released = self.memory.wait_released() if self.alone else None
+        for r in rows:
+            r["peak_gpu_mib"] = self.memory.peak_mib  # over the server's life, all its loads
+            r["gpu_released"] = released
+        return rows
+
+    def stop(self) -> None:
+        self.server.stop()
+        if self.memory is not None:
+            self.memory.__exit__(None, None, None)
+
+
+def run_system(system, convs, loads, kv_bytes, geometry, opts, args, warm=()) -> list[dict]:
+    """Start ``system``'s server alone on the GPU, send it the ``warm`` conversations, run
+    every load, stop it; one row per load."""
+    run = SystemRun(system, kv_bytes, geometry, opts, args)
+    run.start()
+    run.wait()
+    return run.run(convs, loads, warm)
+
+
+def together(systems, kv_bytes, geometry, opts, args) -> list[SystemRun]:
+    """``--start-together``: one run per system on ports ``port``, ``port + 10``, ...; the
+    caller starts them all, waits for each, then runs the loads one system at a time, so the
+    start-ups (compiles, graph captures) overlap."""
+    return [SystemRun(s, kv_bytes, geometry, dataclasses.replace(opts, port=opts.port + 10 * i),
+                      args, alone=False) for i, s in enumerate(systems)]  # fmt: skip
 
 
 def _warm_up(server: Server, warm, args) -> dict:
@@ -316,13 +371,25 @@ def run(args: argparse.Namespace) -> int:
         "history_tokens": [c.history_tokens for c in convs], "ignore_eos": not args.no_ignore_eos,
         "warmup_conversations": args.warmup, "command": sys.argv,
     }  # fmt: skip
-    for system in systems:
-        rows = run_system(system, convs, loads, kv_bytes, geometry, opts, args, warm)
-        summary = report.merge(meta, rows, args.out)
-        try:
-            report.plot(summary, args.out / "serve.png")
-        except ImportError as err:  # the summary is what counts; the plot can be redrawn
-            print(f"no plot: {err}", file=sys.stderr)
+    runs = together(systems, kv_bytes, geometry, opts, args) if args.start_together else []
+    try:
+        for r in runs:
+            r.start()
+        for r in runs:
+            r.wait()
+        for i, system in enumerate(systems):
+            if runs:
+                rows = runs[i].run(convs, loads, warm)
+            else:
+                rows = run_system(system, convs, loads, kv_bytes, geometry, opts, args, warm)
+            summary = report.merge(meta, rows, args.out)
+            try:
+                report.plot(summary, args.out / "serve.png")
+            except ImportError as err:  # the summary is what counts; the plot can be redrawn
+                print(f"no plot: {err}", file=sys.stderr)
+    finally:  # a timeout's SIGTERM while servers wait their turn: none outlives the benchmark
+        for r in runs:
+            r.stop()
     return 0
 
 

@@ -23,7 +23,10 @@ A :class:`Server` is one ``python -m sglang.launch_server`` process: started wit
 file, waited for on ``/health``, stopped by its PID (SIGINT, then SIGKILL), never by name.
 :class:`GpuMemory` polls ``nvidia-smi`` for the device's used memory while a server runs; its
 peak minus the reading before the launch is the server's peak GPU memory (the benchmark is the
-GPU's only user).
+GPU's only user). With servers started together (``--start-together``) it sums instead what
+``nvidia-smi`` lists for the server's own processes (the launcher and its descendants, from
+``/proc``); where the listed PIDs are not this machine's (a container's PID namespace), the
+peak is None rather than a wrong number.
 """
 
 from __future__ import annotations
@@ -192,6 +195,11 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The launcher's PID, None before :meth:`start`."""
+        return None if self.proc is None else self.proc.pid
+
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log, "w")  # noqa: SIM115 - closed in stop()
@@ -247,31 +255,80 @@ class Server:
             self._log_file = None
 
 
-def gpu_used_mib() -> int | None:
-    """Used memory of the visible GPUs (MiB, summed), or None without nvidia-smi."""
+def _nvidia_smi(query: str, what: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        return subprocess.run(
+            ["nvidia-smi", f"--query-{query}={what}", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout  # fmt: skip
-        return sum(int(x) for x in out.split())
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except (OSError, subprocess.SubprocessError):
         return None
 
 
-class GpuMemory:
-    """Polls :func:`gpu_used_mib` in a thread; ``peak_mib`` is the peak over the baseline."""
+def gpu_used_mib() -> int | None:
+    """Used memory of the visible GPUs (MiB, summed), or None without nvidia-smi."""
+    out = _nvidia_smi("gpu", "memory.used")
+    try:
+        return None if out is None else sum(int(x) for x in out.split())
+    except ValueError:
+        return None
 
-    def __init__(self, every_s: float = 0.5) -> None:
-        self.every_s = every_s
-        self.baseline = gpu_used_mib()
-        self._peak = self.baseline
+
+def process_tree(pid: int, proc: Path = Path("/proc")) -> set[int]:
+    """``pid`` and its descendants, from ``/proc/<pid>/stat``'s parent field (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p not in tree:
+            tree.add(p)
+            todo += children.get(p, [])
+    return tree
+
+
+def gpu_used_by(pids: set[int]) -> int | None:
+    """MiB the GPU's compute processes among ``pids`` hold (summed); None without nvidia-smi
+    or when none of them is listed."""
+    out = _nvidia_smi("compute-apps", "pid,used_memory")
+    if out is None:
+        return None
+    used = [line.split(",") for line in out.strip().splitlines() if "," in line]
+    try:
+        mine = [int(m) for p, m in used if int(p) in pids]
+    except ValueError:  # "[N/A]" and the like
+        return None
+    return sum(mine) if mine else None
+
+
+class GpuMemory:
+    """Polls :func:`gpu_used_mib` in a thread; ``peak_mib`` is the peak over the baseline.
+    ``pid``: a callable giving a server's launcher PID (None until it runs); then the poll is
+    :func:`gpu_used_by` over its :func:`process_tree`, the baseline 0 and the peak None until
+    one of its processes is listed."""
+
+    def __init__(self, every_s: float = 0.5, pid=None) -> None:
+        self.every_s, self._pid = every_s, pid
+        self.baseline = gpu_used_mib() if pid is None else 0
+        self._peak = self.baseline if pid is None else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
+    def _used(self) -> int | None:
+        if self._pid is None:
+            return gpu_used_mib()
+        pid = self._pid()
+        return None if pid is None else gpu_used_by(process_tree(pid))
+
     def _poll(self) -> None:
         while not self._stop.wait(self.every_s):
-            used = gpu_used_mib()
+            used = self._used()
             if used is not None and (self._peak is None or used > self._peak):
                 self._peak = used
 

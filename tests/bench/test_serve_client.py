@@ -187,6 +187,63 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
     assert (out / "serve.png").stat().st_size > 0
 
 
+def test_servers_started_together(tmp_path, monkeypatch):
+    """--start-together: every server launched before any is waited for, every one healthy
+    before the first load, each on its own port, the loads one system at a time, each server
+    stopped after its own loads; a server that fails to start only costs its own rows."""
+    import serve_multiturn
+    from serving.servers import Server
+
+    fake = str(Path(__file__).with_name("fake_openai.py"))
+    events: list[tuple[str, int]] = []
+
+    def command(system, kv_bytes, geometry, opts):
+        return [sys.executable, fake, "--port", str(opts.port)] + (
+            ["--fail"] if system.kind == "fp8" else []
+        )
+
+    def spy(name):
+        original = getattr(Server, name)
+
+        def wrapped(self, *a, **k):
+            events.append((name, self.port))
+            return original(self, *a, **k)
+
+        monkeypatch.setattr(Server, name, wrapped)
+
+    for name in ("start", "wait_healthy", "flush_cache", "stop"):
+        spy(name)
+    monkeypatch.setattr(serve_multiturn, "server_command", command)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 24, "num_key_value_heads": 2, "num_attention_heads": 14,
+         "hidden_size": 896}))  # fmt: skip
+    out, port = tmp_path / "out", _free_port()
+    argv = ["--model", str(model), "--scale", "conversations=2,turns=2,history=200:300,"
+            "output=4:6,question=30", "--concurrency", "2", "--port", str(port),
+            "--out", str(out), "--no-progress", "--start-timeout", "60", "--commit", "abc",
+            "--systems", "bf16,fp8,hicache", "--start-together"]  # fmt: skip
+    assert serve_multiturn.main(argv) == 0
+    ports = [port, port + 10, port + 20]
+    starts = [p for e, p in events if e == "start"]
+    assert starts == ports
+    first_load = next(i for i, (e, _) in enumerate(events) if e == "flush_cache")
+    assert max(i for i, (e, _) in enumerate(events) if e in ("start", "wait_healthy")) < first_load
+    # bf16 is stopped before hicache's loads begin
+    stop_bf16 = events.index(("stop", port))
+    assert stop_bf16 < events.index(("flush_cache", port + 20))
+    rows = {r["name"]: r for r in json.loads((out / "serve-summary.json").read_text())["rows"]}
+    assert rows["bf16"]["started_together"] and rows["bf16"]["errors"] == 0
+    assert rows["hicache"]["recall"] == 1.0 and rows["hicache"]["gpu_released"] is None
+    assert "exited 3" in rows["fp8"]["error"]
+    assert _flag(rows["hicache"]["command"], "--port") == str(port + 20)
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
 def test_help(capsys):
     import serve_multiturn
 

@@ -124,3 +124,56 @@ def test_gpu_memory_without_nvidia_smi(monkeypatch):
     with servers.GpuMemory() as mem:
         pass
     assert mem.peak_mib is None and mem.wait_released() is None
+
+
+def test_process_tree_from_proc(tmp_path):
+    """The launcher and its descendants, from each process's parent field; a command name
+    with spaces and parentheses does not shift the fields."""
+    from serving.servers import process_tree
+
+    for pid, ppid, comm in [(1, 0, "init"), (10, 1, "python"), (11, 10, "sglang::scheduler (0)"),
+                            (12, 11, "x"), (20, 1, "other"), (21, 20, "y")]:  # fmt: skip
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({comm}) S {ppid} 1 1 0 -1\n")
+    (tmp_path / "self").mkdir()  # not a PID: skipped
+    assert process_tree(10, tmp_path) == {10, 11, 12}
+    assert process_tree(20, tmp_path) == {20, 21}
+    assert process_tree(99, tmp_path) == {99}
+
+
+def test_gpu_used_by_sums_the_listed_processes(monkeypatch):
+    from serving import servers
+
+    listing = {"out": "10, 1500\n11, 2500\n30, 9000\n"}
+    monkeypatch.setattr(servers, "_nvidia_smi", lambda query, what: listing["out"])
+    assert servers.gpu_used_by({10, 11, 12}) == 4000
+    assert servers.gpu_used_by({12}) is None  # none of them listed: unknown, not 0
+    listing["out"] = "10, [N/A]\n"
+    assert servers.gpu_used_by({10}) is None
+    monkeypatch.setattr(servers, "_nvidia_smi", lambda query, what: None)
+    assert servers.gpu_used_by({10}) is None
+
+
+def test_gpu_memory_of_one_server_started_beside_others(monkeypatch):
+    """With a PID the peak is the server's own processes' (baseline 0), None until listed."""
+    import time
+
+    from serving import servers
+
+    readings = iter([None, 700, 2100, 1800] + [1800] * 100)
+    seen = []
+
+    def fake(pids):
+        seen.append(pids)
+        return next(readings, 1800)
+
+    monkeypatch.setattr(servers, "gpu_used_by", fake)
+    monkeypatch.setattr(servers, "process_tree", lambda pid: {pid, pid + 1})
+    pid = {"v": None}
+    with servers.GpuMemory(every_s=0.001, pid=lambda: pid["v"]) as mem:
+        time.sleep(0.02)
+        assert mem.peak_mib is None and not seen  # not launched yet: nothing polled
+        pid["v"] = 40
+        while len(seen) < 6:
+            time.sleep(0.005)
+    assert seen[0] == {40, 41} and mem.baseline == 0 and mem.peak_mib == 2100

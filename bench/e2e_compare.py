@@ -1,0 +1,58 @@
+"""Compare the answers of two ``tests/gpu/test_sglang_e2e.py`` runs, policy by policy.
+
+Issue 19 asks that the extend kernel leave outputs unchanged against the path before it: run
+the end-to-end test twice on one machine, once as launched (``--kv-extend kernel``) and once
+with ``TR_E2E_ARGS="--kv-extend sdpa"`` (each with its own ``TR_E2E_OUT``), then::
+
+    python bench/e2e_compare.py e2e-kernel e2e-sdpa [--out compare.json]
+
+Prints, per policy present in both folders, whether every chat turn's answer and the needle's
+answer are the same text (greedy decoding), and the first differing answer otherwise. Exit
+status 1 when any answer differs or a folder has no results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def answers(result: dict) -> list[str]:
+    """The chat turns' answers, then the needle's, in the test's order."""
+    return [t["answer"] for t in result["turns"]] + [result["needle"]["answer"]]
+
+
+def compare(a: Path, b: Path) -> dict:
+    """Per policy in both folders: ``{"same": bool, "answers": n, "first_diff": ...}``."""
+    left = {p.stem: json.loads(p.read_text()) for p in sorted(a.glob("*.json"))
+            if not p.name.endswith(".stats.json")}  # fmt: skip
+    right = {p.stem: json.loads(p.read_text()) for p in sorted(b.glob("*.json"))
+             if not p.name.endswith(".stats.json")}  # fmt: skip
+    out = {}
+    for policy in sorted(left.keys() & right.keys()):
+        x, y = answers(left[policy]), answers(right[policy])
+        diff = [(i, u, v) for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v]
+        out[policy] = {"same": not diff and len(x) == len(y), "answers": len(x),
+                       "first_diff": list(diff[0]) if diff else None}  # fmt: skip
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("a", type=Path)
+    p.add_argument("b", type=Path)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    result = compare(args.a, args.b)
+    for policy, r in result.items():
+        print(f"{policy}: {r['answers']} answers, {'same' if r['same'] else 'DIFFER'}"
+              + (f"; first difference {r['first_diff']}" if r["first_diff"] else ""))  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0 if result and all(r["same"] for r in result.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
