@@ -331,9 +331,9 @@ class TieredAttnBackend(AttentionBackend):
         seqs, prefix, new = rows
         self._admit(list(fb.rids), self._slots(fb), seqs, prefix, new)
         self.pool.end_step()
-        # open new windows, find rows in every layer (an extend batch's new windows are where
-        # its tokens begin one: known on the host, no sync)
-        starts = window_starts(prefix, new, self.pool.layout.window) if self.extend else None
+        # open new windows, find rows in every layer (a batch's new windows are where its
+        # tokens begin one: known on the host, no sync)
+        starts = window_starts(prefix, new, self.pool.layout.window)
         self.pool.prepare_write(fb.out_cache_loc, starts=starts)
 
     def note_replay(self, rids: list[str] | None) -> None:
@@ -442,8 +442,9 @@ class TieredAttnBackend(AttentionBackend):
             steady = self.graph_last == (bs, pools, prev) and all(p % W for p in prev)
             self._graph_step(bs, steady)
             self._admit(rids, pools, seqs, prev, [1] * raw)
-            if not steady:
-                self.pool.graph_write(fb.out_cache_loc, g.dest[:, : bs * H])
+            if not steady:  # the real requests' tokens: which begin a window is known here
+                starts = window_starts(prev, [1] * raw, W)
+                self.pool.graph_write(fb.out_cache_loc[:raw], g.dest[:, : bs * H], starts)
         with self._timed("decode_lists"):
             if steady:  # the lists hold the new rows already: their ends move on
                 g.advance(raw)
@@ -455,7 +456,7 @@ class TieredAttnBackend(AttentionBackend):
                     rids = [r.rid for r in self.batch]
                     ls = zone_decode.lists(self.pool, rids, views, seqs, g.n_max, ahead=True)
                 else:
-                    ls = trizone.lists(self.pool, views, seqs, g.n_max, ahead=True)
+                    ls = trizone.candidates(self.pool, views, seqs, g.n_max, ahead=True)
                 g.load(bs, ls)
         self.graph_last = (bs, pools, seqs)
         self.pending = True

@@ -4,9 +4,10 @@ A captured graph replays the kernels it recorded on the tensors it saw at captur
 a decode step's kernels read that changes between steps lives in buffers allocated once, at
 capacity (:class:`GraphDecode`), and each step only overwrites their contents:
 
-- index lists per layer (``[L, capacity]``, offsets local to the layer): the lists
-  :func:`.trizone.lists` builds for the real requests are copied in, and the padded requests of
-  a captured batch size list nothing (their output rows are discarded by SGLang). Each list
+- index lists per layer (``[L, capacity + 1]``, offsets local to the layer, the last entry a
+  dump): the real requests' entries (:func:`.trizone.candidates`, of fixed shapes) are scattered
+  to their places without a host sync, and the padded requests of a captured batch size list
+  nothing (their output rows are discarded by SGLang). Each list
   ends in its last window's future rows, unread past ``full_end [L, bs * H]`` (the kernel's
   per-list end), so the steps until a new window opens only move ``full_end`` on;
 - ``dest [L, bs * H]``: each new token's row in the pool (:meth:`.pool.TieredKVPool.graph_write`),
@@ -50,7 +51,7 @@ def buffer_bytes(
     the pool's slots: they come out of the memory SGLang keeps for CUDA graphs)."""
     L, H, W, d = layers, heads, window, head_dim
     lists, n_max = max_bs * H, -(-context_len // W)
-    rows, pages = H * tokens, H * (-(-tokens // W) + max_bs)
+    rows, pages = H * tokens + 1, H * (-(-tokens // W) + max_bs) + 1  # with the dump entries
     i32 = 4 * (
         L * (lists + 1) + L * lists + 2 * L * rows + L * (4 * lists + 1)
         + L * pages + L * pages * W + 2 * pages + 4 * lists * 12 + lists * d
@@ -88,19 +89,21 @@ class GraphDecode:
         i32 = dict(dtype=torch.int32, device=dev)
         self.full_ptr = torch.zeros(L, max_bs * H + 1, **i32)
         self.full_end = torch.zeros(L, max_bs * H, **i32)
-        self.slots = torch.zeros(L, self.rows, **i32)
-        self.units = torch.zeros(L, self.rows, **i32)
+        # a layer's row and page buffers end in a dump entry: what a step does not list is
+        # scattered there (:meth:`load`: fixed shapes, no host sync)
+        self.slots = torch.zeros(L, self.rows + 1, **i32)
+        self.units = torch.zeros(L, self.rows + 1, **i32)
         self.page_ptr = torch.zeros(L, max_bs * H * 4 + 1, **i32)
-        self.page_off = torch.zeros(L, self.pages, dtype=torch.long, device=dev)
-        self.page_unit = torch.zeros(L, self.pages, **i32)
-        self.page_units = torch.zeros(L, self.pages, W, **i32)
-        self.page_ids = torch.arange(self.pages, **i32)
+        self.page_off = torch.zeros(L, self.pages + 1, dtype=torch.long, device=dev)
+        self.page_unit = torch.zeros(L, self.pages + 1, **i32)
+        self.page_units = torch.zeros(L, self.pages + 1, W, **i32)
+        self.page_ids = torch.arange(self.pages + 1, **i32)
         if self.decoupled:
-            self.page_ntok = torch.full((L, self.pages), W, **i32)
+            self.page_ntok = torch.full((L, self.pages + 1), W, **i32)
             self.k_table = torch.zeros(L, max_bs * H * 4, 12, **i32)
             self.perm = torch.arange(d, **i32).repeat(L, max_bs * H, 1)
         else:
-            self.page_ntok = torch.full((self.pages,), W, **i32)
+            self.page_ntok = torch.full((self.pages + 1,), W, **i32)
             self.k_table = trizone.k_table(pool, max_bs * H)
             self.perm = torch.arange(d, **i32).repeat(max_bs * H, 1)
         self.mass = (
@@ -208,26 +211,51 @@ class GraphDecode:
         self.steps = 0
 
     def load(self, bs: int, ls) -> None:
-        """Copy one step's lists (``len(ls.n) <= bs`` requests, units numbered with ``n_max``,
+        """Take one step's lists (``len(ls.n) <= bs`` requests, units numbered with ``n_max``,
         built with ``ahead``: each list ends in its last window's future rows) into the buffers
-        of batch size ``bs``; the rest of ``bs`` lists nothing."""
+        of batch size ``bs``; the rest of ``bs`` lists nothing. ``ls``: a coupled pool's
+        :class:`~.trizone.Candidates` (scattered into place: no host sync) or a decoupled one's
+        :class:`~.zone_decode.ZoneLists`."""
         assert ls.n_max == self.n_max and len(ls.n) <= bs and ls.ahead is not None
-        L, H, W = self.pool.layer_num, self.pool.head_num, self.pool.layout.window
+        L, H = self.pool.layer_num, self.pool.head_num
         lists, self.bs = len(ls.n) * H, bs
+        if not self.decoupled:
+            self._scatter(bs, ls, lists)
+            return
         local, at = self._place(ls.full_ptr, lists, self.rows, ls.slots.numel())
         self.slots.view(-1).index_copy_(0, at, ls.slots)
         self.units.view(-1).index_copy_(0, at, ls.units)
         _pad(self.full_ptr, local, bs * H + 1)
         self.full_end[:, :lists] = local[:, 1:] - ls.ahead.view(L, lists)
         self.full_end[:, lists : bs * H] = local[:, -1:]
-        if self.decoupled:
-            self._load_pages(bs, ls, lists)
-            return
-        local, at = self._place(ls.page_ptr, lists * 4, self.pages, ls.pages.numel())
-        self.page_off.view(-1).index_copy_(0, at, ls.pages * self.pool.page_bytes)
-        self.page_unit.view(-1).index_copy_(0, at, ls.page_unit)
-        self.page_units.view(-1, W).index_copy_(0, at, ls.page_unit[:, None].expand(-1, W))
-        _pad(self.page_ptr, local, bs * H * 4 + 1)
+        self._load_pages(bs, ls, lists)
+
+    def _scatter(self, bs: int, c: trizone.Candidates, lists: int) -> None:
+        """:meth:`load` of a coupled pool's candidates: each listed row and page goes to its
+        position in its layer's list (a running count over the layer's candidates, which are in
+        list order), the others to the layer's dump entry. Device ops only."""
+        L, H, W = self.pool.layer_num, self.pool.head_num, self.pool.layout.window
+        listed = c.listed.reshape(L, -1)
+        counts = c.listed.sum((-1, -2)).view(L, lists)
+        local = _local_ptr(counts)
+        over = "decode lists over the graph capacity"
+        torch._assert_async((local[:, -1] <= self.rows).all(), over)
+        at = _positions(listed, self.rows)
+        i = torch.arange(W, device=listed.device)
+        self.slots.view(-1).index_copy_(0, at, (c.slot + i).reshape(-1).to(torch.int32))
+        unit = c.unit[..., None].expand(*c.unit.shape, W)
+        self.units.view(-1).index_copy_(0, at, unit.reshape(-1).to(torch.int32))
+        _pad(self.full_ptr, local, bs * H + 1)
+        self.full_end[:, :lists] = local[:, 1:] - c.ahead.view(L, lists)
+        self.full_end[:, lists : bs * H] = local[:, -1:]
+        plocal = _local_ptr(c.page_counts.view(L, lists * 4))
+        torch._assert_async((plocal[:, -1] <= self.pages).all(), over)
+        at = _positions(c.quant.reshape(L, -1), self.pages)
+        self.page_off.view(-1).index_copy_(0, at, c.page.reshape(-1) * self.pool.page_bytes)
+        unit = c.unit.reshape(-1).to(torch.int32)
+        self.page_unit.view(-1).index_copy_(0, at, unit)
+        self.page_units.view(-1, W).index_copy_(0, at, unit[:, None].expand(-1, W))
+        _pad(self.page_ptr, plocal, bs * H * 4 + 1)
         self._zero_mass(bs)
         self.steps = 1
 
@@ -293,7 +321,25 @@ class GraphDecode:
         local = first - first[:, :1]
         torch._assert_async((local[:, -1] <= cap).all(), "decode lists over the graph capacity")
         ly = torch.repeat_interleave(layer, local[:, -1], output_size=nnz)
-        return local, ly * cap + torch.arange(nnz, device=dev) - first[ly, 0]
+        # rows of cap + 1 entries: the buffers end each layer in a dump entry
+        return local, ly * (cap + 1) + torch.arange(nnz, device=dev) - first[ly, 0]
+
+
+def _local_ptr(counts: Tensor) -> Tensor:
+    """int64 ``[L, lists + 1]``: each layer's index pointer over its lists' ``counts``."""
+    out = counts.new_zeros(counts.shape[0], counts.shape[1] + 1)
+    torch.cumsum(counts, 1, out=out[:, 1:])
+    return out
+
+
+def _positions(listed: Tensor, cap: int) -> Tensor:
+    """int64 ``[L * M]``: for each of ``listed``'s (bool ``[L, M]``, each layer's candidates in
+    list order) its flat index in an ``[L, cap + 1]`` buffer: the layer's running count where
+    listed and within ``cap``, else the layer's dump entry ``cap``."""
+    pos = listed.cumsum(1) - 1
+    keep = listed & (pos < cap)
+    layer = torch.arange(listed.shape[0], device=listed.device)[:, None] * (cap + 1)
+    return (layer + torch.where(keep, pos, cap)).reshape(-1)
 
 
 def _pad(buf: Tensor, local: Tensor, width: int) -> None:

@@ -268,13 +268,14 @@ class TieredKVPool(MHATokenToKVPool):
         dest[ly] = (blocks * W + lo % W).transpose(1, 2).flatten(1)  # (token, head) order
         self.prepared = (loc, dest, keep, frozenset(ly))
 
-    def graph_write(self, loc: Tensor, dest: Tensor) -> None:
+    def graph_write(self, loc: Tensor, dest: Tensor, starts: list[int] | None = None) -> None:
         """:meth:`prepare_write` for a CUDA graph's decode step: ``dest`` (int64 ``[L, m * H]``,
         ``m >=`` the tokens of ``loc``, fixed address) gets every token's row in (token, head)
         order, padding tokens (window 0, and tokens past ``loc``: the graph's padded requests)
         the scratch block's; :meth:`set_kv_buffer` then writes through ``dest`` until
-        :meth:`end_step`."""
-        self.prepare_write(loc)
+        :meth:`end_step`. ``starts``: ``loc`` holds the real requests' tokens only (no padding)
+        and these of them begin a window (the backend knows from their lengths): no host sync."""
+        self.prepare_write(loc, starts=starts)
         _, rows, keep, _ = self.prepared
         dest.fill_(self.scratch * self.layout.window)
         H = self.head_num
@@ -338,7 +339,11 @@ class TieredKVPool(MHATokenToKVPool):
         return min(self.row_stacks.counts()) // self.head_num
 
     def _short(self, need: int, layers: list[int]) -> int:
-        """Row blocks the scarcest of ``layers`` lacks for ``need`` free ones (host read)."""
+        """Row blocks the scarcest of ``layers`` lacks for ``need`` free ones (0 when the
+        host's lower bound of the counts says so; else a host read, which waits for the last
+        device change of the free lists if its copy has not landed)."""
+        if self.row_stacks.floor() >= need:
+            return 0
         free = self.row_stacks.counts()
         return max(need - free[li] for li in layers)
 

@@ -15,8 +15,10 @@ request's window ``j``, ``N`` the batch's most windows), so ``mass [B, H * N]`` 
 attention mass per (head, window): the per-window ``attn`` signal, put on the window's first token
 (window scores sum their tokens, so they see the same value).
 
-Lists for all layers are built with a handful of batched ops (one host sync for the sizes) and
-sliced per layer: index pointers hold global offsets into shared slot and page tensors.
+Lists for all layers are built with a handful of batched ops and sliced per layer: index
+pointers hold global offsets into shared slot and page tensors. Packed (:class:`Lists`, the
+eager path) they cost a host sync for their sizes; the decode graphs take them unpacked
+(:class:`Candidates`, fixed shapes) and scatter them into place, with no host sync.
 """
 
 from __future__ import annotations
@@ -73,11 +75,48 @@ class Lists:
     ahead: Tensor | None = None
 
 
-def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False) -> Lists:
-    """:class:`Lists` for requests with ``views`` (``RequestView``) and lengths ``seqs``;
+@dataclass
+class Candidates:
+    """One decode step's list entries of every layer before compaction (:func:`candidates`):
+    shapes fixed by the batch and ``N`` (no entry count read back by the host), so CUDA-graph
+    buffers can take them in place (:meth:`.graph.GraphDecode.load`). Rows: ``listed`` bool
+    ``[L, B, H, N, W]`` (window ``j``'s row ``i``), row slot ``slot`` int64 (``[L, B, H, N,
+    1]``: ``slot + i``) and unit ``unit`` int64 ``[L, B, H, N]``; pages: ``quant`` bool ``[L,
+    B, H, N]`` (window read from its ledger page ``page`` int64, same shape) and
+    ``page_counts`` int64 ``[L, B, H, 4]`` (per V width, as ``page_ptr`` counts); ``ahead`` as
+    :class:`Lists`'."""
+
+    listed: Tensor
+    slot: Tensor
+    unit: Tensor
+    quant: Tensor
+    page: Tensor
+    page_counts: Tensor
+    n: list[int]
+    n_max: int
+    ahead: Tensor | None = None
+
+    def compact(self) -> Lists:
+        """The listed entries packed (:class:`Lists`; one host sync per mask for the sizes)."""
+        W = self.listed.shape[-1]
+        i = torch.arange(W, device=self.listed.device)
+        slots = (self.slot + i)[self.listed].to(torch.int32)
+        units = self.unit[..., None].expand_as(self.listed)[self.listed].to(torch.int32)
+        return Lists(
+            _indptr(self.listed.sum((-1, -2)).flatten()), slots, units,
+            _indptr(self.page_counts.flatten()), self.page[self.quant],
+            self.unit[self.quant].to(torch.int32), self.n, self.n_max, self.ahead,
+        )  # fmt: skip
+
+
+def candidates(
+    pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False
+) -> Candidates:
+    """:class:`Candidates` for requests with ``views`` (``RequestView``) and lengths ``seqs``;
     ``n_max`` (default: the most windows of a request) numbers the units. ``ahead``: each
     request's last window lists all its ``W`` rows, the ones past ``seqs`` too (the next decode
-    steps write there), and ``ahead`` counts them per list."""
+    steps write there), and ``ahead`` counts them per list. Device ops only, no host sync (the
+    window counts and lengths are host values, copied from pinned memory)."""
     L, H, W, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.device
     B = len(views)
     n = [int(v.windows.numel()) for v in views]
@@ -85,7 +124,7 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
     win, st = _window_states(pool, views, n, N)
     blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4).long()  # [L, K, B, H, N]
     j = torch.arange(N, device=dev)
-    ntok = (torch.tensor(seqs, device=dev)[:, None] - j * W).clamp(0, W)  # [B, N]
+    ntok = (to_device(seqs, dev)[:, None] - j * W).clamp(0, W)  # [B, N]
     unit = (torch.arange(H, device=dev)[:, None] * N + j).expand(L, B, H, N)
 
     rows = (st == S_FULL) | (st == S_R)
@@ -95,22 +134,20 @@ def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = 
     tok = rows[..., None] & (i < ntok[None, :, None, :, None])  # [L, B, H, N, W]
     listed, future = tok, None
     if ahead:  # the last window's future rows too (the request's last window is always rows)
-        last = torch.tensor([x - 1 for x in n], device=dev)[:, None] == j  # [B, N]
+        last = to_device([x - 1 for x in n], dev)[:, None] == j  # [B, N]
         listed = tok | (rows & last[None, :, None, :])[..., None]
         future = (listed & ~tok).sum((-1, -2)).flatten().to(torch.int32)
-    slots = (rowblk[..., None] * W + i)[listed].to(torch.int32)
-    units = unit[..., None].expand_as(listed)[listed].to(torch.int32)
-    full_ptr = _indptr(listed.sum((-1, -2)).flatten())
-
     qm = st == S_Q
     per_list = torch.zeros(L, B, H, 4, dtype=torch.long, device=dev)
     if quant is not None:
         per_list[..., V_BITS.index(quant.bits)] = qm.sum(-1)
-    pages = pageblk[qm]
-    return Lists(
-        full_ptr, slots, units, _indptr(per_list.flatten()), pages,
-        unit[qm].to(torch.int32), n, N, future,
-    )  # fmt: skip
+    return Candidates(listed, (rowblk * W)[..., None], unit, qm, pageblk, per_list, n, N, future)
+
+
+def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False) -> Lists:
+    """:class:`Lists` for requests with ``views`` and lengths ``seqs`` (:func:`candidates`,
+    packed)."""
+    return candidates(pool, views, seqs, n_max, ahead).compact()
 
 
 def _blocks_read(pool, st: Tensor, blk: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,104 @@
+"""The decode graphs' index lists (``graph.GraphDecode.load``): a step's list entries scattered
+into the fixed buffers in place, with no host read, hold exactly the packed lists the eager
+path builds (``trizone.lists``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_backend import KERNEL_POLICY, Harness
+
+from tiered_radix.adapters.sglang import graph, trizone
+from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+# ops whose output size or value the host waits for on CUDA (bench/backend_host_ops.py)
+HOST_READS = {"aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::masked_select",
+              "aten::unique_consecutive", "aten::_local_scalar_dense", "aten::item"}  # fmt: skip
+
+
+def _reads(events) -> list[str]:
+    """The host reads among profiled ``events``, less ``torch._assert_async``'s (a read on
+    CPU only: on CUDA the check runs on the device)."""
+
+    def checked(e) -> bool:
+        while e is not None:
+            if e.name == "aten::_assert_async":
+                return True
+            e = e.cpu_parent
+        return False
+
+    return [e.name for e in events if e.name in HOST_READS and not checked(e)]
+
+
+def _routed_pair():
+    """Two requests of different lengths after a prefill and a decode routing: windows read
+    full, quantized and evicted."""
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=40, blocks=PoolBlocks(96, 96),
+                context=256)  # fmt: skip
+    a, b = h.start("a", list(range(1, 91))), h.start("b", list(range(20, 61)))
+    h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
+    for t in range(3):  # KERNEL_POLICY routes every 3 steps
+        h.step([a, b], [[60 + t], [80 + t]], extend=False)
+    h.backend.flush()
+    return h, [a, b]
+
+
+def test_scattered_lists_are_the_packed_lists():
+    h, reqs = _routed_pair()
+    pool, backend = h.sim.pool, h.backend
+    backend.init_cuda_graph_state(4, 4)
+    g = backend.graph
+    views = [backend.tree.views[r.rid] for r in reqs]
+    seqs = [len(r.origin_input_ids) + 3 for r in reqs]
+    c = trizone.candidates(pool, views, seqs, g.n_max, ahead=True)
+    packed = c.compact()
+    assert int(c.quant.sum()) > 0 and int(c.listed.sum()) > 0  # pages and rows both listed
+    g.clear(4)
+    g.slots.fill_(-7)  # stale entries a step must not read
+    g.load(4, c)
+    L, H, B = pool.layer_num, pool.head_num, len(reqs)
+    lists = B * H
+    for li in range(L):
+        ptr = packed.full_ptr[li * lists : (li + 1) * lists + 1].long()
+        first, last = int(ptr[0]), int(ptr[-1])
+        local = (ptr - first).to(torch.int32)
+        assert torch.equal(g.full_ptr[li, : lists + 1], local)
+        assert bool((g.full_ptr[li, lists : 4 * H + 1] == local[-1]).all())  # padding: nothing
+        assert torch.equal(g.slots[li, : last - first], packed.slots[first:last])
+        assert torch.equal(g.units[li, : last - first], packed.units[first:last])
+        want_end = local[1:] - packed.ahead[li * lists : (li + 1) * lists]
+        assert torch.equal(g.full_end[li, :lists], want_end)
+        pptr = packed.page_ptr[li * lists * 4 : (li + 1) * lists * 4 + 1].long()
+        p0, p1 = int(pptr[0]), int(pptr[-1])
+        assert torch.equal(g.page_ptr[li, : lists * 4 + 1], (pptr - p0).to(torch.int32))
+        assert torch.equal(g.page_off[li, : p1 - p0], packed.pages[p0:p1] * pool.page_bytes)
+        assert torch.equal(g.page_unit[li, : p1 - p0], packed.page_unit[p0:p1])
+        units = packed.page_unit[p0:p1, None].expand(-1, pool.layout.window)
+        assert torch.equal(g.page_units[li, : p1 - p0], units)
+
+
+def test_a_list_rebuild_reads_nothing_back():
+    """Building a step's candidates and scattering them: no op whose result the host waits for
+    (the packed lists need one per mask)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    h, reqs = _routed_pair()
+    pool, backend = h.sim.pool, h.backend
+    backend.init_cuda_graph_state(4, 4)
+    g = backend.graph
+    views = [backend.tree.views[r.rid] for r in reqs]
+    seqs = [len(r.origin_input_ids) + 3 for r in reqs]
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        g.load(4, trizone.candidates(pool, views, seqs, g.n_max, ahead=True))
+    assert not _reads(p.events())
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        trizone.lists(pool, views, seqs, g.n_max, ahead=True)
+    assert _reads(p.events())  # the check can fail: packing reads the sizes back
+
+
+def test_positions_past_the_capacity_go_to_the_dump_entry():
+    listed = torch.tensor([[True, False, True, True], [False, True, True, False]])
+    at = graph._positions(listed, cap=2)  # a [2, 3] buffer: entries 0, 1, then the dump
+    assert at.tolist() == [0, 2, 1, 2, 5, 3, 4, 5]
