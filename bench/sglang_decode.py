@@ -191,6 +191,8 @@ def _engine_kwargs(kind: str, a, context: int) -> dict:
     if kind.startswith("tiered"):
         kw.update(kv_policy=a.policy, kv_overlap=kind != "tiered_serial")
         kw.pop("attention_backend")
+        if a.graph_tokens:  # decode graphs for batches of more tokens (the default 262,144
+            kw["kv_graph_tokens"] = a.graph_tokens  # runs 8 x 30K captured, 64 x 30K eagerly)
         if a.budget:
             kw["kv_budget"] = a.budget
     return kw
@@ -308,6 +310,12 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=None, help="chunked_prefill_size, every kind")
     p.add_argument("--kinds", nargs="+", default=["plain", "tiered", "tiered_step"])
     p.add_argument("--graph-max-bs", type=int, default=16)
+    p.add_argument(
+        "--graph-tokens",
+        type=int,
+        default=None,
+        help="tiered kinds: --kv-graph-tokens (batch 64 x 30K needs ~2,000,000 to replay graphs)",
+    )
     p.add_argument("--profile", default=None, help="DIR:START:STEPS, tiered kinds: decode steps "
                    "under torch.profiler (step 400 is in batch 8's first long call)")  # fmt: skip
     p.add_argument("--load-format", default="auto", help="'dummy': random weights from the "

@@ -14,7 +14,7 @@ import sglang_decode  # noqa: E402
 
 def _args(**kw) -> SimpleNamespace:
     base = dict(model="/m", policy="qevict", budget=None, chunk=None, load_format="auto",
-                graph_max_bs=16)  # fmt: skip
+                graph_max_bs=16, graph_tokens=None)  # fmt: skip
     return SimpleNamespace(**(base | kw))
 
 
@@ -29,6 +29,10 @@ def test_every_tiered_kind_says_its_overlap_and_plain_says_nothing():
     assert plain["context_length"] == 30512 and plain["attention_backend"] == "triton"
     tiered = sglang_decode._engine_kwargs("tiered", _args(budget="25%", chunk=2048), 8192)
     assert tiered["kv_budget"] == "25%" and tiered["chunked_prefill_size"] == 2048
+    assert "kv_graph_tokens" not in tiered  # the plugin's default
+    big = sglang_decode._engine_kwargs("tiered", _args(graph_tokens=2_000_000), 30000)
+    assert big["kv_graph_tokens"] == 2_000_000
+    assert "kv_graph_tokens" not in sglang_decode._engine_kwargs("plain", _args(graph_tokens=9), 9)
 
 
 class _Engine:
