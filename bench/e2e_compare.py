@@ -7,8 +7,11 @@ with ``TR_E2E_ARGS="--kv-extend sdpa"`` (each with its own ``TR_E2E_OUT``), then
     python bench/e2e_compare.py e2e-kernel e2e-sdpa [--out compare.json]
 
 Prints, per policy present in both folders, whether every chat turn's answer and the needle's
-answer are the same text (greedy decoding), and the first differing answer otherwise. Exit
-status 1 when any answer differs or a folder has no results.
+answer are the same text (greedy decoding), and the first differing answer otherwise, and the
+server's tier counters (routings, demotions, promotions, evictions) of both runs beside each
+other: equal counters say the tier decisions matched too (reported, not required: the two
+paths' attention sums differ in rounding). Exit status 1 when any answer differs or a folder
+has no results.
 """
 
 from __future__ import annotations
@@ -24,6 +27,15 @@ def answers(result: dict) -> list[str]:
     return [t["answer"] for t in result["turns"]] + [result["needle"]["answer"]]
 
 
+COUNTERS = ("routes", "demote", "promote", "evict")
+
+
+def counters(result: dict) -> dict:
+    """The server's tier counters in a result (its stats as of the last routing)."""
+    stats = result.get("stats") or {}
+    return {k: stats.get(k) for k in COUNTERS}
+
+
 def compare(a: Path, b: Path) -> dict:
     """Per policy in both folders: ``{"same": bool, "answers": n, "first_diff": ...}``."""
     left = {p.stem: json.loads(p.read_text()) for p in sorted(a.glob("*.json"))
@@ -35,7 +47,8 @@ def compare(a: Path, b: Path) -> dict:
         x, y = answers(left[policy]), answers(right[policy])
         diff = [(i, u, v) for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v]
         out[policy] = {"same": not diff and len(x) == len(y), "answers": len(x),
-                       "first_diff": list(diff[0]) if diff else None}  # fmt: skip
+                       "first_diff": list(diff[0]) if diff else None,
+                       "counters": [counters(left[policy]), counters(right[policy])]}  # fmt: skip
     return out
 
 
@@ -49,6 +62,8 @@ def main() -> int:
     for policy, r in result.items():
         print(f"{policy}: {r['answers']} answers, {'same' if r['same'] else 'DIFFER'}"
               + (f"; first difference {r['first_diff']}" if r["first_diff"] else ""))  # fmt: skip
+        left, right = r["counters"]
+        print(f"  tier counters {args.a.name}: {left}, {args.b.name}: {right}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0 if result and all(r["same"] for r in result.values()) else 1
