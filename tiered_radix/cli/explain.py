@@ -125,7 +125,7 @@ def explain(policy: Policy, shape: ModelShape = LLAMA_8B) -> str:
 def _allocation_exprs(policy: Policy):
     a = policy.allocate
     if isinstance(a, RankAllocation):
-        return [a.by]
+        return list(a.rankings())
     return [a.v_weight, a.k_weight, a.sigma]
 
 
@@ -136,7 +136,12 @@ def _allocation_text(policy: Policy) -> str:
         shares = ", ".join(f"{n} up to {s:.0%} of the budget" for n, s in zip(kept, a.shares,
                                                                               strict=True))
         tail = ", the rest evicted" if isinstance(policy.tiers[-1].action, Evict) else ""
-        return (f"rank units by `{to_text(a.by)}`, highest first: {shares}{tail}; a unit keeps "
+        how = f"rank units by `{to_text(a.by)}`, highest first:"
+        if a.by_tier:  # each tier fills from its own ranking
+            ranks = "; ".join(f"{n} takes the highest `{to_text(e)}`"
+                              for n, e in zip(kept, a.by_tier, strict=True))
+            how = f"tier by tier, best first, each from its own ranking ({ranks}):"
+        return (f"{how} {shares}{tail}; a unit keeps "
                 f"its tier while its score is within {a.hysteresis:.0%} (hysteresis).")
     bits = ", ".join(map(str, a.bits))
     order = ("one allocation over the shared K/V units" if policy.coupled else

@@ -56,11 +56,20 @@ def _check(
     protected: Tensor | None,
     hysteresis: float,
 ) -> None:
-    b, t = score.shape, cost.shape[-1]
-    if score.dim() < 1 or cost.shape != (*b, t) or t < 2 or len(shares) != t - 1:
+    t = cost.shape[-1]
+    per_tier = score.dim() == cost.dim() and score.dim() >= 2
+    b = score.shape[:-1] if per_tier else score.shape
+    if (
+        score.dim() < 1
+        or cost.shape != (*b, t)
+        or t < 2
+        or len(shares) != t - 1
+        or (per_tier and score.shape[-1] != t - 1)
+    ):
         raise ValueError(
-            f"expected score [..., n], cost [..., n, n_tiers >= 2], len(shares) == n_tiers - 1; "
-            f"got {list(score.shape)}, {list(cost.shape)}, {len(shares)} shares"
+            f"expected score [..., n] (or [..., n, n_tiers - 1]: a ranking per kept tier), cost "
+            f"[..., n, n_tiers >= 2], len(shares) == n_tiers - 1; got {list(score.shape)}, "
+            f"{list(cost.shape)}, {len(shares)} shares"
         )
     if min(shares) < 0 or sum(shares) > 1 + 1e-9:
         raise ValueError(f"shares must be >= 0 and sum to <= 1, got {list(shares)}")
@@ -90,7 +99,9 @@ def rank_allocate(
 ) -> Tensor:
     """Route ``n`` units into tiers, independently per batch row (see the module docstring).
 
-    score: float ``[..., n]``; cost: float ``[..., n, n_tiers]`` bytes per unit per tier (the
+    score: float ``[..., n]``, or ``[..., n, n_tiers - 1]`` for a ranking per kept tier (tier
+    ``k`` fills from column ``k``; a unit is placeable there where it is finite); cost: float
+    ``[..., n, n_tiers]`` bytes per unit per tier (the
     caller adds ledger copies; last column 0); budget: bytes, a float or a float ``[...]`` tensor
     (one per row); shares: ``n_tiers - 1`` fractions of ``budget``; protected: bool ``[..., n]``;
     previous: integer ``[..., n]`` tiers of the last routing. rounds: None (exact for any costs,
@@ -106,27 +117,31 @@ def rank_allocate(
     if validate:
         _check(score, cost, shares, previous, protected, hysteresis)
     n_tiers, dev = cost.shape[-1], score.device
+    per_tier = score.dim() == cost.dim()
+    rows = score.shape[:-2] if per_tier else score.shape[:-1]
     cost = cost.double()
-    budget = torch.as_tensor(budget, dtype=torch.float64, device=dev).expand(score.shape[:-1])
-    protected = torch.zeros_like(score, dtype=torch.bool) if protected is None else protected
+    budget = torch.as_tensor(budget, dtype=torch.float64, device=dev).expand(rows)
+    if protected is None:
+        protected = torch.zeros(cost.shape[:-1], dtype=torch.bool, device=dev)
     paid = torch.where(protected, cost[..., 0], 0.0).sum(-1)
     if validate and bool((paid > budget).any()):
         r = int((paid - budget).flatten().argmax())
         raise BudgetError(float(paid.flatten()[r]), float(budget.flatten()[r]))
     tier = torch.where(protected, 0, n_tiers - 1).to(torch.int8)
     score = score.double()
-    free = ~protected & (score > -torch.inf)  # NaN compares False: never placed
+    placeable = score > -torch.inf  # NaN compares False: never placed
+    free = ~protected if per_tier else ~protected & placeable
     used, cum = paid, 0.0  # cumulative shares on the host: no host-to-device copy
     bonus = hysteresis * score.abs() if previous is not None and hysteresis else None
     for k in range(n_tiers - 1):
+        s, ok = (score[..., k], free & placeable[..., k]) if per_tier else (score, free)
         cum += shares[k]
         cap = torch.minimum(torch.maximum(budget * cum, paid), budget)
-        eff = score if bonus is None else score + bonus * (previous <= k)
-        order = torch.sort(torch.where(free, eff, -torch.inf), dim=-1, descending=True, stable=True)
+        if bonus is not None:
+            s = s + (bonus[..., k] if per_tier else bonus) * (previous <= k)
+        order = torch.sort(torch.where(ok, s, -torch.inf), dim=-1, descending=True, stable=True)
         order = order.indices
-        take, used = _fill(
-            cost[..., k].gather(-1, order), free.gather(-1, order), cap, used, rounds
-        )
+        take, used = _fill(cost[..., k].gather(-1, order), ok.gather(-1, order), cap, used, rounds)
         take = torch.zeros_like(take).scatter_(-1, order, take)  # back to unit order
         tier = torch.where(take, k, tier)
         free = free & ~take

@@ -270,8 +270,8 @@ def plan_routes(stores: list) -> list[Plan]:
         ])  # fmt: skip
     head_budget = torch.floor(shares * rest.clamp(min=0.0).view(B, 1, 1)).flatten(0, 1)
     cost_p = _cost_table(s0, copies, B * L, u)[..., ts.offset :]
-    by = [s.scores.evaluate_layers(layers, pol.allocate.by, s.layout).float() for s in stores]
-    score = cat(by, -torch.inf)
+    by = [_ranking(s, layers) for s in stores]
+    score = cat(by, -torch.inf, after=by[0].dim() - 3)
     routed = [s.stack.routed_units[li] for s in stores for li in layers]
     score, cost, prev = _rank_tensors(s0, score, tier, c, cost_p, routed)
     tier_p = _allocate(pol, ts, score, cost, head_budget, prev)
@@ -357,7 +357,7 @@ def _rank(store, g: _Group, c: Constraints, budgets: Tensor) -> Tensor:
     ``[G, H]``. Allocator inputs: score ``[G, H, U]``, cost ``[G, H, U, J]``, previous tier
     (:func:`_rank_tensors`)."""
     cost_p = _costs(store, g)[..., store.tier_set.offset :]
-    score = store.scores.evaluate_layers(g.layers, store.policy.allocate.by, store.layout).float()
+    score = _ranking(store, g.layers)
     tier = store.stack.tier[g.sel, :, : g.n_units]
     routed = [store.stack.routed_units[li] for li in g.layers]
     score, cost, prev = _rank_tensors(store, score, tier, c, cost_p, routed)
@@ -365,12 +365,23 @@ def _rank(store, g: _Group, c: Constraints, budgets: Tensor) -> Tensor:
     return _rank_finish(store, tier_p, cost_p, c)
 
 
+def _ranking(store, layers) -> Tensor:
+    """float32 ``[G, H, U]``: ``allocate.by`` over ``layers``; with a ranking per kept tier
+    (``by_tier``) ``[G, H, U, K]``, tier ``k``'s in column ``k`` (the layers' rows read once)."""
+    exprs = store.policy.allocate.rankings()
+    caches = store.scores.caches(layers) if len(exprs) > 1 else None
+    xs = [store.scores.evaluate_layers(layers, e, store.layout, caches=caches).float()
+          for e in exprs]  # fmt: skip
+    return xs[0] if len(xs) == 1 else torch.stack(xs, -1)
+
+
 def _rank_tensors(store, score, tier, c: Constraints, cost_p, routed: list[int]):
     """Score with evicted units at -inf, costs with forced units at 0, and the previous policy
     tier (the implicit full tier (-1) and units never routed, past ``routed[l]``, map to the
     allocator's last column, like the old code's "no previous tier") of ``[..., H, U]`` units."""
     ts = store.tier_set
-    score = torch.where(c.evict, -torch.inf, torch.nan_to_num(score, nan=-torch.inf))
+    evict = c.evict if score.dim() == c.evict.dim() else c.evict[..., None]  # per-tier columns
+    score = torch.where(evict, -torch.inf, torch.nan_to_num(score, nan=-torch.inf))
     last = cost_p.shape[-1] - (0 if ts.evict is None else 1)
     prev = (tier - ts.offset).remainder_(last + 1)
     if len(set(routed)) == 1:

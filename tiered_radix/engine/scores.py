@@ -477,7 +477,7 @@ def _policy_exprs(p: Policy) -> list[Expr]:
         out.append(p.spread.by)
     a = p.allocate
     if isinstance(a, RankAllocation):
-        out.append(a.by)
+        out += a.rankings()
     elif isinstance(a, RateDistortion):
         out += [a.v_weight, a.k_weight, a.sigma]
     return out

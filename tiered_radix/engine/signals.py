@@ -146,6 +146,8 @@ def policy_reads(policy: Policy) -> set[str]:
     adapter's attention must compute (:data:`PREFILL_SIGNALS` only when read)."""
     exprs = [e for _, e in policy.scores] + [r.when for r in policy.rules]
     a = policy.allocate
-    exprs += [a.by] if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
+    exprs += (
+        list(a.rankings()) if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
+    )
     exprs += [policy.spread.by] if policy.spread.by is not None else []
     return {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}

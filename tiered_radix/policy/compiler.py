@@ -271,8 +271,8 @@ class Compiler:
                 node.span,
                 expected="by: score (an expression to rank units by)",
             )
-        by = self.expr(node.get("by"), "allocate.by", names, units[1])
         kept = [t.name for t in tiers if not isinstance(t.action, Evict)]
+        by, by_tier = self.rankings(node.get("by"), kept, names, units[1])
         shares = dict.fromkeys(kept, None)
         share_node = node.get("shares")
         if share_node is not None:
@@ -297,8 +297,40 @@ class Compiler:
         rest = (1 - given) / len(missing) if missing else 0.0
         hysteresis = self.fraction(node.get("hysteresis"), "allocate.hysteresis", 0.0)
         return RankAllocation(
-            by, tuple(rest if v is None else v for v in shares.values()), hysteresis
+            by, tuple(rest if v is None else v for v in shares.values()), hysteresis, by_tier
         )
+
+    def rankings(
+        self, node: Node, kept: list[str], names: dict[str, set[str]], part: Granularity
+    ) -> tuple[Expr, tuple[Expr, ...]]:
+        """``allocate.by``: one expression ranking units for every kept tier, or a mapping
+        naming each kept tier's own ranking (``by: {full: score, int2: mean_layers(score)}``):
+        ``(by, by_tier)``, ``by`` the best tier's and ``by_tier`` empty for one expression."""
+        if not isinstance(node, Map):
+            return self.expr(node, "allocate.by", names, part), ()
+        given = {}
+        for name, span, value in node.entries:
+            if name not in kept:
+                raise PolicyError(
+                    f"no kept tier named '{name}'",
+                    span,
+                    expected=one_of(kept),
+                    suggestion=did_you_mean(name, kept),
+                )
+            given[name] = self.expr(value, f"allocate.by.{name}", names, part)
+        missing = [n for n in kept if n not in given]
+        if missing:
+            raise PolicyError(
+                f"`allocate.by` ranks tiers one by one but names no ranking for "
+                f"{', '.join(repr(n) for n in missing)}",
+                node.span,
+                expected="a ranking for every kept tier, e.g. "
+                + "{"
+                + ", ".join(f"{n}: score" for n in kept)
+                + "}",
+            )
+        order = tuple(given[n] for n in kept)
+        return order[0], order
 
     def rate_distortion(
         self, node: Map, names: dict[str, set[str]], units: tuple[Granularity, Granularity]
@@ -543,7 +575,9 @@ def _check_layer_reductions(p: Policy, where: Span) -> None:
     exprs = [e for _, e in p.scores] + [r.when for r in p.rules]
     exprs += [p.spread.by] if p.spread.by is not None else []
     a = p.allocate
-    exprs += [a.by] if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
+    exprs += (
+        list(a.rankings()) if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
+    )
     for e in exprs:
         for run in (n for n in calls(e) if isinstance(n, Call) and n.fn == "cumulative"):
             inner = next(

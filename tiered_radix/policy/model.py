@@ -117,11 +117,19 @@ class Rule:
 
 @dataclass(frozen=True)
 class RankAllocation:
-    """Highest ``by`` to the best tier, next to the next tier, each within its budget share."""
+    """Highest ``by`` to the best tier, next to the next tier, each within its budget share.
+    ``by_tier`` (``by:`` a mapping): each non-evicting tier fills from its own ranking, best
+    tier first (``by`` is then the best tier's); empty: ``by`` ranks for every tier."""
 
     by: Expr
     shares: tuple[float, ...]  # per non-evicting tier, best first; fractions of the budget
     hysteresis: float = 0.0  # a unit's current tier holds while its score is within this margin
+    by_tier: tuple[Expr, ...] = ()
+
+    def rankings(self) -> tuple[Expr, ...]:
+        """The ranking of each non-evicting tier, best first; one for all of them without
+        ``by_tier``."""
+        return self.by_tier or (self.by,)
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,7 @@ def policy_names(policy: Policy) -> set[str]:
     exprs: list[Expr] = [e for _, e in policy.scores] + [r.when for r in policy.rules]
     alloc = policy.allocate
     if isinstance(alloc, RankAllocation):
-        exprs.append(alloc.by)
+        exprs += alloc.rankings()
     else:
         exprs += [alloc.v_weight, alloc.k_weight, alloc.sigma]
     if policy.spread.by is not None:
