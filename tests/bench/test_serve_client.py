@@ -112,6 +112,15 @@ def test_load_validation():
     assert Load("poisson", concurrency=8, rate=0.5).label == "poisson:0.5"
 
 
+def _qwen_config(folder: Path) -> Path:
+    """A model folder with Qwen2.5-0.5B's config alone (the benchmark reads its KV shape)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 24, "num_key_value_heads": 2, "num_attention_heads": 14,
+         "hidden_size": 896}))  # fmt: skip
+    return folder
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -134,11 +143,7 @@ def test_benchmark_end_to_end_with_fake_servers(tmp_path, monkeypatch):
         )
 
     monkeypatch.setattr(serve_multiturn, "server_command", command)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 24, "num_key_value_heads": 2, "num_attention_heads": 14,
-         "hidden_size": 896}))  # fmt: skip
+    model = _qwen_config(tmp_path / "model")
     out = tmp_path / "out"
     common = ["--model", str(model), "--scale", "conversations=3,turns=2,history=200:300,"
               "output=4:6,question=30", "--rate", "50", "--concurrency", "2",
@@ -214,11 +219,7 @@ def test_servers_started_together(tmp_path, monkeypatch):
     for name in ("start", "wait_healthy", "flush_cache", "stop"):
         spy(name)
     monkeypatch.setattr(serve_multiturn, "server_command", command)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 24, "num_key_value_heads": 2, "num_attention_heads": 14,
-         "hidden_size": 896}))  # fmt: skip
+    model = _qwen_config(tmp_path / "model")
     out, port = tmp_path / "out", _free_port()
     argv = ["--model", str(model), "--scale", "conversations=2,turns=2,history=200:300,"
             "output=4:6,question=30", "--concurrency", "2", "--port", str(port),

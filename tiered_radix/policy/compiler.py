@@ -277,14 +277,7 @@ class Compiler:
         share_node = node.get("shares")
         if share_node is not None:
             share_node = _need_map(share_node, "allocate.shares")
-            for name, span, value in share_node.entries:
-                if name not in shares:
-                    raise PolicyError(
-                        f"no tier named '{name}'",
-                        span,
-                        expected=one_of(kept),
-                        suggestion=did_you_mean(name, kept),
-                    )
+            for name, value in _tier_entries(share_node, kept):
                 shares[name] = self.fraction(value, f"allocate.shares.{name}", 0.0)
         given = sum(v for v in shares.values() if v is not None)
         if given > 1 + 1e-9:
@@ -308,16 +301,10 @@ class Compiler:
         ``(by, by_tier)``, ``by`` the best tier's and ``by_tier`` empty for one expression."""
         if not isinstance(node, Map):
             return self.expr(node, "allocate.by", names, part), ()
-        given = {}
-        for name, span, value in node.entries:
-            if name not in kept:
-                raise PolicyError(
-                    f"no kept tier named '{name}'",
-                    span,
-                    expected=one_of(kept),
-                    suggestion=did_you_mean(name, kept),
-                )
-            given[name] = self.expr(value, f"allocate.by.{name}", names, part)
+        given = {
+            name: self.expr(value, f"allocate.by.{name}", names, part)
+            for name, value in _tier_entries(node, kept)
+        }
         missing = [n for n in kept if n not in given]
         if missing:
             raise PolicyError(
@@ -486,6 +473,20 @@ def _scalar(node: Node | None, where: str, parent: Span | None) -> Scalar:
     return node
 
 
+def _tier_entries(node: Map, kept: list[str]):
+    """``(name, value)`` of each entry of ``node``, every name one of the ``kept`` tiers (else a
+    :class:`PolicyError` at the entry)."""
+    for name, span, value in node.entries:
+        if name not in kept:
+            raise _unknown(f"no tier named '{name}'", name, span, kept)
+        yield name, value
+
+
+def _unknown(message: str, name: str, span: Span, known) -> PolicyError:
+    """The error for a ``name`` that is none of ``known``: where, which are, the nearest."""
+    return PolicyError(message, span, expected=one_of(known), suggestion=did_you_mean(name, known))
+
+
 def _need_map(node: Node, where: str) -> Map:
     if not isinstance(node, Map):
         raise PolicyError(f"`{where}` must be a mapping (key: value lines)", node.span)
@@ -495,12 +496,7 @@ def _need_map(node: Node, where: str) -> Map:
 def _check_keys(node: Map, allowed: tuple[str, ...], where: str) -> None:
     for key, span, _ in node.entries:
         if key not in allowed:
-            raise PolicyError(
-                f"unknown key '{key}' in {where}",
-                span,
-                expected=one_of(allowed),
-                suggestion=did_you_mean(key, allowed),
-            )
+            raise _unknown(f"unknown key '{key}' in {where}", key, span, allowed)
 
 
 def _check_expr(

@@ -33,8 +33,9 @@ def _reads(events) -> list[str]:
 
 
 def _routed_pair():
-    """Two requests of different lengths after a prefill and a decode routing: windows read
-    full, quantized and evicted."""
+    """Two requests of different lengths after a prefill and a decode routing (windows read
+    full, quantized and evicted), with decode graph buffers for batches up to 4: the pool, the
+    buffers, the requests' views and lengths."""
     h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=40, blocks=PoolBlocks(96, 96),
                 context=256)  # fmt: skip
     a, b = h.start("a", list(range(1, 91))), h.start("b", list(range(20, 61)))
@@ -42,23 +43,21 @@ def _routed_pair():
     for t in range(3):  # KERNEL_POLICY routes every 3 steps
         h.step([a, b], [[60 + t], [80 + t]], extend=False)
     h.backend.flush()
-    return h, [a, b]
+    h.backend.init_cuda_graph_state(4, 4)
+    views = [h.backend.tree.views[r.rid] for r in (a, b)]
+    seqs = [len(r.origin_input_ids) + 3 for r in (a, b)]
+    return h.sim.pool, h.backend.graph, views, seqs
 
 
 def test_scattered_lists_are_the_packed_lists():
-    h, reqs = _routed_pair()
-    pool, backend = h.sim.pool, h.backend
-    backend.init_cuda_graph_state(4, 4)
-    g = backend.graph
-    views = [backend.tree.views[r.rid] for r in reqs]
-    seqs = [len(r.origin_input_ids) + 3 for r in reqs]
+    pool, g, views, seqs = _routed_pair()
     c = trizone.candidates(pool, views, seqs, g.n_max, ahead=True)
     packed = c.compact()
     assert int(c.quant.sum()) > 0 and int(c.listed.sum()) > 0  # pages and rows both listed
     g.clear(4)
     g.slots.fill_(-7)  # stale entries a step must not read
     g.load(4, c)
-    L, H, B = pool.layer_num, pool.head_num, len(reqs)
+    L, H, B = pool.layer_num, pool.head_num, len(views)
     lists = B * H
     for li in range(L):
         ptr = packed.full_ptr[li * lists : (li + 1) * lists + 1].long()
@@ -84,12 +83,7 @@ def test_a_list_rebuild_reads_nothing_back():
     (the packed lists need one per mask)."""
     from torch.profiler import ProfilerActivity, profile
 
-    h, reqs = _routed_pair()
-    pool, backend = h.sim.pool, h.backend
-    backend.init_cuda_graph_state(4, 4)
-    g = backend.graph
-    views = [backend.tree.views[r.rid] for r in reqs]
-    seqs = [len(r.origin_input_ids) + 3 for r in reqs]
+    pool, g, views, seqs = _routed_pair()
     with profile(activities=[ProfilerActivity.CPU]) as p:
         g.load(4, trizone.candidates(pool, views, seqs, g.n_max, ahead=True))
     assert not _reads(p.events())
