@@ -6,7 +6,7 @@ DT is the dtype of tl.dot operands: the cache dtype on GPU; float32 under the CP
 interpreter, whose bf16 tl.dot is wrong (Triton 3.9).  Softmax state starts at m = -1e30
 (finite), so fully masked tiles give p = 0, never NaN.  Compile-time sizes are constexpr
 arithmetic, never a @triton.jit call: Triton 3.6 returns a tensor from such a call even with
-constexpr arguments (the uniform-page CompilationError of GPU run 3, bench/decode_notes.md).
+constexpr arguments (a CompilationError otherwise: bench/decode_notes.md).
 """
 
 from __future__ import annotations

@@ -85,10 +85,8 @@ def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16)
 
 # tl.interleave unpacking is miscompiled on the H200 under Triton 3.6 in two shapes, both right
 # with shift-and-reshape unpacking and under the interpreter (bench/decode_notes.md):
-# - pages under 32 tokens (K rows of 4 or 8 bytes): wrong outputs from 5 tests at page_size 16
-#   (GPU runs 6 and 7);
-# - k_path="blocks" with blocks of 16 channels: max |diff| 0.075 against the section path at
-#   Llama-3-8B 128K x 8, pages of 32 (GPU run 17); blocks of 32 channels: 2.4e-4.
+# - pages under 32 tokens (K rows of 4 or 8 bytes): wrong outputs at page_size 16;
+# - k_path="blocks" with blocks of 16 channels: wrong outputs; blocks of 32 channels are right.
 IL_MIN_PAGE_CUDA = 32
 IL_MIN_K_BLOCK_CUDA = 32
 
@@ -148,8 +146,7 @@ def plan(
     pages_per_iter (uniform pages; default 32 // page_size) and num_warps override the
     built-in choices.
     uniform_pages: use the specialised path for ``layout.k_uniform`` layouts (False: the
-    general page path, as for per-channel K).  GPU run 3 found it failing to compile under Triton
-    3.6 (fixed since, bench/decode_notes.md); bench/compile_check.py compiles every config.
+    general page path, as for per-channel K); bench/compile_check.py compiles every config.
     unpack: ``"interleave"`` or ``"shift"`` (see :class:`DecodePlan`); default
     interleave, but shift on CUDA for pages under :data:`IL_MIN_PAGE_CUDA` tokens and for
     ``k_path="blocks"`` with blocks under :data:`IL_MIN_K_BLOCK_CUDA` channels, where

@@ -47,8 +47,8 @@ the serial order (each store is its own). A routing that lands one step late (``
 ``landing``) drops the parts of requests whose view closed before it landed (finished, aborted,
 retracted, flushed): their windows stay at the states their close left. So the flush a close runs
 plans no routing for the closing requests: it would be dropped, and it would hold up their last
-token (GPU run 18: rdkv's deferred first routing of a 30K prompt, ~0.2 s, ran after the prompt of
-a one-token request and before its token went out). On the device every piece of
+token (a deferred first routing of a long prompt runs long: bench/routing_notes.md). On the
+device every piece of
 work runs in the order the host issued it: SGLang's forward stream waits for its schedule stream
 before each forward, and the plugin's :func:`~.plugin.graph_execute` makes the schedule stream wait
 for the whole replay.
@@ -145,7 +145,7 @@ class _Req:
 
 def extend_attention(device, options: KVOptions):
     """The gather path's extend attention, ``--kv-extend``: ``attend_sdpa`` (``sdpa``: a fused
-    kernel in the model's dtype; GPU run 6 spent 25 s of a 37 s prefill in the float32 path) or
+    kernel in the model's dtype, far faster than the float32 path: bench/extend_notes.md) or
     ``attend`` (``exact``, the default on CPU: float32, the engine's reference numbers). Under
     ``kernel`` (the default on CUDA) it serves batches the extend kernel cannot: ``sdpa`` on
     CUDA, ``exact`` on CPU."""
@@ -346,8 +346,8 @@ class TieredAttnBackend(AttentionBackend):
         """The request slots (``req_pool_idx``, host ints) of the forward batch ``fb`` about to
         run, as the plugin's hook on ``ForwardBatch.init_new`` reads them from SGLang's requests:
         its metadata then need not read ``fb.req_pool_indices`` back from the device, a host
-        sync that under the overlap scheduler waits for the forward in flight (GPU run 18: extend
-        metadata at 8 x 30K 5 -> 13 ms a batch for qevict, 6 -> 27 ms for rdkv). Matched by
+        sync that under the overlap scheduler waits for the forward in flight
+        (bench/extend_notes.md measured what it cost). Matched by
         request ids: SGLang's runner hands the metadata a copy of ``fb`` (its ``load_batch``), and
         a running request keeps its slot."""
         self.noted = (list(fb.rids or ()), list(slots))

@@ -10,10 +10,9 @@ the environment.
 =====================  ==========================  ===============================================
 flag                   default                     what it selects
 =====================  ==========================  ===============================================
-``--kv-overlap``       on                          SGLang's overlap scheduler (GPU run 17: decode
-                                                   3.67 / 5.72 ms a token at batch 1 / 8 against
-                                                   4.05 / 5.77 off; docs/sglang.md); a decode
-                                                   routing lands one step late.
+``--kv-overlap``       on                          SGLang's overlap scheduler (decodes faster
+                                                   than the serial order: docs/sglang.md); a
+                                                   decode routing lands one step late.
                                                    ``--no-kv-overlap``: the serial order
 ``--kv-decode``        ``kernel``                  decode attention: the TriZone kernel, or
                                                    ``gather`` (PyTorch over gathered rows)

@@ -131,8 +131,8 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
 
 # Extend gathers rows per request on the host between layers: no prefill CUDA graphs. Decode
 # graphs stay as the user has them (the backend captures them, :mod:`.graph`). The overlap
-# scheduler stays as the user has it unless --no-kv-overlap: GPU run 17 decoded faster with it
-# (3.67 / 5.72 ms a token at batch 1 / 8 against 4.05 / 5.77 serially; docs/sglang.md).
+# scheduler stays as the user has it unless --no-kv-overlap: decode is faster with it
+# (docs/sglang.md).
 def forced(options: KVOptions) -> dict:
     """ServerArgs fields every tiered launch sets, whatever the user gave."""
     out = {"disable_prefill_cuda_graph": True}

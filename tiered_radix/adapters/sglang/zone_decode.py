@@ -244,8 +244,8 @@ def plan(lay: TriZoneLayout, num_q_heads: int, side_output: bool, max_rows: int,
          splits: int | None) -> decode.DecodePlan:  # fmt: skip
     """The kernel's plan for decoupled layouts like ``lay``: every width, the general pages on
     Zone A's uniform path (``k_path="blocks"``: K widths as dense blocks of 32 channels, the
-    fastest and right on the H200 in GPU run 17; 128 registers, no spills on sm_90 under Triton
-    3.6, so 4 programs an SM; bench/decode_notes.md)."""
+    fastest configuration that is right on sm_90; 128 registers, no spills under Triton 3.6, so
+    4 programs an SM; bench/decode_notes.md)."""
     return decode.plan(
         lay, num_q_heads=num_q_heads, side_output=side_output, v_bits=BITS, k_bits=BITS,
         max_rows=max_rows, num_splits=splits, uniform_pages=False, k_path="blocks",
