@@ -328,7 +328,7 @@ class GraphDecode:
 def _local_ptr(counts: Tensor) -> Tensor:
     """int64 ``[L, lists + 1]``: each layer's index pointer over its lists' ``counts``."""
     out = counts.new_zeros(counts.shape[0], counts.shape[1] + 1)
-    torch.cumsum(counts, 1, out=out[:, 1:])
+    out[:, 1:] = counts.cumsum(1)
     return out
 
 
