@@ -1,6 +1,7 @@
 """Multi-turn serving on one GPU, same KV memory for every system (issue 20).
 
-Per system (``--systems``: plain bf16, fp8 KV, HiCache, tiered policies at a budget) this
+Per system (``--systems``: plain bf16, fp8 KV, HiCache, tiered policies at a budget, a policy
+file of one's own as ``PATH.yaml@10%``) this
 starts an OpenAI-compatible SGLang server whose KV pool spends ``--kv-gib`` (or the bytes of
 ``--kv-tokens`` bf16 tokens), runs the same seeded conversations (``bench/serving/workload.py``:
 private long histories, short new questions, a recall question in the last turn) under each
@@ -117,7 +118,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scale", help="override the preset: conversations=N,turns=N,"
                    "history=MIN:MAX,output=MIN:MAX,question=N")  # fmt: skip
     p.add_argument(
-        "--systems", default=SYSTEMS, help=f"comma separated (default {SYSTEMS})".replace("%", "%%")
+        "--systems",
+        default=SYSTEMS,
+        help=f"comma separated (default {SYSTEMS.replace('%', '%%')}); a policy file of your "
+        "own as PATH.yaml@BUDGET",
     )
     p.add_argument("--arrivals", help="comma separated poisson:RATE / saturation:N "
                    f"(default per preset: {ARRIVALS})")  # fmt: skip
@@ -188,7 +192,7 @@ class SystemRun:
         self.server = Server(server_command(system, kv_bytes, geometry, opts), opts.port,
                              args.out / f"{name}.log")  # fmt: skip
         self.base = {
-            "system": system.kind, "budget": system.budget, "name": system.name,
+            "system": system.label, "budget": system.budget, "name": system.name,
             "pool_tokens_flag": system.pool_tokens(kv_bytes, geometry),
             "command": self.server.cmd[1:], "started_together": not alone,
         }  # fmt: skip

@@ -68,29 +68,52 @@ class KVGeometry:
 
 @dataclass(frozen=True)
 class System:
-    """One system: ``kind`` (one of :data:`KINDS`) and, for tiered kinds, a ``budget``
-    fraction (``"10%"``)."""
+    """One system: ``kind`` (one of :data:`KINDS`, or the path of a policy file: a user's own
+    tiered policy) and, for tiered kinds, a ``budget`` fraction (``"10%"``)."""
 
     kind: str
     budget: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown system {self.kind!r}: one of {', '.join(KINDS)}")
-        if (self.kind in TIERED) != (self.budget is not None):
-            raise ValueError(f"{self.kind}: a budget is for (and needed by) {', '.join(TIERED)}")
+        if self.kind not in KINDS and not self.policy_file:
+            raise ValueError(
+                f"unknown system {self.kind!r}: one of {', '.join(KINDS)}, or a policy file"
+            )
+        if self.policy_file and not Path(self.kind).is_file():
+            raise ValueError(f"no policy file {self.kind}")
+        if self.tiered != (self.budget is not None):
+            raise ValueError(
+                f"{self.kind}: a budget is for (and needed by) {', '.join(TIERED)} and policy files"
+            )
         if self.budget is not None:
             self.fraction()  # validates
 
     @classmethod
     def parse(cls, spec: str) -> System:
-        """``bf16``, ``fp8``, ``hicache``, ``qevict@10%``, ``rdkv@25%``."""
+        """``bf16``, ``fp8``, ``hicache``, ``qevict@10%``, ``rdkv@25%``, ``path/x.yaml@10%``
+        (the path resolved: servers run in the output folder)."""
         kind, _, budget = spec.strip().partition("@")
+        if kind.endswith((".yaml", ".yml")):
+            kind = str(Path(kind).resolve())
         return cls(kind, budget or None)
 
     @property
+    def policy_file(self) -> bool:
+        return self.kind.endswith((".yaml", ".yml"))
+
+    @property
+    def tiered(self) -> bool:
+        """Served with ``--kv-policy`` (a shipped tiered policy or a policy file)."""
+        return self.kind in TIERED or self.policy_file
+
+    @property
+    def label(self) -> str:
+        """The kind, or a policy file's name without its folder and suffix."""
+        return Path(self.kind).stem if self.policy_file else self.kind
+
+    @property
     def name(self) -> str:
-        return self.kind if self.budget is None else f"{self.kind}@{self.budget}"
+        return self.label if self.budget is None else f"{self.label}@{self.budget}"
 
     def fraction(self) -> Fraction:
         """The budget as a fraction of full KV (1 for untiered systems)."""
@@ -105,7 +128,7 @@ class System:
 
     def pool_tokens(self, kv_bytes: int, geometry: KVGeometry) -> int:
         """``--max-total-tokens`` for a pool of ``kv_bytes`` (see the module docstring)."""
-        if self.kind in TIERED:
+        if self.tiered:
             return int(kv_bytes // self.tiered_cell(geometry))
         return int(kv_bytes // geometry.bytes_per_token(1 if self.kind == "fp8" else 2))
 
@@ -144,7 +167,7 @@ def server_command(system: System, kv_bytes: int, geometry: KVGeometry, opts: Se
         "--max-total-tokens", str(system.pool_tokens(kv_bytes, geometry)),
         "--cuda-graph-max-bs-decode", str(opts.graph_max_bs),
     ]  # fmt: skip
-    if system.kind in TIERED:  # the plugin picks page size and attention backend
+    if system.tiered:  # the plugin picks page size and attention backend
         cmd += ["--kv-policy", system.kind, "--kv-budget", system.budget]
     else:  # FA3 (SGLang's Hopper default) is not in the staged wheels
         cmd += ["--attention-backend", "triton"]

@@ -79,10 +79,30 @@ def test_server_flags():
     assert "--kv-policy" not in cmd["bf16"] + cmd["fp8"] + cmd["hicache"]
 
 
-@pytest.mark.parametrize("bad", ["fp16", "qevict", "bf16@10%", "qevict@2GiB", "rdkv@0%"])
+@pytest.mark.parametrize(
+    "bad", ["fp16", "qevict", "bf16@10%", "qevict@2GiB", "rdkv@0%", "no/such.yaml@10%"]
+)
 def test_bad_systems(bad):
     with pytest.raises(ValueError):
         System.parse(bad)
+
+
+def test_a_policy_file_is_a_tiered_system(tmp_path, monkeypatch):
+    """A user's own policy file serves with ``--kv-policy`` at its absolute path (servers run in
+    the output folder), is named by its file's stem, and sizes its pool as the shipped policies
+    do: a file equal to the shipped qevict gets qevict's slots."""
+    from tiered_radix.resources import policies_dir
+
+    (tmp_path / "mine.yaml").write_text((policies_dir() / "qevict.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    system = System.parse("mine.yaml@10%")
+    assert system.tiered and system.name == "mine@10%" and system.label == "mine"
+    cmd = server_command(system, GIB, QWEN, ServerOptions(model="/m"))
+    assert _flag(cmd, "--kv-policy") == str(tmp_path / "mine.yaml")
+    assert _flag(cmd, "--kv-budget") == "10%" and "--attention-backend" not in cmd
+    assert system.pool_tokens(GIB, QWEN) == System.parse("qevict@10%").pool_tokens(GIB, QWEN)
+    with pytest.raises(ValueError, match="budget"):
+        System.parse("mine.yaml")
 
 
 def test_pool_from_log():
