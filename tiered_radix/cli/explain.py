@@ -92,7 +92,7 @@ def explain(policy: Policy, shape: ModelShape = LLAMA_8B) -> str:
     out.append("\nScores:")
     for name, e in policy.scores:
         out.append(f"  {name} = {to_text(e)}")
-    exprs = [e for _, e in policy.scores] + _allocation_exprs(policy)
+    exprs = [e for _, e in policy.scores] + list(policy.allocate.exprs())
     used = sorted({n.id for e in exprs for n in e.walk() if isinstance(n, Name)} & set(SIGNALS))
     fns = sorted({n.fn for e in exprs for n in e.walk() if hasattr(n, "fn")})
     out += [f"    {s}: {SIGNALS[s]}" for s in used]
@@ -120,13 +120,6 @@ def explain(policy: Policy, shape: ModelShape = LLAMA_8B) -> str:
                              if policy.ledger.write_once else "none (units are re-quantized "
                              "from full precision at each demotion)."))
     return "\n".join(out)
-
-
-def _allocation_exprs(policy: Policy):
-    a = policy.allocate
-    if isinstance(a, RankAllocation):
-        return list(a.rankings())
-    return [a.v_weight, a.k_weight, a.sigma]
 
 
 def _allocation_text(policy: Policy) -> str:

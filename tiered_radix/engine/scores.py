@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tiered_radix.policy.expr import BinOp, Call, Expr, Name, Num, UnaryOp
-from tiered_radix.policy.model import Policy, RankAllocation, RateDistortion
+from tiered_radix.policy.model import Policy
 
 from .signals import CacheState, SignalError, Signals, pad_tokens
 from .units import UnitLayout
@@ -121,7 +121,7 @@ class ScoreEvaluator:
         self._cumulative = list(
             dict.fromkeys(
                 n
-                for e in _policy_exprs(policy)
+                for e in policy.expressions()
                 for n in self._walk(e)
                 if isinstance(n, Call) and n.fn == "cumulative"
             )
@@ -209,7 +209,7 @@ class ScoreEvaluator:
         attn, others = Name("attn"), tuple(n for n in OBSERVED if n != "attn")
         if any(n.args[0] != attn and not self._uses(n.args[0], others) for n in self._cumulative):
             return None  # a cumulative that advances on every decode step, whatever it observes
-        nodes = [n for e in _policy_exprs(self.policy) for n in self._walk(e)]
+        nodes = [n for e in self.policy.expressions() for n in self._walk(e)]
         reads = sum(n == attn for n in nodes)  # attn anywhere, or as cumulative(attn, ...)
         folded = [
             n for n in nodes if isinstance(n, Call) and n.fn == "cumulative" and n.args[0] == attn
@@ -469,15 +469,3 @@ def _const(e: Expr) -> float:
     if isinstance(e, BinOp) and e.op in ("+", "-", "*", "/", "^"):
         return float(_BIN[e.op](torch.tensor(_const(e.left)), torch.tensor(_const(e.right))))
     raise SignalError("this argument must be a number (e.g. decay=0.99, size=7, 50%)")
-
-
-def _policy_exprs(p: Policy) -> list[Expr]:
-    out = [e for _, e in p.scores] + [r.when for r in p.rules]
-    if p.spread.by is not None:
-        out.append(p.spread.by)
-    a = p.allocate
-    if isinstance(a, RankAllocation):
-        out += a.rankings()
-    elif isinstance(a, RateDistortion):
-        out += [a.v_weight, a.k_weight, a.sigma]
-    return out

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from tiered_radix.policy.expr import Name
-from tiered_radix.policy.model import Policy, RankAllocation
+from tiered_radix.policy.model import Policy
 
 
 class SignalError(ValueError):
@@ -144,10 +144,4 @@ def _clean(x: Tensor) -> Tensor:
 def policy_reads(policy: Policy) -> set[str]:
     """Every name any expression of ``policy`` reads (signals, scores, constants): what an
     adapter's attention must compute (:data:`PREFILL_SIGNALS` only when read)."""
-    exprs = [e for _, e in policy.scores] + [r.when for r in policy.rules]
-    a = policy.allocate
-    exprs += (
-        list(a.rankings()) if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
-    )
-    exprs += [policy.spread.by] if policy.spread.by is not None else []
-    return {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
+    return {n.id for e in policy.expressions() for n in e.walk() if isinstance(n, Name)}

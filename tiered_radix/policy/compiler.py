@@ -568,13 +568,7 @@ def _check_layer_reductions(p: Policy, where: Span) -> None:
             if isinstance(n, Name) and n.id in scores and n.id not in seen:
                 yield from calls(scores[n.id], seen | {n.id})
 
-    exprs = [e for _, e in p.scores] + [r.when for r in p.rules]
-    exprs += [p.spread.by] if p.spread.by is not None else []
-    a = p.allocate
-    exprs += (
-        list(a.rankings()) if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
-    )
-    for e in exprs:
+    for e in p.expressions():
         for run in (n for n in calls(e) if isinstance(n, Call) and n.fn == "cumulative"):
             inner = next(
                 (n for n in calls(run.args[0]) if isinstance(n, Call) and n.fn in LAYER_REDUCTIONS),

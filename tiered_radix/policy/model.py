@@ -131,6 +131,10 @@ class RankAllocation:
         ``by_tier``."""
         return self.by_tier or (self.by,)
 
+    def exprs(self) -> tuple[Expr, ...]:
+        """The expressions the allocation evaluates: its rankings."""
+        return self.rankings()
+
 
 @dataclass(frozen=True)
 class RateDistortion:
@@ -146,6 +150,10 @@ class RateDistortion:
     sigma: Expr
     v_share: float = 0.5
     group: int = 32
+
+    def exprs(self) -> tuple[Expr, ...]:
+        """The expressions the allocation evaluates: the weights and sigma."""
+        return (self.v_weight, self.k_weight, self.sigma)
 
 
 @dataclass(frozen=True)
@@ -185,6 +193,13 @@ class Policy:
 
     def score(self, name: str) -> Expr:
         return dict(self.scores)[name]
+
+    def expressions(self) -> tuple[Expr, ...]:
+        """Every expression the policy evaluates: its scores, rule conditions, the spread's
+        weight and the allocation's."""
+        spread = () if self.spread.by is None else (self.spread.by,)
+        scores = tuple(e for _, e in self.scores)
+        return scores + tuple(r.when for r in self.rules) + spread + self.allocate.exprs()
 
     @property
     def coupled(self) -> bool:

@@ -21,12 +21,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..engine import diagnostics as diag
-from ..engine.signals import Signals
+from ..engine.signals import Signals, policy_reads
 from ..engine.store import TierStore
 from ..policy import Policy, load_policy
 from ..policy.errors import Span
-from ..policy.expr import Expr, Name
-from ..policy.model import Budget, RankAllocation
+from ..policy.model import Budget
 from ..policy.transformer import parse
 from .trace import Trace
 
@@ -126,19 +125,6 @@ def parse_budget(text: str) -> Budget:
     return parse(text.strip(), "budget", Span("--budget", 1, 1, text.strip()))
 
 
-def policy_names(policy: Policy) -> set[str]:
-    """Every name (signal, score, constant) any expression of ``policy`` reads."""
-    exprs: list[Expr] = [e for _, e in policy.scores] + [r.when for r in policy.rules]
-    alloc = policy.allocate
-    if isinstance(alloc, RankAllocation):
-        exprs += alloc.rankings()
-    else:
-        exprs += [alloc.v_weight, alloc.k_weight, alloc.sigma]
-    if policy.spread.by is not None:
-        exprs.append(policy.spread.by)
-    return {n.id for e in exprs for n in e.walk() if isinstance(n, Name)}
-
-
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,7 +173,7 @@ def simulate(
     policy = load_policy(policy) if isinstance(policy, str) else policy
     budget = parse_budget(budget) if isinstance(budget, str) else budget
     m = trace.meta
-    if "obs_attn" in policy_names(policy) and getattr(trace, "obs_attn", None) is None:
+    if "obs_attn" in policy_reads(policy) and getattr(trace, "obs_attn", None) is None:
         raise SimError(
             f"policy '{policy.name}' reads obs_attn (prompt observation-window attention), "
             f"which this trace ({m.model}) does not record; re-record the trace with obs_attn"

@@ -134,10 +134,7 @@ def engine_bytes_per_token(policy: Policy) -> float:
     tiers = TierSet.of(policy)
     W = _unit_size(policy)
     exprs = [e for _, e in policy.scores] + [r.when for r in policy.rules]
-    a = policy.allocate
-    exprs += (
-        list(a.rankings()) if isinstance(a, RankAllocation) else [a.v_weight, a.k_weight, a.sigma]
-    )
+    exprs += policy.allocate.exprs()
     nodes = [n for e in exprs for n in e.walk()]
     cumulative = len({n for n in nodes if isinstance(n, Call) and n.fn == "cumulative"})
     names = {getattr(n, "id", None) for n in nodes}
