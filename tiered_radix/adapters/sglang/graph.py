@@ -217,18 +217,24 @@ class GraphDecode:
         :class:`~.trizone.Candidates` (scattered into place: no host sync) or a decoupled one's
         :class:`~.zone_decode.ZoneLists`."""
         assert ls.n_max == self.n_max and len(ls.n) <= bs and ls.ahead is not None
-        L, H = self.pool.layer_num, self.pool.head_num
-        lists, self.bs = len(ls.n) * H, bs
+        lists, self.bs = len(ls.n) * self.pool.head_num, bs
         if not self.decoupled:
             self._scatter(bs, ls, lists)
             return
         local, at = self._place(ls.full_ptr, lists, self.rows, ls.slots.numel())
         self.slots.view(-1).index_copy_(0, at, ls.slots)
         self.units.view(-1).index_copy_(0, at, ls.units)
-        _pad(self.full_ptr, local, bs * H + 1)
-        self.full_end[:, :lists] = local[:, 1:] - ls.ahead.view(L, lists)
-        self.full_end[:, lists : bs * H] = local[:, -1:]
+        self._row_ends(bs, local, ls.ahead)
         self._load_pages(bs, ls, lists)
+
+    def _row_ends(self, bs: int, local: Tensor, ahead: Tensor) -> None:
+        """The row lists' pointers of batch size ``bs`` from each layer's ``local`` ones (``[L,
+        lists + 1]``), their written ends (less ``ahead``, the future rows each list holds);
+        the padded requests' lists empty."""
+        L, lists = local.shape[0], local.shape[1] - 1
+        _pad(self.full_ptr, local, bs * self.pool.head_num + 1)
+        self.full_end[:, :lists] = local[:, 1:] - ahead.view(L, lists)
+        self.full_end[:, lists : bs * self.pool.head_num] = local[:, -1:]
 
     def _scatter(self, bs: int, c: trizone.Candidates, lists: int) -> None:
         """:meth:`load` of a coupled pool's candidates: each listed row and page goes to its
@@ -245,9 +251,7 @@ class GraphDecode:
         self.slots.view(-1).index_copy_(0, at, (c.slot + i).reshape(-1).to(torch.int32))
         unit = c.unit[..., None].expand(*c.unit.shape, W)
         self.units.view(-1).index_copy_(0, at, unit.reshape(-1).to(torch.int32))
-        _pad(self.full_ptr, local, bs * H + 1)
-        self.full_end[:, :lists] = local[:, 1:] - c.ahead.view(L, lists)
-        self.full_end[:, lists : bs * H] = local[:, -1:]
+        self._row_ends(bs, local, c.ahead)
         plocal = _local_ptr(c.page_counts.view(L, lists * 4))
         torch._assert_async((plocal[:, -1] <= self.pages).all(), over)
         at = _positions(c.quant.reshape(L, -1), self.pages)
