@@ -34,28 +34,53 @@ def expr(text: str):
 
 
 def test_cumulative_decay_over_growing_sequence_matches_float64():
-    pol = policy("cumulative(attn, decay=0.9)")
-    sc = ScoreEvaluator(pol, 2, H)
+    """Kept per window (read at unit level only) and per token (token units): both equal the
+    float64 running sums, through growth, a step without attention, and separate layers."""
+    per_unit = policy("cumulative(attn, decay=0.9)")
+    per_token = policy("cumulative(attn, decay=0.9)", units="token")
+    evaluators = [ScoreEvaluator(per_unit, 2, H), ScoreEvaluator(per_token, 2, H)]
     g = torch.Generator().manual_seed(1)
     ref = np.zeros((H, 0))
     t = 6
     for step in range(7):
         t += 1 if step else 0
         a = torch.rand(H, t, generator=g, dtype=torch.float64)
-        if step == 3:  # a step without attention accumulates nothing (not even decay)
-            sc.update(0, Signals(), cache=cache(t))
-        else:
-            sc.update(0, Signals(attn=a.float()), cache=cache(t))
+        for sc in evaluators:
+            if step == 3:  # a step without attention accumulates nothing (not even decay)
+                sc.update(0, Signals(), cache=cache(t))
+            else:
+                sc.update(0, Signals(attn=a.float()), cache=cache(t))
+        if step != 3:
             ref = np.pad(ref, ((0, 0), (0, t - ref.shape[1]))) * 0.9 + a.numpy()
         ref = np.pad(ref, ((0, 0), (0, t - ref.shape[1])))
     lay = UnitLayout("window", 4, D)
-    got = sc.evaluate(0, pol.score("s"), lay, cache=cache(t)).double().numpy()
+    sc, tok_sc = evaluators
+    assert sc._state[per_unit.score("s")].shape[-1] < t  # one sum per window, not per token
+    got = sc.evaluate(0, per_unit.score("s"), lay, cache=cache(t)).double().numpy()
     want = np.stack([ref[:, i * 4 : (i + 1) * 4].sum(1) for i in range(-(-t // 4))], 1)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    tok = sc.evaluate(0, pol.score("s"), UnitLayout("token", 1, D), cache=cache(t))
+    tok = tok_sc.evaluate(0, per_token.score("s"), UnitLayout("token", 1, D), cache=cache(t))
     np.testing.assert_allclose(tok.double().numpy(), ref, rtol=1e-5)
-    other = sc.evaluate(1, pol.score("s"), lay, cache=cache(t))  # layers keep separate state
+    other = sc.evaluate(1, per_unit.score("s"), lay, cache=cache(t))  # layers keep separate state
     assert float(other.abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize(
+    "score, grain, latest",
+    [
+        ("cumulative(attn, decay=0.99) + pool_max(obs_attn, size=7)", 4, {"obs_attn"}),
+        ("pool_max(cumulative(attn), size=3)", 1, set()),  # read per token
+        ("cumulative(cumulative(attn)) + attn", 4, {"attn"}),  # attn read outside
+    ],
+)
+def test_held_state_keeps_sums_per_unit_and_only_the_signals_read_again(score, grain, latest):
+    from tiered_radix.engine.scores import held_state
+
+    pol = policy(score, units="window(size=4)")
+    held = held_state(pol)
+    outer = next(n for n in pol.score("s").walk() if getattr(n, "fn", "") == "cumulative")
+    assert held.grain[outer] == grain
+    assert held.signals == latest
 
 
 def test_nonlinear_window_functions_work_per_token():

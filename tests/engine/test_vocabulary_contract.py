@@ -32,6 +32,9 @@ QNORM = torch.rand(H, D, generator=g, dtype=torch.float64) + 0.1
 WIN = UnitLayout("window", W, D)
 CHAN = UnitLayout("channel", 1, D)
 BOUNDS = [(0, 4), (4, 8), (8, 10)]
+# the evaluator keeps the latest token signals its policy reads (scores.held_state): the test
+# policies read them all, so any expression over them can be evaluated
+READS_EVERY_SIGNAL = "\n  seen: attn + colmass + obs_attn"
 
 
 def units(x: np.ndarray, how=np.sum) -> np.ndarray:
@@ -43,6 +46,7 @@ def ev(text: str, layout: UnitLayout = WIN, policy_scores: str = "") -> np.ndarr
     policy = compile_text(
         "budget: 10%\nunits: window(size=4)\nscores:\n  s: "
         + (policy_scores or "attn")
+        + READS_EVERY_SIGNAL
         + "\ntiers: {full: keep(bf16), gone: evict}\nallocate: {method: rank, by: s}\n"
     )
     e = parse(text, "expr", Span("<test>", 1, 1))
@@ -156,6 +160,7 @@ def test_evaluate_layers_equals_each_layer_alone(name):
     policy = compile_text(
         "budget: 10%\nunits: window(size=4)\nscores:\n  s: "
         + (scores or "attn")
+        + READS_EVERY_SIGNAL
         + "\ntiers: {full: keep(bf16), gone: evict}\nallocate: {method: rank, by: s}\n"
     )
     flips = [False, True, False]

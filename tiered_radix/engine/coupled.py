@@ -27,6 +27,7 @@ from torch import Tensor
 
 from tiered_radix.policy.model import Quantize
 
+from .growth import grown
 from .ledger import CopyStore, LedgerError, part_codecs, zero_padded
 from .routing import EngineConfigError, TierSet, per_layer
 from .units import UnitLayout
@@ -108,7 +109,7 @@ def constant(values: list[float], device) -> Tensor:
 
 class CoupledStack:
     """Units, tiers and copies of every layer (see the module docstring). ``max_tokens``
-    reserves room up front; otherwise capacity doubles as tokens arrive."""
+    reserves room up front; otherwise capacity grows as tokens arrive (:mod:`.growth`)."""
 
     def __init__(
         self,
@@ -180,7 +181,7 @@ class CoupledStack:
         u = self.layout.n_units(n_tokens)
         if u <= self.capacity:
             return
-        cap = max(u, 2 * self.capacity)
+        cap = grown(self.capacity, u)
         extra = cap - self.capacity
         lh, w = (self.n_layers, self.n_heads), self.layout.size
         for p, x in self.full.items():

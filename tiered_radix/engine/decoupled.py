@@ -33,6 +33,7 @@ from torch import Tensor
 
 from tiered_radix.formats import codecs
 
+from .growth import grown
 from .ledger import zero_padded
 from .routing import TierSet
 
@@ -200,7 +201,7 @@ class ChannelK:
         """The set after a routing (``new_set [H, T]`` over :attr:`n_tokens`), in a buffer with
         room for as many tokens again (the decode steps after the routing append without
         device work)."""
-        self._set = _with_room(new_set, 2 * self._n)
+        self._set = _with_room(new_set, grown(self._n, self._n + 1))
 
     def append(self, k: Tensor | None, n: int | None = None) -> None:
         """``k [H, t, d]`` new tokens (outside the set until the next routing); without data
@@ -209,12 +210,12 @@ class ChannelK:
         t = self.n_tokens + n
         if self.keep_data:
             if t > self.k_full.shape[1]:
-                pad = max(t, 2 * self.k_full.shape[1]) - self.k_full.shape[1]
+                pad = grown(self.k_full.shape[1], t) - self.k_full.shape[1]
                 fill = self.k_full.new_full((self.n_heads, pad, self.head_dim), torch.nan)
                 self.k_full = torch.cat([self.k_full, fill], 1)
             self.k_full[:, self.n_tokens : t] = k.to(self.dtype)
         if t > self._set.shape[1]:
-            self._set = _with_room(self.in_set, 2 * t)
+            self._set = _with_room(self.in_set, grown(self._set.shape[1], t))
         self._n = t
 
     def view(self, kept: Tensor) -> Tensor:

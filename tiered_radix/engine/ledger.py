@@ -34,6 +34,8 @@ from torch import Tensor
 
 from tiered_radix.formats import codecs
 
+from .growth import grown
+
 
 def _quantize(x: Tensor, bits: int, group: int) -> codecs.QuantizedTensor:
     if x.device.type == "cuda" and group % (8 // bits) == 0:
@@ -137,7 +139,7 @@ class CopyStore:
         if n_units <= self.capacity:
             return
         assert not self._fixed, "a per-layer view cannot grow; grow the all-layers store"
-        cap = max(n_units, 2 * self.capacity)
+        cap = grown(self.capacity, n_units)
         extra = (*self.lead, cap - self.capacity)
         w, d, dim = self.window, self.head_dim, len(self.lead)
         self.present = zero_padded(self.present, extra, dim)

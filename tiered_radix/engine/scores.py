@@ -12,17 +12,23 @@
 - ``cumulative(x, decay)`` keeps its running sum per token (per channel for channel signals),
   advanced by :meth:`ScoreEvaluator.update` once per call (once per decode step, or once after
   prefill): ``state = decay * state + x``; at unit level it is summed over the unit's tokens.
+  Because the sum is linear, a ``cumulative`` that is only ever read at unit level keeps one
+  running sum per window instead (``state_u = decay * state_u + sum of x over u's tokens``):
+  the same value, 1/W of the memory (:func:`held_state`).
 - ``*_heads`` reduce over the KV heads and broadcast back; ``quantile(x, q)`` is the q-quantile
   over the units of each (layer, head).
 
 Signals from the caller that were never observed raise :class:`SignalError` when used, except
 inside ``cumulative`` (nothing accumulated yet is 0). ``colmass``/``obs_attn`` are 0 for tokens
-generated after the prompt.
+generated after the prompt. The latest value of a signal is kept between calls only when an
+expression reads it outside a ``cumulative`` argument (qevict reads ``attn`` only through
+``cumulative(attn)``: it keeps none).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +37,7 @@ from torch import Tensor
 from tiered_radix.policy.expr import BinOp, Call, Expr, Name, Num, UnaryOp
 from tiered_radix.policy.model import Policy
 
+from .growth import grown
 from .signals import CacheState, SignalError, Signals, pad_tokens
 from .units import UnitLayout
 
@@ -62,6 +69,57 @@ _UNSET = object()
 _HEADS = {"sum_heads": "sum", "mean_heads": "mean", "max_heads": "amax"}
 _WINDOW = {"sum_window": "sum", "mean_window": "mean", "max_window": "max"}
 _LAYERS = {"sum_layers": "sum", "mean_layers": "mean", "max_layers": "amax"}
+_TOKEN_LEVEL = (*_WINDOW, "pool_max")  # functions that evaluate their argument per token
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """What a :class:`ScoreEvaluator` keeps between calls for a policy, per (layer, head).
+
+    ``grain``: each ``cumulative`` node's tokens per running sum: the unit size where it is
+    read only at unit level over token units (one sum per unit), 1 where some expression reads
+    it per token (inside ``*_window``, ``pool_max`` or another ``cumulative``'s argument), 0
+    for a node over K channels (one sum per channel). ``signals``: the observed signals whose
+    latest value is kept (read outside any ``cumulative`` argument)."""
+
+    grain: dict[Call, int]
+    signals: frozenset[str]
+
+    def floats_per_token(self) -> float:
+        """float32 running sums per token (channel states, ``[H, d]``, are not per token)."""
+        return sum(1 / g for g in self.grain.values() if g)
+
+
+def held_state(policy: Policy) -> HeldState:
+    """See :class:`HeldState`: which ``cumulative`` sums are kept per unit and which latest
+    signals are kept, from where the policy's expressions read them."""
+    scores = dict(policy.scores)
+    unit = policy.v.size if policy.v.kind == "window" else 1
+    token_read: dict[Call, bool] = {}
+    latest: set[str] = set()
+
+    def visit(e: Expr, token: bool, inside: bool) -> None:
+        if isinstance(e, Name):
+            if e.id in scores:
+                visit(scores[e.id], token, inside)
+            elif e.id in OBSERVED and not inside:
+                latest.add(e.id)
+            return
+        if isinstance(e, Call) and e.fn == "cumulative":
+            token_read[e] = token_read.get(e, False) or token
+            visit(e.args[0], True, True)  # the argument is evaluated per token (or channel)
+            return
+        inner = token or (isinstance(e, Call) and e.fn in _TOKEN_LEVEL)
+        for child in e.children():
+            visit(child, inner, inside)
+
+    for e in policy.expressions():
+        visit(e, False, False)
+    grain = {}
+    for node, token in token_read.items():
+        channel = any(isinstance(n, Name) and n.id in CHANNEL for n in node.args[0].walk())
+        grain[node] = 0 if channel else (1 if token else unit)
+    return HeldState(grain, frozenset(latest))
 
 
 class _Ctx:
@@ -114,18 +172,14 @@ class ScoreEvaluator:
         self._scores = dict(policy.scores)
         self._cache_fn = cache
         self._observed: list[dict[str, Tensor]] = [{} for _ in range(n_layers)]
-        # cumulative state per node: float32 [L, H, capacity] per token (zeros past each
-        # layer's tokens, so unit sums need no padding) or [L, H, d] per channel
+        # cumulative state per node: float32 [L, H, capacity] per token or per unit (its
+        # grain: zeros past each layer's tokens, so unit sums need no padding), or [L, H, d]
+        # per channel
         self._state: dict[Call, Tensor] = {}
         self._attn_decay: float | None | object = _UNSET
-        self._cumulative = list(
-            dict.fromkeys(
-                n
-                for e in policy.expressions()
-                for n in self._walk(e)
-                if isinstance(n, Call) and n.fn == "cumulative"
-            )
-        )
+        held = held_state(policy)
+        self._grain, self._latest = held.grain, held.signals
+        self._cumulative = list(held.grain)
 
     # -- public ------------------------------------------------------------------------------
     def update(self, layer: int, signals: Signals, *, cache: CacheState | None = None) -> None:
@@ -137,6 +191,7 @@ class ScoreEvaluator:
                 self._observed[layer][name] = getattr(signals, name).float()
         for node in self._cumulative:
             self._update_node(node, layer, signals, cache)
+        self._forget((layer,))
 
     def _update_node(self, node: Call, layer: int, signals: Signals, cache: CacheState) -> None:
         channel = self._uses(node.args[0], CHANNEL)
@@ -145,8 +200,7 @@ class ScoreEvaluator:
             return  # accumulate only what this step observed
         x = self._eval(node.args[0], _Ctx(layer, cache, layout, not channel))
         x = torch.broadcast_to(x.float(), (self.n_heads, x.shape[-1]))
-        buf = self._buffer(node, x.shape[-1], x.device)[layer, :, : x.shape[-1]]
-        _advance(buf, _const(node.kwarg("decay", Num(1.0))), x)
+        self._accumulate(node, layer, x)
 
     def update_layers(self, signals: Signals) -> None:
         """:meth:`update` of every layer at once, ``signals`` stacked over layers (token signals
@@ -163,7 +217,7 @@ class ScoreEvaluator:
                 self._observed[li][name] = x[li]
         every = tuple(range(self.n_layers))
         for node in self._cumulative:
-            arg, decay = node.args[0], _const(node.kwarg("decay", Num(1.0)))
+            arg = node.args[0]
             if any(n not in given and self._uses(arg, (n,)) for n in OBSERVED):
                 continue  # accumulate only what this step observed
             if isinstance(arg, Name) and arg.id in given and arg.id not in self._scores:
@@ -174,7 +228,8 @@ class ScoreEvaluator:
                 layout = UnitLayout("channel" if channel else "token", 1, caches[0].head_dim)
                 x = self._eval(arg, _Ctx(every, caches, layout, not channel)).float()
                 x = torch.broadcast_to(x, (self.n_layers, self.n_heads, x.shape[-1]))
-            _advance(self._buffer(node, x.shape[-1], x.device)[:, :, : x.shape[-1]], decay, x)
+            self._accumulate(node, slice(None), x)
+        self._forget(every)
 
     def update_attn(self, attn: Tensor) -> None:
         """:meth:`update` of every layer with ``Signals(attn=attn[l])``, ``attn [L, H, T]``
@@ -187,11 +242,11 @@ class ScoreEvaluator:
             self._observed[li]["attn"] = attn[li]
         for node in self._cumulative:
             if node.args[0] == Name("attn"):
-                decay = _const(node.kwarg("decay", Num(1.0)))
-                _advance(self._buffer(node, t, attn.device)[:, :, :t], decay, attn)
+                self._accumulate(node, slice(None), attn)
                 continue
             for li in range(L):
                 self._update_node(node, li, Signals(attn=attn[li]), self._cache(li, None))
+        self._forget(range(L))
 
     def attn_decay(self) -> float | None:
         """The decay ``g`` when decode steps advance no state but ``cumulative(attn, decay=g)``
@@ -228,7 +283,7 @@ class ScoreEvaluator:
         assert (L, H) == (self.n_layers, self.n_heads), (acc.shape, self.n_layers)
         for node in self._cumulative:
             if node.args[0] == Name("attn"):
-                self._buffer(node, t, acc.device)[:, :, :t].mul_(decay**steps).add_(acc.float())
+                self._accumulate(node, slice(None), acc.float(), decay**steps)
 
     def evaluate(
         self, layer: int, expr: Expr, part: UnitLayout, *, cache: CacheState | None = None
@@ -265,10 +320,30 @@ class ScoreEvaluator:
         return self._observed[layer].get(name)
 
     # -- evaluation ------------------------------------------------------------------------
+    def _accumulate(self, node: Call, layers, x: Tensor, decay: float | None = None) -> None:
+        """``state = decay * state + x`` for ``node`` at ``layers`` (an index or a slice),
+        ``x [..., H, T]`` per token (per channel), summed per unit first where the node's
+        state is kept per unit. ``decay``: the node's own unless given."""
+        g = self._grain[node]
+        if g > 1:
+            x = UnitLayout("window", g, 0).aggregate(x)
+        n = x.shape[-1]
+        if decay is None:
+            decay = _const(node.kwarg("decay", Num(1.0)))
+        _advance(self._buffer(node, n, x.device)[layers, :, :n], decay, x)
+
+    def _forget(self, layers) -> None:
+        """Drop the latest token signals of ``layers`` that no expression reads again (the
+        cumulative sums have taken them in); per-channel ones (``[H, d]``) stay."""
+        for li in layers:
+            obs = self._observed[li]
+            for name in [n for n in obs if n not in self._latest and n not in CHANNEL]:
+                del obs[name]
+
     def _buffer(self, node: Call, n: int, device) -> Tensor:
         buf = self._state.get(node)
         if buf is None or buf.shape[-1] < n:
-            cap = n if buf is None else max(n, 2 * buf.shape[-1])
+            cap = n if buf is None else grown(buf.shape[-1], n)
             new = torch.zeros(self.n_layers, self.n_heads, cap, device=device)
             if buf is not None:
                 new[..., : buf.shape[-1]] = buf
@@ -397,11 +472,14 @@ class ScoreEvaluator:
 
     def _running(self, e: Call, c: _Ctx) -> Tensor:
         """The running state of ``e`` at ``c``'s layers: per token (summed per unit unless at
-        token level) or per channel."""
-        lay = c.layout
+        token level), per unit (its grain, :func:`held_state`) or per channel."""
+        lay, g = c.layout, self._grain[e]
         n = c.head_dim if not lay.over_tokens else c.n_tokens
         if lay.over_tokens and not c.token_level:
             n = lay.n_units(n) * lay.size  # zeros past the last token: whole windows, no pad
+        if g > 1:  # kept per unit: read at unit level of units of g tokens only
+            assert lay.over_tokens and not c.token_level and lay.size == g, (lay, g)
+            n //= g
         buf = self._state.get(e)
         if buf is None:
             buf = torch.zeros(self.n_layers, self.n_heads, n, device=c.device)
@@ -412,7 +490,9 @@ class ScoreEvaluator:
         else:
             buf = buf[c.layer]
         state = F.pad(buf, (0, n - buf.shape[-1])) if buf.shape[-1] < n else buf[..., :n]
-        return state if not lay.over_tokens or c.token_level else lay.aggregate(state)
+        if g > 1 or not lay.over_tokens or c.token_level:
+            return state
+        return lay.aggregate(state)
 
     def _walk(self, e: Expr):
         for n in e.walk():

@@ -2,7 +2,7 @@
 the model's two KV heads and half its query heads, serve the same batch (two requests, prefill
 and decode steps that route) and decide, per head, exactly the tiers the single-rank backend over
 both heads decides; their attention outputs are its outputs' halves. The policy spreads the budget
-in proportion to each head's attention, so a rank that planned alone would decide otherwise
+by how concentrated each head's attention is, so a rank that planned alone would decide otherwise
 (checked too: the comparison can fail)."""
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ require("sglang.srt.mem_cache.radix_cache")
 from test_backend import HQ, Harness  # noqa: E402
 
 WORLD, KV_HEADS, STEPS = 2, 2, 6
-# the Sim's policy with the budget spread by each head's attention (a rank alone would differ)
+# the Sim's policy with the budget spread by how concentrated each head's attention is (the
+# sum of its squared window masses; every head's total mass is the same, each query's attention
+# summing to 1): a rank alone would decide otherwise
 POLICY = (
     SIM_POLICY.replace("policy: tiny-qevict", "policy: tp-qevict")
-    .replace("scores:", "spread: proportional(cumulative(attn, decay=0.99))\nscores:")
+    .replace("scores:", "spread: proportional(cumulative(attn, decay=0.99) ^ 2)\nscores:")
     .replace("schedule: after_prefill", "schedule: after_prefill, every(2)")
 )
 PROMPTS = {"a": list(range(1, 39)), "b": list(range(40, 70))}

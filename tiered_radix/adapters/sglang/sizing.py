@@ -9,9 +9,11 @@ ledger pages, and its per-slot metadata on top:
   count (int32) per representation kind the layout holds, and the owner's state (int8);
 - *engine*: what running requests' tier engines hold per (layer, head, token) in device memory
   (:func:`engine_bytes_per_token`: tier maps, ledger-copy masks, score states, the latest
-  signals), counted for every slot: the worst case, a pool whose slots all belong to running
-  requests. These bytes are not allocated up front: they stay free in what SGLang set aside
-  for the pool.
+  signals the policy reads again; a ``cumulative`` read only per window is one sum a window),
+  counted for every slot: the worst case, a pool whose slots all belong to running
+  requests, each holding :data:`~tiered_radix.engine.growth.GROWTH` times its tokens' worth.
+  These bytes are not allocated up front: they stay free in what SGLang set aside for the
+  pool.
 
 A decoupled policy (RDKV) keeps every slot's rows (its requests read them until their routing,
 and the radix tree caches them at full precision, :mod:`.zones`) and a Zone A store of
@@ -49,9 +51,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tiered_radix.engine.growth import GROWTH
 from tiered_radix.engine.routing import TierSet
+from tiered_radix.engine.scores import held_state
+from tiered_radix.engine.signals import TOKEN_SIGNALS
 from tiered_radix.formats.layout import uniform_page_nbytes
-from tiered_radix.policy.expr import Call
 from tiered_radix.policy.model import Budget, Policy, RankAllocation
 
 from .reps import Layout, PoolConfigError
@@ -59,10 +63,9 @@ from .reps import Layout, PoolConfigError
 MIN_FULL_SHARE = 0.25  # rows for protected / recent / in-flight tokens, whatever the shares say
 MIN_LEDGER_SHARE = 0.1  # ledger pages for budget flowing down past a full tier's share
 REF_BYTES, OWNER_BYTES = 4, 1  # int32 reference count per kind, int8 owner state per window
-GROWTH = 2  # engine tensors grow by doubling: up to twice the units they hold
 TIER_BYTES = 8  # int64 tier per unit (CoupledStack.tier)
 COPY_BYTES = 1 + 4  # per quantized tier and unit: present (bool) and write_count (int32)
-STATE_BYTES = 4  # float32 per token of each cumulative(...) score state
+STATE_BYTES = 4  # float32 per token (or per unit) of each cumulative(...) score state
 SIGNAL_BYTES = 4  # float32 per token of each token signal kept (attn, colmass, obs_attn)
 WINDOW_SUGGESTIONS = (16, 32, 64)  # window sizes a refused policy is pointed to
 SET_BYTES = 1  # bool per token: in a decoupled policy's K channel set (ChannelK.in_set)
@@ -129,19 +132,16 @@ def _unit_size(policy: Policy) -> int:
 
 def engine_bytes_per_token(policy: Policy) -> float:
     """Upper bound of a running request's engine state per (layer, head, token), in bytes (see
-    the module docstring): tiers and copy masks per unit, ``cumulative`` score states and the
-    latest token signals per token, with doubling growth."""
+    the module docstring): tiers and copy masks per unit, the ``cumulative`` sums (per token or
+    per unit, :func:`~tiered_radix.engine.scores.held_state`) with their growth, and the
+    latest token signals the policy reads again."""
     tiers = TierSet.of(policy)
-    W = _unit_size(policy)
-    exprs = [e for _, e in policy.scores] + [r.when for r in policy.rules]
-    exprs += policy.allocate.exprs()
-    nodes = [n for e in exprs for n in e.walk()]
-    cumulative = len({n for n in nodes if isinstance(n, Call) and n.fn == "cumulative"})
-    names = {getattr(n, "id", None) for n in nodes}
-    signals = 1 + len(names & {"colmass", "obs_attn"})  # attn is always observed
-    per_unit = TIER_BYTES + COPY_BYTES * len(tiers.quantized)
+    held = held_state(policy)
+    per_unit = TIER_BYTES + COPY_BYTES * len(tiers.quantized)  # GROWTH: engine.growth
     per_unit += 0 if policy.coupled else SET_BYTES
-    return GROWTH * (per_unit / W + STATE_BYTES * cumulative) + SIGNAL_BYTES * signals
+    states = STATE_BYTES * held.floats_per_token()
+    signals = SIGNAL_BYTES * len(held.signals & set(TOKEN_SIGNALS))
+    return GROWTH * (per_unit / _unit_size(policy) + states) + signals
 
 
 def _fraction(budget: Budget) -> float:
