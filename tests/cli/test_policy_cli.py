@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tiered_radix.cli.explain import LLAMA_8B, explain, tier_bytes_per_token
+from tiered_radix.cli.explain import LLAMA_8B, ModelShape, explain, tier_bytes_per_token
 from tiered_radix.cli.main import main
-from tiered_radix.policy import load_policy
+from tiered_radix.policy import compile_text, load_policy
 from tiered_radix.policy.model import Keep, Quantize
 
 POLICIES = sorted(Path(__file__).parents[2].joinpath("policies").glob("*.yaml"))
@@ -74,6 +74,38 @@ def test_explain_lists_every_tier_and_the_budget(path):
     text = explain(policy)
     assert all(f"  {t.name} " in text for t in policy.tiers)
     assert str(policy.budget) in text
+
+
+@pytest.mark.parametrize("path", POLICIES, ids=lambda p: p.stem)
+def test_explain_says_how_many_tokens_a_server_pool_holds(path):
+    """The SGLang pool's token slot for the model shape, and its tokens against a bf16 pool of
+    the same bytes: the sizing's own numbers (adapters/sglang/sizing.py)."""
+    from tiered_radix.adapters.sglang import sizing
+
+    policy = load_policy(path)
+    text = explain(policy, ModelShape("Qwen2.5-0.5B", 24, 2, 64))
+    cell = sizing.cell_bytes(policy, policy.budget, 24, 2, 64, 2)
+    line = next(x for x in text.splitlines() if x.startswith("In an SGLang server"))
+    assert f"{2 * 24 * 2 * 64 * 2 / cell:.1f}x the tokens of a bf16 pool" in line
+    assert ("keeps its full-precision rows" in line) == (not policy.coupled)
+
+
+def test_explain_says_when_a_server_would_refuse_the_policy():
+    text = """
+policy: tokens
+budget: 98%
+units: token
+scores:
+  s: attn
+tiers:
+  full: keep(bf16)
+  int2: quantize(bits=2, group=32)
+  evicted: evict
+allocate: {method: rank, by: s, shares: {full: 50%, int2: 50%}}
+"""
+    out = explain(compile_text(text))
+    assert "In an SGLang server (--kv-policy): refused at launch" in out
+    assert "would hold no more tokens than SGLang's own" in out
 
 
 def test_model_fetch_unknown_name_exits_2(capsys):
