@@ -84,7 +84,7 @@ class PendingRoutes:
                     i = idx[0]
                     s = self.stores[i]
                     moves = s.stack.finish(mover, rows[0])
-                    self.done[i] = s._applied(self.plans[i], self.reasons[i], moves)
+                    self.done[i] = s.finish_apply(self.plans[i], self.reasons[i], moves)
             keep = [i for i in range(len(self.stores)) if i not in self.dropped]
             self.out = [self.done[i] for i in keep]
         return self.out
@@ -99,4 +99,4 @@ class PendingRoutes:
         for k, (i, m) in enumerate(zip(idx, moves, strict=True)):
             if m is not None:
                 s = self.stores[i]
-                self.done[i] = s._applied(self.plans[i], self.reasons[i], m, used[k], over[k])
+                self.done[i] = s.finish_apply(self.plans[i], self.reasons[i], m, used[k], over[k])

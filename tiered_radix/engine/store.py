@@ -257,10 +257,11 @@ class TierStore:
 
     def apply(self, plan: Plan, reason: str = "") -> Transitions:
         """Move the data to ``plan``'s tiers; record and return the step's transitions."""
-        return self._applied(plan, reason, self.stack.apply(plan.tiers))
+        return self.finish_apply(plan, reason, self.stack.apply(plan.tiers))
 
-    def _applied(self, plan: Plan, reason: str, m, used=None, over=None) -> Transitions:
-        """The rest of :meth:`apply` once the stack moved its units (``m``: its ``Moves``);
+    def finish_apply(self, plan: Plan, reason: str, m, used=None, over=None) -> Transitions:
+        """The rest of :meth:`apply` once the stack moved its units (``m``: its ``Moves``), for
+        a routing whose moves were made elsewhere (:mod:`.pending`, stacked over stores);
         ``used`` (int64 0-d) and ``over`` (bool 0-d) where they were computed with other
         stores' (:class:`~.stacked.StackedMoves`, unsharded): this store's bytes and
         over-budget flag."""

@@ -448,7 +448,7 @@ class TieredAttnBackend(AttentionBackend):
         with self._timed("decode_lists"):
             if steady:  # the lists hold the new rows already: their ends move on
                 g.advance(raw)
-                self.pool.graph_dest = g.dest[:, : bs * H]
+                self.pool.graph_rows(g.dest[:, : bs * H])
                 self.timer.count("steady_steps")
             else:
                 views = [self.tree.views[r.rid] for r in self.batch]

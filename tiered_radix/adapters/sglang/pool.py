@@ -286,6 +286,13 @@ class TieredKVPool(MHATokenToKVPool):
             dest[:, at] = rows
         self.prepared, self.graph_dest = None, dest
 
+    def graph_rows(self, dest: Tensor) -> None:
+        """A CUDA graph's decode step whose rows ``dest`` (int64 ``[L, m * H]``, fixed address)
+        an earlier :meth:`graph_write` filled and the graph's bookkeeping moved on since (every
+        request's new token in the row after its last one: no window opened, nothing routed):
+        :meth:`set_kv_buffer` writes through ``dest`` until :meth:`end_step`."""
+        self.prepared, self.graph_dest = None, dest
+
     def end_step(self) -> None:
         """Forget :meth:`prepare_write`'s and :meth:`graph_write`'s rows: later writes prepare
         their own."""
