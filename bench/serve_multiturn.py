@@ -335,15 +335,18 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace) -> int:
     args.out = args.out.resolve()
     args.run_timeout = args.run_timeout or RUN_TIMEOUT_S[args.preset]
-    scale = parse_scale(PRESETS[args.preset], args.scale)
-    systems = [System.parse(s) for s in args.systems.split(",") if s.strip()]
-    specs = [s for s in (args.arrivals or "").split(",") if s]
-    if args.rate is not None:
-        specs.append(f"poisson:{args.rate:g}")
-    if args.concurrency is not None:
-        specs.append(f"saturation:{args.concurrency}")
-    loads = [parse_load(s, args) for s in specs or ARRIVALS[args.preset].split(",")]
-    geometry = KVGeometry.of_model(args.model)
+    try:  # what the command line names: a bad value stops here, with its reason
+        scale = parse_scale(PRESETS[args.preset], args.scale)
+        systems = [System.parse(s) for s in args.systems.split(",") if s.strip()]
+        specs = [s for s in (args.arrivals or "").split(",") if s]
+        if args.rate is not None:
+            specs.append(f"poisson:{args.rate:g}")
+        if args.concurrency is not None:
+            specs.append(f"saturation:{args.concurrency}")
+        loads = [parse_load(s, args) for s in specs or ARRIVALS[args.preset].split(",")]
+        geometry = KVGeometry.of_model(args.model)
+    except ValueError as e:
+        raise SystemExit(f"serve_multiturn.py: {e}") from None
     if args.kv_gib is not None:
         kv_bytes = int(args.kv_gib * (1 << 30))
     else:

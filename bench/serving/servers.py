@@ -57,7 +57,15 @@ class KVGeometry:
 
     @classmethod
     def of_model(cls, folder: str | Path) -> KVGeometry:
-        cfg = json.loads(Path(folder, "config.json").read_text())
+        """From a Hugging Face folder's ``config.json``.
+
+        Raises:
+            ValueError: no such file (the message says what ``--model`` must be).
+        """
+        path = Path(folder, "config.json")
+        if not path.is_file():
+            raise ValueError(f"--model {folder}: no config.json there (a Hugging Face folder)")
+        cfg = json.loads(path.read_text())
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
         return cls(cfg["num_hidden_layers"], heads, head_dim)

@@ -28,6 +28,16 @@ def test_geometry_from_config(tmp_path):
     assert QWEN.bytes_per_token() == 12 * 1024 and QWEN.bytes_per_token(1) == 6 * 1024
 
 
+def test_a_model_folder_without_config_stops_the_run_with_its_reason(tmp_path, capsys):
+    import serve_multiturn
+
+    with pytest.raises(ValueError, match="no config.json there"):
+        KVGeometry.of_model(tmp_path)
+    argv = ["--model", str(tmp_path), "--out", str(tmp_path / "o"), "--dry-run"]
+    with pytest.raises(SystemExit, match="serve_multiturn.py: --model .*: no config.json"):
+        serve_multiturn.main(argv)
+
+
 @pytest.mark.parametrize(
     "spec, tokens",
     [("bf16", GIB // 12288), ("hicache", GIB // 12288), ("fp8", GIB // 6144)],

@@ -68,7 +68,8 @@ def test_cumulative_decay_over_growing_sequence_matches_float64():
 @pytest.mark.parametrize(
     "score, grain, latest",
     [
-        ("cumulative(attn, decay=0.99) + pool_max(obs_attn, size=7)", 4, {"obs_attn"}),
+        ("cumulative(attn, decay=0.99) + pool_max(obs_attn, size=7)", 4, set()),  # a memo
+        ("cumulative(attn) + pool_max(obs_attn, size=7) * obs_attn", 4, {"obs_attn"}),
         ("pool_max(cumulative(attn), size=3)", 1, set()),  # read per token
         ("cumulative(cumulative(attn)) + attn", 4, {"attn"}),  # attn read outside
     ],
@@ -247,3 +248,72 @@ def test_fold_attn_equals_one_update_per_step():
     torch.testing.assert_close(fold._state[node], steps._state[node], rtol=1e-6, atol=1e-6)
     with pytest.raises(SignalError, match="cannot be folded"):
         ScoreEvaluator(policy("attn"), L, H).fold_attn(acc, 5)
+
+
+def _reference(fn: str, f, s: np.ndarray, T: int, W: int, size: int = 7) -> np.ndarray:
+    """float64 ``fn(f(signal))`` at unit level, the signal ``s [H, T_obs]`` padded with zeros to
+    ``T`` tokens (what it is after the prompt): pool_max over the tokens that exist, summed per
+    window; the *_window functions over each window's tokens."""
+    x = f(np.pad(s, ((0, 0), (0, T - s.shape[1]))))
+    left, right = size // 2, size - 1 - size // 2
+    if fn == "pool_max":
+        x = np.stack([x[:, max(0, t - left) : t + right + 1].max(1) for t in range(T)], 1)
+    how = {"pool_max": np.sum, "sum_window": np.sum, "max_window": np.max,
+           "mean_window": np.mean}[fn]  # fmt: skip
+    return np.stack([how(x[:, u : u + W], 1) for u in range(0, T, W)], 1)
+
+
+MEMO_CASES = [
+    *[("pool_max", "obs_attn", "obs_attn", lambda s: s, k) for k in (7, 4, 1)],
+    *[("pool_max", "-obs_attn", "obs_attn", lambda s: -s, k) for k in (7, 4)],  # the boundary
+    ("pool_max", "exp(colmass) * 2", "colmass", lambda s: np.exp(s) * 2, 5),  # not 0 after
+    ("max_window", "obs_attn - 1", "obs_attn", lambda s: s - 1, 0),
+    ("mean_window", "colmass", "colmass", lambda s: s, 0),
+    ("sum_window", "abs(obs_attn - 0.5)", "obs_attn", lambda s: np.abs(s - 0.5), 0),
+]
+
+
+@pytest.mark.parametrize("fn, arg, name, f, size", MEMO_CASES)
+def test_a_memo_of_a_prompt_signal_equals_the_signal_kept_whole(fn, arg, name, f, size):
+    """A token-level function of one prompt signal read per window is kept as its windows'
+    values and the signal's tail, not the signal (held_state.memos), and gives at every later
+    length what the whole signal would: prompts of 1-40 tokens, observed twice (a second chunk
+    replaces the first), evaluated as tokens are generated after them."""
+    call = f"pool_max({arg}, size={size})" if fn == "pool_max" else f"{fn}({arg})"
+    pol = policy(f"{call} + cumulative(attn)")
+    from tiered_radix.engine.scores import held_state
+
+    assert list(held_state(pol).memos.values()) == [name]
+    g = np.random.default_rng(size)
+    for t_obs in [1, 2, 5, 8, 13, 21, 40]:
+        sc = ScoreEvaluator(pol, 1, H)
+        first = g.random((H, max(1, t_obs - 3)))
+        sc.update(0, Signals(**{name: torch.tensor(first).float()}), cache=cache(first.shape[1]))
+        x = g.random((H, t_obs)) * 2
+        sc.update(0, Signals(**{name: torch.tensor(x).float()}), cache=cache(t_obs))
+        assert sc.held_bytes()["signals"] == 0  # the signal itself is not kept
+        for extra in [0, 1, 2, 3, 5, 9, 30]:
+            T = t_obs + extra
+            e = parse(call, "expr", Span("<t>", 1, 1))
+            got = sc.evaluate(0, e, UnitLayout("window", 4, D), cache=cache(T)).double().numpy()
+            want = _reference(fn, f, x.astype(np.float32).astype(np.float64), T, 4, size or 7)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{t_obs} {T}")
+
+
+def test_memos_from_all_layers_at_once_equal_layer_by_layer():
+    """update_layers (a prefill chunk's signals of every layer, stacked) memoizes each layer's
+    slice as update does it layer by layer, and keeps no view of the stacked signal."""
+    pol = policy("pool_max(obs_attn, size=7) + cumulative(attn)")
+    obs = torch.rand(3, H, 23, generator=torch.Generator().manual_seed(4))
+    one, every = ScoreEvaluator(pol, 3, H, cache=lambda li: cache(23)), None
+    for li in range(3):
+        one.update(li, Signals(obs_attn=obs[li]))
+    every = ScoreEvaluator(pol, 3, H, cache=lambda li: cache(23))
+    every.update_layers(Signals(obs_attn=obs))
+    assert every.held_bytes()["signals"] == 0
+    lay = UnitLayout("window", 4, D)
+    for T in (23, 24, 30):
+        a = one.evaluate_layers([0, 1, 2], pol.score("s"), lay, caches=[cache(T)] * 3)
+        b = every.evaluate_layers([0, 1, 2], pol.score("s"), lay, caches=[cache(T)] * 3)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert not torch.equal(a[0], a[1])  # each layer its own

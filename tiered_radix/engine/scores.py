@@ -22,13 +22,17 @@ Signals from the caller that were never observed raise :class:`SignalError` when
 inside ``cumulative`` (nothing accumulated yet is 0). ``colmass``/``obs_attn`` are 0 for tokens
 generated after the prompt. The latest value of a signal is kept between calls only when an
 expression reads it outside a ``cumulative`` argument (qevict reads ``attn`` only through
-``cumulative(attn)``: it keeps none).
+``cumulative(attn)``: it keeps none). A token-level function of one prompt signal read at unit
+level over windows (qevict's ``pool_max(obs_attn, size=7)``) is kept as its windows' values
+once the signal is observed, the windows whose value no later token can change, with the
+signal's last tokens for the others (recomputed at each evaluation): the same values as from
+the whole signal, at 1/W of its memory (:func:`held_state`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +76,10 @@ _LAYERS = {"sum_layers": "sum", "mean_layers": "mean", "max_layers": "amax"}
 _TOKEN_LEVEL = (*_WINDOW, "pool_max")  # functions that evaluate their argument per token
 
 
+PROMPT_SIGNALS = ("colmass", "obs_attn")  # observed over the prompt only (0 afterwards)
+_ELEMENTWISE = (*_UNARY, "min", "max", "clip")
+
+
 @dataclass(frozen=True)
 class HeldState:
     """What a :class:`ScoreEvaluator` keeps between calls for a policy, per (layer, head).
@@ -80,23 +88,38 @@ class HeldState:
     read only at unit level over token units (one sum per unit), 1 where some expression reads
     it per token (inside ``*_window``, ``pool_max`` or another ``cumulative``'s argument), 0
     for a node over K channels (one sum per channel). ``signals``: the observed signals whose
-    latest value is kept (read outside any ``cumulative`` argument)."""
+    latest value is kept (read outside any ``cumulative`` argument and any memo). ``memos``:
+    token-level functions of one prompt signal read at unit level over windows (qevict's
+    ``pool_max(obs_attn, size=7)``), kept as one value a window once the signal is observed
+    (:class:`_Memo`), with the signal's last tokens (at most a window and the reach)."""
 
     grain: dict[Call, int]
     signals: frozenset[str]
+    memos: dict[Call, str] = field(default_factory=dict)  # call -> the prompt signal it reads
 
-    def floats_per_token(self) -> float:
+    def sums_per_token(self) -> float:
         """float32 running sums per token (channel states, ``[H, d]``, are not per token)."""
         return sum(1 / g for g in self.grain.values() if g)
 
+    def sums_per_unit(self) -> int:
+        """float32 running sums kept per unit (``grain`` > 1)."""
+        return sum(1 for g in self.grain.values() if g > 1)
+
+    def tail_tokens(self, unit: int) -> int:
+        """The most signal tokens the memos keep beside their windows' values, per (layer,
+        head) and request: a window less one and the function's reach, per memo."""
+        return sum(unit - 1 + sum(_reach(call)) for call in self.memos)
+
 
 def held_state(policy: Policy) -> HeldState:
-    """See :class:`HeldState`: which ``cumulative`` sums are kept per unit and which latest
-    signals are kept, from where the policy's expressions read them."""
+    """See :class:`HeldState`: which ``cumulative`` sums are kept per unit, which token-level
+    reads of a prompt signal are kept per unit, and which latest signals are kept, from where
+    the policy's expressions read them."""
     scores = dict(policy.scores)
     unit = policy.v.size if policy.v.kind == "window" else 1
     token_read: dict[Call, bool] = {}
     latest: set[str] = set()
+    memos: dict[Call, str] = {}
 
     def visit(e: Expr, token: bool, inside: bool) -> None:
         if isinstance(e, Name):
@@ -109,6 +132,11 @@ def held_state(policy: Policy) -> HeldState:
             token_read[e] = token_read.get(e, False) or token
             visit(e.args[0], True, True)  # the argument is evaluated per token (or channel)
             return
+        if isinstance(e, Call) and e.fn in _TOKEN_LEVEL and not token and unit > 1:
+            signal = _one_prompt_signal(e.args[0], scores)
+            if signal is not None:
+                memos[e] = signal
+                return
         inner = token or (isinstance(e, Call) and e.fn in _TOKEN_LEVEL)
         for child in e.children():
             visit(child, inner, inside)
@@ -119,24 +147,70 @@ def held_state(policy: Policy) -> HeldState:
     for node, token in token_read.items():
         channel = any(isinstance(n, Name) and n.id in CHANNEL for n in node.args[0].walk())
         grain[node] = 0 if channel else (1 if token else unit)
-    return HeldState(grain, frozenset(latest))
+    return HeldState(grain, frozenset(latest), memos)
+
+
+def _one_prompt_signal(e: Expr, scores: dict[str, Expr]) -> str | None:
+    """The prompt signal ``e`` reads if it reads exactly one and otherwise only constants,
+    through arithmetic and elementwise functions (its per-token value is the signal's, mapped
+    token by token); else None."""
+    names: set[str] = set()
+
+    def ok(x: Expr) -> bool:
+        if isinstance(x, Num):
+            return True
+        if isinstance(x, Name):
+            if x.id in scores:
+                return ok(scores[x.id])
+            names.add(x.id)
+            return x.id in PROMPT_SIGNALS
+        if isinstance(x, Call) and x.fn not in _ELEMENTWISE:
+            return False
+        return all(ok(c) for c in x.children())
+
+    if not ok(e) or len(names) != 1:
+        return None
+    return names.pop()
+
+
+@dataclass(frozen=True)
+class _Memo:
+    """One layer's unit-level values of a memoized call (:class:`HeldState`): ``units [H, n]``
+    for the windows whose value no later token changes (every token a value depends on was
+    observed), and the signal's ``tail [H, t_obs - start]`` from token ``start``, the first one
+    the later windows' values read (at most a window and the function's reach), from which
+    they are recomputed at each evaluation."""
+
+    units: Tensor
+    tail: Tensor
+    start: int
+    t_obs: int
 
 
 class _Ctx:
     """Where an expression is evaluated: one layer (values ``[H, X]``) or a group of layers with
     equal token counts (``layer`` a tuple, ``cache`` a list, values ``[G, H, X]``)."""
 
-    def __init__(self, layer, cache, layout: UnitLayout, token_level: bool):
+    def __init__(
+        self, layer, cache, layout: UnitLayout, token_level: bool, *, n_tokens=None, bound=None
+    ):
         self.layer, self.cache, self.layout, self.token_level = layer, cache, layout, token_level
         self.stacked = isinstance(layer, tuple)
-        first = cache[0] if self.stacked else cache
-        self.n_tokens, self.head_dim, self.device = first.n_tokens, first.head_dim, first.device
+        self.bound: dict[str, Tensor] | None = bound
+        if cache is None:  # a memo's run of ``n_tokens`` tokens: its signal ``bound``, no cache
+            self.n_tokens, self.head_dim = n_tokens, 0
+            self.device = next(iter(bound.values())).device
+        else:
+            first = cache[0] if self.stacked else cache
+            self.n_tokens, self.head_dim, self.device = first.n_tokens, first.head_dim, first.device
         self.lead = (len(layer),) if self.stacked else ()
 
     def at_tokens(self) -> _Ctx:
         if not self.layout.over_tokens:
             raise SignalError("a per-token function was used on channel units")
-        return _Ctx(self.layer, self.cache, self.layout, True)
+        return _Ctx(
+            self.layer, self.cache, self.layout, True, n_tokens=self.n_tokens, bound=self.bound
+        )
 
     def each(self, fn: Callable[[int, CacheState], Tensor]) -> Tensor:
         """``fn(layer, cache)`` for this layer, or stacked over the group's layers."""
@@ -178,8 +252,10 @@ class ScoreEvaluator:
         self._state: dict[Call, Tensor] = {}
         self._attn_decay: float | None | object = _UNSET
         held = held_state(policy)
-        self._grain, self._latest = held.grain, held.signals
+        self._grain, self._latest, self._memos = held.grain, held.signals, held.memos
         self._cumulative = list(held.grain)
+        self._unit = UnitLayout.of(policy.v, 0)
+        self._memo: list[dict[Call, _Memo]] = [{} for _ in range(n_layers)]
 
     # -- public ------------------------------------------------------------------------------
     def update(self, layer: int, signals: Signals, *, cache: CacheState | None = None) -> None:
@@ -191,7 +267,7 @@ class ScoreEvaluator:
                 self._observed[layer][name] = getattr(signals, name).float()
         for node in self._cumulative:
             self._update_node(node, layer, signals, cache)
-        self._forget((layer,))
+        self._forget((layer,), {n for n in PROMPT_SIGNALS if getattr(signals, n) is not None})
 
     def _update_node(self, node: Call, layer: int, signals: Signals, cache: CacheState) -> None:
         channel = self._uses(node.args[0], CHANNEL)
@@ -229,7 +305,7 @@ class ScoreEvaluator:
                 x = self._eval(arg, _Ctx(every, caches, layout, not channel)).float()
                 x = torch.broadcast_to(x, (self.n_layers, self.n_heads, x.shape[-1]))
             self._accumulate(node, slice(None), x)
-        self._forget(every)
+        self._forget(every, set(given))
 
     def update_attn(self, attn: Tensor) -> None:
         """:meth:`update` of every layer with ``Signals(attn=attn[l])``, ``attn [L, H, T]``
@@ -316,6 +392,18 @@ class ScoreEvaluator:
         u = part.n_units(caches[0].n_tokens)
         return torch.broadcast_to(out, (len(layers), self.n_heads, u))
 
+    def held_bytes(self) -> dict[str, int]:
+        """Device bytes this evaluator keeps between calls: ``sums`` (the ``cumulative``
+        states), ``signals`` (latest token signals; per-channel ones, ``[H, d]``, not counted),
+        ``memos`` (:class:`HeldState`)."""
+        token = [x for obs in self._observed for n, x in obs.items() if n not in CHANNEL]
+        memos = [t for m in self._memo for x in m.values() for t in (x.units, x.tail)]
+        return {
+            "sums": sum(t.nbytes for t in self._state.values()),
+            "signals": sum(t.nbytes for t in token),
+            "memos": sum(t.nbytes for t in memos),
+        }
+
     def observed(self, layer: int, name: str) -> Tensor | None:
         return self._observed[layer].get(name)
 
@@ -332,13 +420,57 @@ class ScoreEvaluator:
             decay = _const(node.kwarg("decay", Num(1.0)))
         _advance(self._buffer(node, n, x.device)[layers, :, :n], decay, x)
 
-    def _forget(self, layers) -> None:
-        """Drop the latest token signals of ``layers`` that no expression reads again (the
-        cumulative sums have taken them in); per-channel ones (``[H, d]``) stay."""
+    def _forget(self, layers, observed=()) -> None:
+        """Memoize the prompt signals ``observed`` just now (:meth:`_remember`), then drop the
+        latest token signals of ``layers`` that no expression reads again (the cumulative sums
+        and memos have taken them in); per-channel ones (``[H, d]``) stay."""
         for li in layers:
             obs = self._observed[li]
+            for call, signal in self._memos.items():
+                if signal in observed:
+                    self._remember(li, call, obs[signal])
             for name in [n for n in obs if n not in self._latest and n not in CHANNEL]:
                 del obs[name]
+
+    def _remember(self, li: int, call: Call, x: Tensor) -> None:
+        """The memo of ``call`` (a token-level function of one prompt signal) from the signal's
+        latest ``x [H, T_obs]`` at layer ``li``: the windows every token of whose value lies in
+        ``x`` (none past ``T_obs``: they are the same at any later length) and the tail of
+        ``x`` the later windows' values need."""
+        lay, t_obs = self._unit, x.shape[-1]
+        left, right = _reach(call)
+        u_det = max(0, t_obs - right) // lay.size
+        ctx = _Ctx(li, None, lay, False, n_tokens=t_obs, bound={self._memos[call]: x.float()})
+        units = self._call(call, ctx)[..., :u_det].clone()
+        start = max(0, u_det * lay.size - left)  # the first token a later window reads
+        self._memo[li][call] = _Memo(units, x[..., start:].float().clone(), start, t_obs)
+
+    def _memoized(self, call: Call, c: _Ctx) -> Tensor:
+        """``call`` at unit level from its memo (:class:`_Memo`): the kept windows, then the
+        later ones computed from the signal's tail over tokens ``[start, T)`` (its value 0
+        past the prompt, as :func:`~.signals.pad_tokens` gives it)."""
+
+        W = c.layout.size
+
+        def one(li: int, _cache) -> Tensor:
+            m = self._memo[li].get(call)
+            if m is None:
+                raise SignalError(
+                    f"the policy uses signal '{self._memos[call]}' but layer {li} never "
+                    f"received it: pass Signals({self._memos[call]}=...) to observe() first"
+                )
+            assert c.n_tokens >= m.t_obs, (c.n_tokens, m.t_obs)
+            if c.n_tokens == m.units.shape[-1] * W:  # no window after the kept ones
+                return m.units.clone()
+            # from a window boundary: zeros before the tail reach no later window's value
+            first = m.start // W * W
+            tail = F.pad(m.tail, (m.start - first, 0))
+            n, bound = c.n_tokens - first, {self._memos[call]: tail}
+            sub = _Ctx(li, None, c.layout, False, n_tokens=n, bound=bound)
+            later = self._call(call, sub)[..., m.units.shape[-1] - first // W :]
+            return torch.cat([m.units, later], -1)
+
+        return c.each(one)
 
     def _buffer(self, node: Call, n: int, device) -> Tensor:
         buf = self._state.get(node)
@@ -398,6 +530,8 @@ class ScoreEvaluator:
             return pos if name == "position" else t - 1 - pos
         if name == "key_norm":
             x = c.each(lambda _, cache: cache.key_norm())
+        elif c.bound is not None and name in c.bound:  # a memo's run of tokens
+            x = pad_tokens(c.bound[name], t)
         else:
             x = c.each(lambda li, _: pad_tokens(self._need(li, name), t))
         return x if c.token_level else lay.aggregate(x)
@@ -413,6 +547,15 @@ class ScoreEvaluator:
 
     def _call(self, e: Call, c: _Ctx) -> Tensor:
         fn, args = e.fn, e.args
+        lay = c.layout
+        if (
+            e in self._memos
+            and not c.token_level
+            and c.bound is None
+            and lay.over_tokens
+            and (lay.size == self._unit.size)
+        ):
+            return self._memoized(e, c)
         if fn == "cumulative":
             return self._running(e, c)
         if fn in _HEADS:
@@ -531,6 +674,15 @@ def _unit_sigma(cache: CacheState, lay: UnitLayout) -> Tensor:
     mean = lay.aggregate(v.sum(-1) * w) / n
     dev = ((v - lay.expand(mean, t)[..., None]) ** 2).sum(-1) * w
     return (lay.aggregate(dev) / n).sqrt()
+
+
+def _reach(call: Call) -> tuple[int, int]:
+    """Tokens before and after a token whose value a token-level function reads: ``pool_max``'s
+    window, none for ``*_window`` (it reads the unit's own tokens)."""
+    if call.fn != "pool_max":
+        return 0, 0
+    size = int(_const(call.kwarg("size", Num(7))))
+    return size // 2, size - 1 - size // 2
 
 
 def _advance(state: Tensor, decay: float, x: Tensor) -> None:

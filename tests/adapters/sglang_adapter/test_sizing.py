@@ -104,15 +104,16 @@ def test_a_decoupled_pool_keeps_every_slots_rows_and_the_zone_share(monkeypatch)
     assert pool.zones.bytes_all.shape == (L, pytest.approx(share - fixed, abs=16))
 
 
+@pytest.mark.parametrize("T", [3, 200, 1100])
 @pytest.mark.parametrize("policy", ["qevict", "snapkv", "h2o", "streaming", "kivi", "rdkv"])
-def test_the_engine_share_bounds_a_store_holding_every_slot(policy):
+def test_the_engine_share_bounds_a_store_holding_every_slot(policy, T):
     """A request's tier engine (rows held elsewhere, as in the SGLang pool) after a prefill of
-    200 tokens and 40 decode steps with routing holds no more device bytes per (layer, head,
-    token) than :func:`~.sizing.engine_bytes_per_token` counts."""
+    ``T`` tokens and 40 decode steps with routing holds no more device bytes per (layer, head)
+    than :func:`~.sizing.engine_bytes_per_token` counts for its tokens, plus
+    :func:`~.sizing.engine_bytes_per_request`."""
     from tiered_radix.engine.signals import Signals, policy_reads
 
     p, L, H, d = load_policy(policy), 2, 2, 64
-    T = 200
     rows = torch.randn(2, H, T + 40, d, generator=torch.Generator().manual_seed(1))
 
     def read(li: int):  # the pool's rows (a decoupled policy's plan reads K norms, spreads)
@@ -137,16 +138,11 @@ def test_the_engine_share_bounds_a_store_holding_every_slot(policy):
             store.route(f"decode {step}")
     held = store.stack.tier.nbytes
     held += sum(s.present.nbytes + s.write_count.nbytes for s in store.stack.stores.values())
-    held += sum(t.nbytes for t in store.scores._state.values())
-    held += sum(
-        t.nbytes
-        for obs in store.scores._observed
-        for t in obs.values()
-        if t.dim() and t.shape[-1] != d
-    )  # per token (qnorm is per channel: [H, d])
+    held += sum(store.scores.held_bytes().values())
     if not p.coupled:  # the channel set (tiers per channel and counts do not grow)
         held += sum(store.channel_tiers(li)[1].nbytes for li in range(L))
     bound = sizing.engine_bytes_per_token(p) * L * H * (T + 40)
+    bound += sizing.engine_bytes_per_request(p) * L * H  # a partial window, a memo's tail
     assert 0 < held <= bound
 
 

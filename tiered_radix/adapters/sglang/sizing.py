@@ -13,7 +13,9 @@ ledger pages, and its per-slot metadata on top:
   counted for every slot: the worst case, a pool whose slots all belong to running
   requests, each holding :data:`~tiered_radix.engine.growth.GROWTH` times its tokens' worth.
   These bytes are not allocated up front: they stay free in what SGLang set aside for the
-  pool.
+  pool. What a request holds beyond its tokens' share (a partial last window, a memo's tail of
+  at most a window: :func:`engine_bytes_per_request`) is not in it: a few MB at most, taken
+  from the memory outside ``mem_fraction_static`` like SGLang's own per-request buffers.
 
 A decoupled policy (RDKV) keeps every slot's rows (its requests read them until their routing,
 and the radix tree caches them at full precision, :mod:`.zones`) and a Zone A store of
@@ -133,15 +135,33 @@ def _unit_size(policy: Policy) -> int:
 def engine_bytes_per_token(policy: Policy) -> float:
     """Upper bound of a running request's engine state per (layer, head, token), in bytes (see
     the module docstring): tiers and copy masks per unit, the ``cumulative`` sums (per token or
-    per unit, :func:`~tiered_radix.engine.scores.held_state`) with their growth, and the
-    latest token signals the policy reads again."""
+    per unit, :func:`~tiered_radix.engine.scores.held_state`) with their growth, the memos of
+    token-level reads of a prompt signal (one value a window), and the latest token signals
+    the policy reads again."""
     tiers = TierSet.of(policy)
     held = held_state(policy)
     per_unit = TIER_BYTES + COPY_BYTES * len(tiers.quantized)  # GROWTH: engine.growth
     per_unit += 0 if policy.coupled else SET_BYTES
-    states = STATE_BYTES * held.floats_per_token()
+    W = _unit_size(policy)
+    sums = STATE_BYTES * held.sums_per_token()
+    memos = STATE_BYTES * len(held.memos) / W  # allocated once per observation: no growth
     signals = SIGNAL_BYTES * len(held.signals & set(TOKEN_SIGNALS))
-    return GROWTH * (per_unit / _unit_size(policy) + states) + signals
+    return GROWTH * (per_unit / W + sums) + memos + signals
+
+
+def engine_bytes_per_request(policy: Policy) -> float:
+    """What a running request's engine state may hold per (layer, head) beyond
+    :func:`engine_bytes_per_token` times its tokens: its last, partial unit in every per-unit
+    tensor (with their growth) and the memos' signal tails
+    (:meth:`~tiered_radix.engine.scores.HeldState.tail_tokens`). Not in the slots' reserve: at
+    most ``max_running_requests`` times this, times layers and heads (a few MB), comes out of the
+    memory outside ``mem_fraction_static``, as SGLang's own per-request buffers do."""
+    tiers = TierSet.of(policy)
+    held = held_state(policy)
+    per_unit = TIER_BYTES + COPY_BYTES * len(tiers.quantized)
+    per_unit += 0 if policy.coupled else SET_BYTES
+    per_unit += STATE_BYTES * held.sums_per_unit()
+    return GROWTH * per_unit + STATE_BYTES * held.tail_tokens(_unit_size(policy))
 
 
 def _fraction(budget: Budget) -> float:
