@@ -129,8 +129,9 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
         raise ValueError(f"--kv-policy {cfg.policy_arg} does not support --enable-dp-attention")
 
 
-# Extend gathers rows per request on the host between layers: no prefill CUDA graphs. Decode
-# graphs stay as the user has them (the backend captures them, :mod:`.graph`). The overlap
+# The backend captures decode steps only (:mod:`.graph`): an extend batch's index tables are
+# built on the host at each step and its routing runs between chunks, so no prefill CUDA graphs.
+# Decode graphs stay as the user has them. The overlap
 # scheduler stays as the user has it unless --no-kv-overlap: decode is faster with it
 # (docs/sglang.md).
 def forced(options: KVOptions) -> dict:
