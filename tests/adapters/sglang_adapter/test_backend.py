@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa
 from tiered_radix.adapters.sglang.profile import StepProfiler  # noqa: E402
 from tiered_radix.adapters.sglang.reps import PoolConfigError  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
+from tiered_radix.adapters.sglang.stats import log  # noqa: E402
 from tiered_radix.engine.attention import attend  # noqa: E402
 from tiered_radix.engine.store import TierStore  # noqa: E402
 
@@ -785,15 +787,23 @@ def test_overlapped_decode_leaves_the_other_requests_as_serial_decode_does(monke
     assert set(sim.pool.blocks_in_use().values()) == {0}
 
 
-def test_a_batch_over_the_graph_capacity_runs_eagerly(monkeypatch):
+def test_a_batch_over_the_graph_capacity_runs_eagerly(monkeypatch, caplog):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64), context=64,
                 options=KVOptions(graph_tokens=100))  # fmt: skip
     h.backend.init_cuda_graph_state(4, 4)
     assert h.backend.graph.tokens == 100
     # each request lists its tokens and its last window's W - 1 future rows (W = 16 here)
-    assert h.backend.graph_fits([34, 34]) and not h.backend.graph_fits([35, 34])
-    assert not h.backend.graph_fits([1] * 5)  # more requests than captured
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        assert h.backend.graph_fits([34, 34]) and not h.backend.graph_fits([35, 34])
+        assert not h.backend.graph_fits([40, 40])
+        assert not h.backend.graph_fits([1] * 5)  # more requests than captured: SGLang's own
+    assert h.backend.stats()["host_s"]["graph_too_long"] == 2
+    told = [r.getMessage() for r in caplog.records if "runs without CUDA graphs" in r.getMessage()]
+    assert told == [
+        "tiered-radix: a decode batch of 2 requests, 69 tokens, runs without CUDA graphs: the "
+        "graphs' buffers hold 100 tokens (--kv-graph-tokens 101 or more would fit it)"
+    ]  # once
 
 
 def test_graphs_need_the_decode_kernel():

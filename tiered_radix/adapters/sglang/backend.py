@@ -260,6 +260,7 @@ class TieredAttnBackend(AttentionBackend):
         model = getattr(runner, "model_config", None)
         self.context_len = getattr(model, "context_len", None) or pool.size
         self.graph: graph.GraphDecode | None = None  # init_cuda_graph_state's buffers
+        self._warned_graph_tokens = False  # a batch too long for the graphs was logged
         self.graph_bs: int | None = None  # the captured batch size this step runs at, if any
         self.pending = False  # a captured step's observe/route waits for flush()
         self.landing: tuple | None = None  # a routing planned, moving at the next flush()
@@ -409,8 +410,25 @@ class TieredAttnBackend(AttentionBackend):
         return 1
 
     def graph_fits(self, seq_lens: list[int]) -> bool:
-        """Whether a decode batch of these lengths can replay a captured graph."""
-        return self.graph is not None and self.graph.fits(seq_lens)
+        """Whether a decode batch of these lengths can replay a captured graph. A batch within
+        the captured sizes whose tokens exceed the buffers' runs eagerly: counted
+        (``host_s["graph_too_long"]`` in :meth:`stats`), and the first one logged with the
+        ``--kv-graph-tokens`` it needs."""
+        if self.graph is None:
+            return False
+        if self.graph.fits(seq_lens):
+            return True
+        if len(seq_lens) <= self.graph.max_bs:
+            self.timer.count("graph_too_long")
+            if not self._warned_graph_tokens:
+                self._warned_graph_tokens = True
+                need = sum(seq_lens) + self.pool.layout.window * len(seq_lens)
+                log.warning(
+                    "tiered-radix: a decode batch of %d requests, %d tokens, runs without CUDA "
+                    "graphs: the graphs' buffers hold %d tokens (--kv-graph-tokens %d or more "
+                    "would fit it)", len(seq_lens), sum(seq_lens), self.graph.tokens, need,
+                )  # fmt: skip
+        return False
 
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
         """Before capturing batch size ``fb.batch_size`` (every request padding) and before
@@ -799,7 +817,8 @@ class TieredAttnBackend(AttentionBackend):
         (``metadata``, ``write``, ``decode_kernel`` (including ``decode_lists``, the step's index
         lists), ``decode_gather``, ``observe``, ``route``) apart from extend batches'
         (``metadata_extend``, ``write_extend``, ``extend_attend``, ``route_extend``), and the
-        ``decode_steps``/``extend_batches`` counts they divide by. On the GPU a phase's time is
+        ``decode_steps``/``extend_batches`` counts they divide by (and ``graph_too_long``: decode
+        batches too long for the graphs' buffers, run eagerly). On the GPU a phase's time is
         what it costs the host to launch it (plus any host sync in it): where their sum per step
         nears the step time, the step is launch-bound. With ``--kv-device-times``,
         ``device_s``: the device seconds of graph replays (``replay``, CUDA events around
