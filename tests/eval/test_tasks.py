@@ -33,10 +33,10 @@ ALL = task_names()
 def test_registry_and_groups():
     assert set(ALL) == {
         "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
-        "needle", "multiturn", "distractor",
+        "needle", "multiturn", "distractor", "qa",
     }  # fmt: skip
     assert expand_tasks("ruler,needle,vt") == expand_tasks("ruler") + ["needle"]
-    assert expand_tasks("suite") == expand_tasks("ruler") + ["distractor", "multiturn"]
+    assert expand_tasks("suite") == expand_tasks("ruler") + ["distractor", "multiturn", "qa"]
     with pytest.raises(TaskError, match="Did you mean 'niah_single'"):
         expand_tasks("niah_singel")
 
@@ -50,7 +50,7 @@ def test_deterministic_from_seed(task):
     assert a[0].turns != a[1].turns  # samples differ from each other
 
 
-@pytest.mark.parametrize("task", ["niah_multikey", "distractor", "multiturn", "cwe"])
+@pytest.mark.parametrize("task", ["niah_multikey", "distractor", "multiturn", "cwe", "qa"])
 def test_window_trims_the_sized_turn_and_keeps_the_draws(task):
     """A 1,500-token cell on a 1,024-token model: the sized turn leaves WINDOW_RESERVE free,
     the label and the drawn facts stay those of the 1,500-token sample (run 15 lost its 32K
@@ -159,6 +159,46 @@ def test_distractor_facts_are_near_duplicates_and_only_the_asked_one_scores():
         assert all(s.answers[0] not in d and d not in s.answers[0] for d in s.meta["distractors"])
         assert not any(v in question for v in vals)
     assert kinds == {"lead", "budget", "code"}
+
+
+_ARTICLE = re.compile(
+    r"Document (\d+): (\w+)\n\2 is a town on the river (\w+)\. .*?Its mayor is (\w+ \w+)\. "
+    r".*?Its twin town is (\w+)\."
+)
+
+
+def test_qa_answers_from_one_article_or_two():
+    """lookup: the article of the mayor the question names holds the answer; bridge: the
+    asked town's article names its twin, whose article holds the answer, and the question
+    names neither the twin nor the answer. Every name differs from every other (case-blind)."""
+    kinds = set()
+    for s in make_samples("qa", 1500, 6, count, seed=2):
+        text, kind = s.turns[0], s.meta["kind"]
+        kinds.add(kind)
+        body, question = text[: text.rindex("Question:")], text[text.rindex("Question:") :]
+        docs = _ARTICLE.findall(body)
+        assert len(docs) == s.meta["documents"] >= 5
+        assert [int(d[0]) for d in docs] == list(range(1, len(docs) + 1))
+        town = {name: (river, mayor, twin) for _, name, river, mayor, twin in docs}
+        assert len(town) == len(docs)
+        rivers = [r for r, _, _ in town.values()]
+        surnames = [m.split()[1] for _, m, _ in town.values()]
+        lowered = [x.lower() for x in [*town, *rivers, *surnames]]
+        assert all(a == b or (a not in b and b not in a) for a in lowered for b in lowered)
+        if kind == "lookup":
+            (mayor,) = s.meta["keys"]
+            assert f"mayor is {mayor}?" in question
+            (name,) = [n for n, (_, m, _) in town.items() if m == mayor]
+            assert s.answers == (town[name][0],)
+        else:
+            (asked,) = s.meta["keys"]
+            assert f"twin town of {asked}?" in question
+            twin = town[asked][2]
+            assert twin in town and twin not in question
+            assert s.answers == (town[twin][0],)
+        assert sorted(s.meta["distractors"]) == sorted(r for r in rivers if r != s.answers[0])
+        assert s.answers[0] not in question and body.count(f"river {s.answers[0]}.") == 1
+    assert kinds == {"lookup", "bridge"}
 
 
 _DISTRACTOR_FACT = {

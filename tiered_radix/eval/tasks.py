@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 
-from . import counting, distractor, multiturn, ruler
+from . import counting, distractor, multiturn, qa, ruler
 from .sample import (
     _REGISTRY,
     DEPTHS,
@@ -32,7 +32,7 @@ __all__ = [
     "fit", "make_sample", "make_samples", "sample_rng", "task_names",
 ]  # fmt: skip
 # each registers its tasks when imported
-GENERATOR_MODULES = (counting, distractor, multiturn, ruler)
+GENERATOR_MODULES = (counting, distractor, multiturn, qa, ruler)
 
 GROUPS = {
     "ruler": (
@@ -40,7 +40,7 @@ GROUPS = {
     ),
     "suite": (
         "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe",
-        "distractor", "multiturn",
+        "distractor", "multiturn", "qa",
     ),
 }  # fmt: skip
 
