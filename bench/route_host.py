@@ -60,7 +60,8 @@ FUNCS = [  # (module, class or None, attribute): functions whose ops are listed
     ("tiered_radix.engine.stacked", "StackedMoves", "__init__"),
     ("tiered_radix.engine.stacked", "StackedMoves", "finish"),
     ("tiered_radix.engine.stacked", "StackedMoves", "nbytes"),
-    ("tiered_radix.engine.store", "TierStore", "_applied"),
+    ("tiered_radix.engine.store", "TierStore", "_applied"),  # before 797f61e
+    ("tiered_radix.engine.store", "TierStore", "finish_apply"),
     ("tiered_radix.engine.store", "TierStore", "_bytes"),
     ("tiered_radix.engine.events", "Transitions", "on"),
     ("tiered_radix.engine.events", "Transitions", "gather"),
