@@ -116,7 +116,7 @@ def held_state(policy: Policy) -> HeldState:
     reads of a prompt signal are kept per unit, and which latest signals are kept, from where
     the policy's expressions read them."""
     scores = dict(policy.scores)
-    unit = policy.v.size if policy.v.kind == "window" else 1
+    unit = UnitLayout.of(policy.v, 0).size
     token_read: dict[Call, bool] = {}
     latest: set[str] = set()
     memos: dict[Call, str] = {}
@@ -267,7 +267,7 @@ class ScoreEvaluator:
                 self._observed[layer][name] = getattr(signals, name).float()
         for node in self._cumulative:
             self._update_node(node, layer, signals, cache)
-        self._forget((layer,), {n for n in PROMPT_SIGNALS if getattr(signals, n) is not None})
+        self._settle((layer,), {n for n in PROMPT_SIGNALS if getattr(signals, n) is not None})
 
     def _update_node(self, node: Call, layer: int, signals: Signals, cache: CacheState) -> None:
         channel = self._uses(node.args[0], CHANNEL)
@@ -305,7 +305,7 @@ class ScoreEvaluator:
                 x = self._eval(arg, _Ctx(every, caches, layout, not channel)).float()
                 x = torch.broadcast_to(x, (self.n_layers, self.n_heads, x.shape[-1]))
             self._accumulate(node, slice(None), x)
-        self._forget(every, set(given))
+        self._settle(every, set(given))
 
     def update_attn(self, attn: Tensor) -> None:
         """:meth:`update` of every layer with ``Signals(attn=attn[l])``, ``attn [L, H, T]``
@@ -322,7 +322,7 @@ class ScoreEvaluator:
                 continue
             for li in range(L):
                 self._update_node(node, li, Signals(attn=attn[li]), self._cache(li, None))
-        self._forget(range(L))
+        self._settle(range(L))
 
     def attn_decay(self) -> float | None:
         """The decay ``g`` when decode steps advance no state but ``cumulative(attn, decay=g)``
@@ -412,15 +412,14 @@ class ScoreEvaluator:
         """``state = decay * state + x`` for ``node`` at ``layers`` (an index or a slice),
         ``x [..., H, T]`` per token (per channel), summed per unit first where the node's
         state is kept per unit. ``decay``: the node's own unless given."""
-        g = self._grain[node]
-        if g > 1:
-            x = UnitLayout("window", g, 0).aggregate(x)
+        if self._grain[node] > 1:  # kept per unit: the policy's windows
+            x = self._unit.aggregate(x)
         n = x.shape[-1]
         if decay is None:
             decay = _const(node.kwarg("decay", Num(1.0)))
         _advance(self._buffer(node, n, x.device)[layers, :, :n], decay, x)
 
-    def _forget(self, layers, observed=()) -> None:
+    def _settle(self, layers, observed=()) -> None:
         """Memoize the prompt signals ``observed`` just now (:meth:`_remember`), then drop the
         latest token signals of ``layers`` that no expression reads again (the cumulative sums
         and memos have taken them in); per-channel ones (``[H, d]``) stay."""

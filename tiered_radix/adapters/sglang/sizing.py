@@ -132,16 +132,21 @@ def _unit_size(policy: Policy) -> int:
     return policy.v.size if policy.v.kind == "window" else 1
 
 
+def _unit_bytes(policy: Policy) -> int:
+    """A unit's tier and copy masks (and a decoupled token's channel-set flag), before growth
+    (:mod:`tiered_radix.engine.growth`)."""
+    per_unit = TIER_BYTES + COPY_BYTES * len(TierSet.of(policy).quantized)
+    return per_unit + (0 if policy.coupled else SET_BYTES)
+
+
 def engine_bytes_per_token(policy: Policy) -> float:
     """Upper bound of a running request's engine state per (layer, head, token), in bytes (see
     the module docstring): tiers and copy masks per unit, the ``cumulative`` sums (per token or
     per unit, :func:`~tiered_radix.engine.scores.held_state`) with their growth, the memos of
     token-level reads of a prompt signal (one value a window), and the latest token signals
     the policy reads again."""
-    tiers = TierSet.of(policy)
     held = held_state(policy)
-    per_unit = TIER_BYTES + COPY_BYTES * len(tiers.quantized)  # GROWTH: engine.growth
-    per_unit += 0 if policy.coupled else SET_BYTES
+    per_unit = _unit_bytes(policy)
     W = _unit_size(policy)
     sums = STATE_BYTES * held.sums_per_token()
     memos = STATE_BYTES * len(held.memos) / W  # allocated once per observation: no growth
@@ -156,11 +161,8 @@ def engine_bytes_per_request(policy: Policy) -> float:
     (:meth:`~tiered_radix.engine.scores.HeldState.tail_tokens`). Not in the slots' reserve: at
     most ``max_running_requests`` times this, times layers and heads (a few MB), comes out of the
     memory outside ``mem_fraction_static``, as SGLang's own per-request buffers do."""
-    tiers = TierSet.of(policy)
     held = held_state(policy)
-    per_unit = TIER_BYTES + COPY_BYTES * len(tiers.quantized)
-    per_unit += 0 if policy.coupled else SET_BYTES
-    per_unit += STATE_BYTES * held.sums_per_unit()
+    per_unit = _unit_bytes(policy) + STATE_BYTES * held.sums_per_unit()
     return GROWTH * per_unit + STATE_BYTES * held.tail_tokens(_unit_size(policy))
 
 
