@@ -263,6 +263,25 @@ def test_qevict_second_turn_keeps_the_store(model):
     assert t2.occupancy["evicted"] > 0 and not t2.over_budget
 
 
+def test_archived_windows_come_back_at_the_next_turn(model, tmp_path):
+    """``evict(archive=int2)``: turn 1 answers as without the archive; turn 2 starts with the
+    evicted windows at INT2, attends to them, and its routing meets the budget again."""
+    text = Path(__file__).parents[2].joinpath("policies", "qevict.yaml").read_text()
+    archive = tmp_path / "archive.yaml"
+    archive.write_text(text.replace("evicted: evict", "evicted: evict(archive=int2)"))
+    plain = ChatSession(model, None, "qevict", budget="30%", max_new_tokens=4, eos_ids=())
+    session = ChatSession(model, None, str(archive), budget="30%", max_new_tokens=4, eos_ids=())
+    p1, t1 = plain.ask_ids(tokens(400, 7)), session.ask_ids(tokens(400, 7))
+    assert t1.ids == p1.ids and t1.bytes_used == p1.bytes_used and t1.recalled == 0
+    assert p1.archived_bytes == 0 and t1.archived_bytes > 0
+    evicted = t1.occupancy["evicted"]
+    t2 = session.ask_ids(tokens(30, 8))
+    assert t2.recalled == evicted > 0
+    store = session.cache.store
+    assert store.events.steps[-1].bytes_used <= store.events.steps[-1].budget
+    assert t2.bytes_used <= t2.budget_bytes and not t2.over_budget
+
+
 # -- every shipped policy runs ----------------------------------------------------------------
 @pytest.mark.parametrize("path", POLICIES, ids=lambda p: p.stem)
 def test_every_shipped_policy_runs_two_turns(model, path):

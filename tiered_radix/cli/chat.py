@@ -152,9 +152,26 @@ def _kv_line(t, unit: str) -> str:
         f"{t.reused_tokens + t.prefill_tokens + t.new_tokens:,} tokens ({t.prefill_tokens:,} "
         f"prefilled, {t.reused_tokens:,} reused, {t.new_tokens} generated) | {unit}: {occ} | "
         f"{_mib(t.bytes_used)} of {_mib(t.full_bytes)} full KV "
-        f"({t.bytes_used / t.full_bytes:.1%}; budget {_mib(t.budget_bytes)}){over} | "
-        f"{t.seconds:.1f} s"
+        f"({t.bytes_used / t.full_bytes:.1%}; budget {_mib(t.budget_bytes)}){over}"
+        f"{_archive(t)} | {t.seconds:.1f} s"
     )
+
+
+def _archive(t) -> str:
+    """The archive (``evict(archive=...)``): held outside the budget, so said apart."""
+    if not (t.archived_bytes or t.recalled):
+        return ""
+    return (
+        f" + archived {_mib(t.archived_bytes)} ({t.archived_bytes / t.full_bytes:.1%}, outside "
+        f"the budget; {t.recalled:,} units recalled at this turn's start)"
+    )
+
+
+def _held(t) -> str:
+    if not t.archived_bytes:
+        return ""
+    held = t.bytes_used + t.archived_bytes
+    return f"; with the archive {_mib(held)} ({1 - held / t.full_bytes:.1%} saved)"
 
 
 def _summary(session, turns, chat_s: float, total_s: float) -> None:
@@ -165,7 +182,8 @@ def _summary(session, turns, chat_s: float, total_s: float) -> None:
     print(f"\nsummary: {len(turns)} turns, {session.cache.n_tokens():,} tokens cached, {gen} "
           f"generated in {chat_s:.1f} s ({total_s:.1f} s with loading)\n"
           f"  KV {_mib(last.bytes_used)} vs {_mib(last.full_bytes)} full bf16 KV "
-          f"({1 - last.bytes_used / last.full_bytes:.1%} saved)\n"
+          f"({1 - last.bytes_used / last.full_bytes:.1%} saved)"
+          f"{_held(last)}\n"
           f"  prefix reuse: {prefilled:,} tokens prefilled in all; re-prefilling the whole "
           f"conversation each turn would have been {whole:,}\n"
           f"  transitions: promote {c['promote']}, demote {c['demote']}, evict {c['evict']}, "

@@ -56,6 +56,8 @@ def _tier_line(t: Tier, d: int) -> str:
             "channel": "K and V per channel",
         }[t.action.axis]
         what = f"quantize to {t.action.bits}-bit codes, groups of {t.action.group} ({axis})"
+    elif t.action.archive is not None:
+        what = f"evict; its {t.action.archive} copy kept for the next turn (in no budget)"
     else:
         what = "evict (never read again)"
     return f"  {t.name:<10} {what:<62} {cost:6.1f} B/token ({cost / full:.1%} of full)"

@@ -14,7 +14,10 @@ Transitions (:meth:`CoupledStack.apply`), in this order so every read precedes t
 2. a unit entering the full tier gets ``dequantize(copy of its previous tier)`` into its rows;
 3. rows of units leaving the full tier are NaN-poisoned;
 4. without a write-once ledger the copy of the tier a unit leaves is dropped; eviction drops all
-   copies of the unit in both modes.
+   copies of the unit in both modes, except under ``evict(archive=a)``: an evicted unit keeps
+   (or, leaving a better tier, first gets, by step 1) its copy at tier ``a``. That *archived*
+   copy is read by nobody and counts in no budget (:meth:`CoupledStack.archived_nbytes`);
+   :meth:`CoupledStack.recall` puts such units back at tier ``a`` (a later turn).
 """
 
 from __future__ import annotations
@@ -71,15 +74,18 @@ def _compact(mask: Tensor, n: int) -> Tensor:
 
 def move_masks(
     new: Tensor, old: Tensor, present: dict[int, Tensor], write_count: dict[int, Tensor],
-    beyond: Tensor, evict: int, write_once: bool,
+    beyond: Tensor, evict: int, write_once: bool, archive: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, dict[int, Tensor], Tensor]:  # fmt: skip
     """The masks of a move of units from tiers ``old`` to ``new`` (int64, one shape):
     ``changed``, ``up`` (promoted to full), ``down`` (demoted from full), ``need`` (per
-    quantized tier ``j``: a copy to write, none ``present``) and ``bad`` (invariant
-    violations: an ``evict``-ed unit promoted, a unit where ``beyond`` (past its layer's
-    complete units) moved, with ``write_once`` a copy written before written again)."""
+    quantized tier ``j``: a copy to write, none ``present``; at the ``archive`` tier also for
+    units being evicted) and ``bad`` (invariant violations: an ``evict``-ed unit promoted, a
+    unit where ``beyond`` (past its layer's complete units) moved, with ``write_once`` a copy
+    written before written again)."""
     changed = new != old
     need = {j: (new == j) & ~p for j, p in present.items()}
+    if archive is not None:
+        need[archive] |= (new == evict) & (old != evict) & ~present[archive]
     up, down = changed & (new == 0), changed & (old == 0)
     bad = (up & (old == evict)) | (changed & beyond)
     if write_once:
@@ -88,10 +94,16 @@ def move_masks(
     return changed, up, down, need, bad
 
 
-def copies_dropped(gone: Tensor, new: Tensor, old: Tensor, j: int, write_once: bool) -> Tensor:
+def copies_dropped(
+    gone: Tensor, new: Tensor, old: Tensor, j: int, write_once: bool, archive: int | None = None
+) -> Tensor:
     """Units whose tier-``j`` copy goes after a move from ``old`` to ``new``: the evicted ones
-    (``gone``), and without a write-once ledger those leaving tier ``j``."""
-    return gone if write_once else gone | ((old == j) & (new != j))
+    (``gone``; not at the ``archive`` tier, whose copy they keep), and without a write-once
+    ledger those leaving tier ``j`` for a kept tier."""
+    left = (old == j) & (new != j)
+    if j == archive:
+        return left & ~gone if not write_once else torch.zeros_like(gone)
+    return gone if write_once else gone | left
 
 
 _CONSTANTS: dict[tuple, Tensor] = {}
@@ -227,7 +239,14 @@ class CoupledStack:
         None."""
         if not self.write_once or not self.stores:
             return None
-        return torch.stack([s.present[layers, :, :n_units] for s in self.stores.values()])
+        kept = self.attended(layers, n_units)
+        return torch.stack([s.present[layers, :, :n_units] & kept for s in self.stores.values()])
+
+    def attended(self, layers: slice | list[int], n_units: int) -> Tensor:
+        """bool ``[G, H, U]``: units some tier holds for this request (not evicted; an archived
+        unit's copy is not the request's)."""
+        ev = self.tiers.evict
+        return self.tier[layers, :, :n_units] != (-1 if ev is None else ev)
 
     def unit_tokens(self, layers: slice | list[int], n_units: int) -> Tensor:
         """int64 ``[U]`` or ``[G, 1, U]``: tokens per unit (partial window fewer, 0 past the
@@ -241,13 +260,36 @@ class CoupledStack:
         return self._tokens
 
     def nbytes(self) -> Tensor:
-        """int64 0-d: bytes held over all layers (full rows, copies kept)."""
+        """int64 0-d: bytes held for the request over all layers (full rows, copies kept of
+        units not evicted)."""
         u = self.max_units()
         rows = ((self.tier[..., :u] == 0) * self.unit_tokens(slice(None), u)).sum()
         b = rows * (2 * len(self.parts) * self.head_dim)
+        kept = self.attended(slice(None), self.capacity)
         for s in self.stores.values():
-            b = b + s.present.sum() * s.unit_nbytes
+            b = b + (s.present & kept).sum() * s.unit_nbytes
         return b
+
+    def archived_nbytes(self) -> Tensor:
+        """int64 0-d: bytes of the archived copies (``evict(archive=...)``): evicted units'
+        copies kept for a later turn, in no budget."""
+        a = self.tiers.archive
+        if a is None:
+            return torch.zeros((), dtype=torch.long, device=self.device)
+        gone = ~self.attended(slice(None), self.capacity)
+        return (self.stores[a].present & gone).sum() * self.stores[a].unit_nbytes
+
+    def recall(self) -> int:
+        """Put every archived unit (evicted, with its ``archive`` tier copy) back at that tier,
+        as a later turn starts (one host sync). Returns how many units came back."""
+        a, ev = self.tiers.archive, self.tiers.evict
+        if a is None:
+            return 0
+        back = (self.tier == ev) & self.stores[a].present
+        n = int(back.sum())
+        if n:
+            self.tier.masked_fill_(back, a)
+        return n
 
     # -- moving --------------------------------------------------------------------------------
     def apply(self, new: Tensor) -> Moves:
@@ -278,6 +320,7 @@ class CoupledStack:
             new, old, {j: s.present for j, s in self.stores.items()},
             {j: s.write_count for j, s in self.stores.items()},
             torch.arange(self.capacity, device=new.device) >= nc, ev, self.write_once,
+            self.tiers.archive,
         )  # fmt: skip
         masks = torch.stack([changed, up, down, *need.values(), bad]).flatten(1)
         return PendingMove(new, old, changed, up, down, need, masks, masks.sum(1))
@@ -305,7 +348,7 @@ class CoupledStack:
                 self._rows(x).index_fill_(0, idx, torch.nan)
         gone = new == ev
         for j, s in self.stores.items():
-            s.present &= ~copies_dropped(gone, new, old, j, self.write_once)
+            s.present &= ~copies_dropped(gone, new, old, j, self.write_once, self.tiers.archive)
         self.tier.copy_(new)
         wrote = masks[3:-1].any(0).view_as(changed)  # no quantized tier: none written
         idx = _compact(changed, n_changed)

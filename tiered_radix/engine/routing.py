@@ -68,6 +68,14 @@ class TierSet:
         return len(self.tiers) - 1 if isinstance(self.tiers[-1].action, Evict) else None
 
     @property
+    def archive(self) -> int | None:
+        """Engine index of the quantized tier whose copies evicted units keep
+        (``evict(archive=...)``), or None."""
+        ev = self.evict
+        name = None if ev is None else self.tiers[ev].action.archive
+        return None if name is None else self.names.index(name)
+
+    @property
     def quantized(self) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if isinstance(t.action, Quantize)]
 

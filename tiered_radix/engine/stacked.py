@@ -77,8 +77,9 @@ class StackedMoves:
         self.present = {j: torch.cat([s.stores[j].present for s in stacks], 2) for j in s0.stores}
         self.count = {j: torch.cat([s.stores[j].write_count for s in stacks], 2) for j in s0.stores}
         changed, up, down, need, bad = move_masks(
-            new, self.old, self.present, self.count, self.unit >= nc, ev, s0.write_once
-        )
+            new, self.old, self.present, self.count, self.unit >= nc, ev, s0.write_once,
+            s0.tiers.archive,
+        )  # fmt: skip
         self.changed, self.up, self.need, self.ev = changed, up, need, ev
         self.masks = torch.stack([changed, up, down, *need.values(), bad])  # [K, L, H, N]
         per_slot = self.masks.sum((1, 2))  # [K, N]
@@ -102,7 +103,7 @@ class StackedMoves:
         gone = new == self.ev
         self.held = {}
         for q, (j, p) in enumerate(self.present.items()):
-            drop = copies_dropped(gone, new, old, j, s0.write_once)
+            drop = copies_dropped(gone, new, old, j, s0.write_once, s0.tiers.archive)
             self.held[j] = (p | self.need[j]) & ~drop
             self._give([s.stores[j].present for s in sel], self.held[j], keep)
             if any(c[3 + q] for c, k in zip(counts, keep, strict=True) if k):
@@ -156,8 +157,9 @@ class StackedMoves:
         n_tok = to_device([s.n_tokens for s in self.stacks], s0.device)[self.which]  # [N, L]
         tokens = (n_tok.T[:, None] - self.unit * w).clamp(0, w)  # [L, 1, N]
         per_slot = ((self.new == 0) * tokens).sum((0, 1)) * (2 * len(s0.parts) * s0.head_dim)
+        kept = self.new != self.ev  # an archived copy is in no request's bytes
         for j, s in s0.stores.items():
-            per_slot = per_slot + self.held[j].sum((0, 1)) * s.unit_nbytes
+            per_slot = per_slot + (self.held[j] & kept).sum((0, 1)) * s.unit_nbytes
         out = per_slot.new_zeros(len(self.stacks))
         out.index_add_(0, self.which, per_slot)
         if any(self._grown()):  # the units added since hold full rows only

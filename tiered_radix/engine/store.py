@@ -178,6 +178,17 @@ class TierStore:
         ``[L, H, n]`` engine tiers, ``copied`` ``[L, H, n]`` where a ledger copy exists."""
         self.stack.seed(tier, copied)
 
+    def recall(self) -> int:
+        """A later turn begins: units evicted under ``evict(archive=T)`` come back at tier
+        ``T`` from their archived copies, attended again and ranked with the rest at the next
+        routing. Returns the units recalled (0 for a policy without an archive)."""
+        return self.stack.recall() if self.coupled else 0
+
+    def archived_bytes(self) -> int:
+        """Bytes of archived copies: evicted units' copies kept for a later turn, outside the
+        request's budget and :meth:`bytes_used`."""
+        return int(self.stack.archived_nbytes())
+
     def observe(self, layer: int, signals: Signals) -> None:
         """Record one layer's signals and advance cumulative scores (once per step)."""
         self.scores.update(layer, signals)

@@ -248,7 +248,21 @@ class Compiler:
                 )
         if all(isinstance(t.action, Evict) for t in tiers):
             raise PolicyError("every tier evicts: nothing would be kept", node.span)
+        self.archive(tiers[-1].action, node.entries[-1][2].span, tiers)
         return tuple(tiers)
+
+    def archive(self, action, span: Span, tiers: list[Tier]) -> None:
+        """``evict(archive=T)``: ``T`` names a quantized tier of the policy."""
+        if not isinstance(action, Evict) or action.archive is None:
+            return
+        quantized = [t.name for t in tiers if isinstance(t.action, Quantize)]
+        if action.archive not in quantized:
+            raise PolicyError(
+                f"evict(archive={action.archive}): no quantized tier '{action.archive}'",
+                span,
+                expected=one_of(quantized) if quantized else "a quantize(...) tier to archive at",
+                suggestion=did_you_mean(action.archive, quantized),
+            )
 
     def rank(
         self,
@@ -423,6 +437,13 @@ class Compiler:
                     item.get("then").span,
                     expected="promote, demote, keep or evict",
                     suggestion="declare quantized formats in `tiers:`",
+                )
+            if isinstance(then, Evict) and then.archive is not None:
+                raise PolicyError(
+                    "a rule's `evict` takes no archive",
+                    item.get("then").span,
+                    suggestion="archive in the evicting tier: `tiers: {..., gone: "
+                    f"evict(archive={then.archive})}}`",
                 )
             if isinstance(then, Demote) and not any(isinstance(t.action, Quantize) for t in tiers):
                 raise PolicyError(

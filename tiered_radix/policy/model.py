@@ -81,7 +81,12 @@ class Quantize:
 
 @dataclass(frozen=True)
 class Evict:
-    pass
+    """Drop a unit from the attention of the request that evicts it. ``archive``: a quantized
+    tier whose copy of the unit is kept for later turns instead of freed: not read by this
+    request, but a later request over the same prefix (the next turn of a chat) starts with the
+    unit at that tier. None: the unit is gone for good."""
+
+    archive: str | None = None
 
 
 @dataclass(frozen=True)

@@ -195,8 +195,8 @@ class PolicyTransformer(Transformer):
     def q_symmetric(self, c):
         return ("symmetric", str(c[0]) == "true")
 
-    def evict(self, _):
-        return Evict()
+    def evict(self, c):
+        return Evict(str(c[0]) if c and c[0] is not None else None)
 
     def promote(self, _):
         return Promote()

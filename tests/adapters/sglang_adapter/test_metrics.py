@@ -64,7 +64,7 @@ def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
     transitions recorded at the radix tree; ``peak`` and ``requests`` from the backend."""
     pool, alloc, snap = h.sim.pool, h.sim.alloc, h.backend.stats()
     own = pool.owner_all.flatten().tolist()
-    names = ("full", "quantized", "restored", "evicted")
+    names = ("full", "quantized", "restored", "evicted", "archived")
     blk = pool.block_all.transpose(0, 1).flatten(1).tolist()  # [kind FULL, Q, R][...]
     tokens = alloc.size - alloc.available_size()
     row_bytes = 2 * pool.layout.window * pool.head_dim * 2  # K and V, bf16
@@ -91,6 +91,7 @@ def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
         (P + "zone_full_routings_total", ()): pool.zone_full,
         (P + "cached_windows_demoted_total", ()): pool.reclaimed["cached_windows_demoted"],
         (P + "cached_tokens_evicted_total", ()): pool.reclaimed["cached_tokens_evicted"],
+        (P + "archived_copies_dropped_total", ()): pool.reclaimed["archived_copies_dropped"],
     }
     out |= {(P + "units", (("state", s),)): own.count(i) for i, s in enumerate(names)}
     for kind, row in zip(("full", "ledger", "restored"), blk, strict=True):

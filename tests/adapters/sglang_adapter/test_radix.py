@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang_sim import Sim, require
+from sglang_sim import POLICY, Sim, require
 
 require("sglang.srt.mem_cache.radix_cache")
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams  # noqa: E402
 
-from tiered_radix.adapters.sglang.reps import S_EVICT, S_FULL, S_Q  # noqa: E402
+from tiered_radix.adapters.sglang.reps import S_EVICT, S_FULL, S_Q, STATES  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
 from tiered_radix.engine.events import Transitions  # noqa: E402
 from tiered_radix.engine.signals import Signals  # noqa: E402
@@ -174,7 +174,7 @@ def expected_refs(sim: Sim) -> list[torch.Tensor]:
             hh, ww = torch.arange(sim.H)[:, None].expand(-1, int(b.sum())), view.windows[b]
             holders.append((view.state[li][:, b], hh, ww[None].expand_as(hh)))
         for state, hh, ww in holders:
-            for s in range(4):
+            for s in STATES:
                 m = state == s
                 for kind in sim.pool.layout.reps(s):
                     ref[kind].index_put_(
@@ -196,9 +196,13 @@ OPS = st.lists(
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS)
-def test_accounting_returns_to_the_start(ops):
-    sim = Sim(pages=30, blocks=PoolBlocks(full=240, quant=240))
+@given(OPS, st.booleans())
+def test_accounting_returns_to_the_start(ops, archive):
+    """(``archive``: the policy archives what it evicts, ``S_A``; small ledger, so routings
+    reclaim archived copies too.)"""
+    policy = POLICY.replace("evicted: evict", "evicted: evict(archive=int2)") if archive else POLICY
+    quant = 3 if archive else 240
+    sim = Sim(pages=30, blocks=PoolBlocks(full=240, quant=quant), policy=policy)
     start_pages, start_rows = sim.alloc.available_size(), [len(f) for f in sim.pool.free_rows]
     prompts = [PROMPT, PROMPT + [20, 21, 22], PROMPT[:8] + [25, 26], [30, 31, 32, 33, 34]]
     live: list[str] = []

@@ -80,7 +80,7 @@ from . import graph, trizone, zone_decode
 from .options import KVOptions
 from .pool import TieredKVPool
 from .profile import StepTimer
-from .reps import S_Q, S_R, PoolConfigError
+from .reps import S_A, S_Q, S_R, PoolConfigError
 from .stats import BackendStats, log
 
 CHUNK_ELEMS = {"cuda": 1 << 27, "cpu": 1 << 22}  # float32 scores per attention block
@@ -795,7 +795,7 @@ class TieredAttnBackend(AttentionBackend):
         lay = self.pool.layout
         state = torch.cat([s.state for s in settled]).long()
         tier = self._state_tiers(state.device)[state]
-        copy = (state == S_Q) | ((state == S_R) & lay.write_once)
+        copy = (state == S_Q) | ((state == S_R) & lay.write_once) | (state == S_A)  # archived
         sizes = [s.state.numel() for s in settled]
         units = [
             (s.ly, s.h, s.u, t, c, s.off)

@@ -57,6 +57,10 @@ COUNTERS = {  # snapshot running total -> (metric name, help); exported with a _
         "cached_tokens_evicted",
         "Radix-cached tokens evicted to make room in the row blocks for new tokens.",
     ),
+    "archived_copies_dropped": (
+        "archived_copies_dropped",
+        "Archived ledger copies (evict(archive=...)) dropped to make room for routings' copies.",
+    ),
 }
 UNITS = (f"{P}units", "(layer, KV head, window) units of the cache by the owner's state.")
 BLOCK_KINDS = ("full", "restored", "ledger")

@@ -110,7 +110,9 @@ class TieredKVPool(MHATokenToKVPool):
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
         self._warned_short = False  # the first degraded move is logged (see degraded)
         # rows reclaimed from the radix cache (_reclaim_rows): windows demoted, tokens evicted
-        self._reclaimed = {"cached_windows_demoted": 0, "cached_tokens_evicted": 0}
+        self._reclaimed = {
+            "cached_windows_demoted": 0, "cached_tokens_evicted": 0, "archived_copies_dropped": 0
+        }  # fmt: skip
         self._tree = None  # the radix cache over this pool (attach_tree)
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
         kwargs.pop("post_capture_active", None)
@@ -178,9 +180,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.tally = DeviceCounts([0, 0], dev)
         self.k_buffer = self.v_buffer = None  # no per-slot rows: stock backends cannot read us
         kinds = (FULL, Q, R)[:K]
-        s = torch.tensor(
-            [[k in self.layout.reps(st) for k in kinds] for st in (S_FULL, S_Q, S_R, S_EVICT)]
-        )
+        s = torch.tensor([[k in self.layout.reps(st) for k in kinds] for st in reps.STATES])
         self._holds = s.to(dev)  # bool [state, kind]
         self._kinds = torch.tensor(kinds, device=dev)
 
@@ -426,6 +426,48 @@ class TieredKVPool(MHATokenToKVPool):
             self._reclaimed["cached_windows_demoted"] += demoted
             log.info("tiered-radix: demoted %d cached windows' rows to the ledger", demoted)
 
+    def reclaim_ledger(self, ly: Tensor, h: Tensor, w: Tensor, may_copy: Tensor, bound: int):
+        """Before a move of pairs ``(ly, h, w)`` of which those ``may_copy`` (bool) may need a
+        new ledger copy (``bound`` of them at most, a host count): while some layer has fewer
+        free ledger blocks than its pairs without a copy, archived windows (owner state
+        ``S_A``, read by nobody: ``evict(archive=...)``) let their copies go, those of cached
+        prefixes no running request holds first (the prefix SGLang would evict first first),
+        then any. A copy a borrower still reads stays until it lets go too. Without an archive,
+        or where the host's bound of the free blocks suffices, a no-op (no host sync)."""
+        if not self.layout.archive or self.q_stacks.floor() >= bound:
+            return
+        need = may_copy & (self.block_all[ly, Q, h, w] == 0)
+        per_layer = torch.bincount(ly[need], minlength=self.layer_num).tolist()  # host sync
+
+        def short() -> int:
+            free = self.q_stacks.counts()
+            return max(n - f for n, f in zip(per_layer, free, strict=True))
+
+        tree, dropped = self._tree, 0
+        groups = iter(() if tree is None else tree.cold_windows())
+        while (lack := short()) > 0:
+            group, n = [], 0
+            for w in groups:  # a few times the windows lacking: one pass, a few host reads
+                group.append(w)
+                n += w.numel()
+                if n * self.head_num >= 4 * lack:
+                    break
+            if group:
+                w = torch.cat(group)
+            else:  # no cached prefix left: archived windows of running requests
+                w = (self.owner_all == reps.S_A).flatten(0, 1).any(0).nonzero().squeeze(1)
+            ly, h, ww = self.pairs(w)
+            archived = (self.owner_all[:, :, w] == reps.S_A).flatten()  # in pairs' order
+            ly, h, ww = ly[archived], h[archived], ww[archived]
+            self.release(ly, h, ww, torch.full_like(ly, reps.S_A))
+            self.owner_all[ly, h, ww] = S_EVICT
+            dropped += ly.numel()
+            if not group:
+                break
+        if dropped:
+            self._reclaimed["archived_copies_dropped"] += dropped
+            log.info("tiered-radix: dropped %d archived ledger copies for routings", dropped)
+
     @property
     def reclaimed(self) -> dict[str, int]:
         """What new tokens' rows took from the radix cache so far: windows whose rows went to
@@ -466,7 +508,7 @@ class TieredKVPool(MHATokenToKVPool):
         w = windows[None].expand_as(state)
         k, v = self._rows_of(li, h.flatten(), w.flatten(), state.flatten())
         H, n, W, d = *state.shape, self.layout.window, self.head_dim
-        kept = (state != S_EVICT).repeat_interleave(W, dim=1)
+        kept = reps.reads(state).repeat_interleave(W, dim=1)
         return k.reshape(H, n * W, d), v.reshape(H, n * W, d), kept
 
     def read_live(self, layer_id: int, windows: Tensor, state: Tensor, n_tokens: int):
@@ -481,7 +523,7 @@ class TieredKVPool(MHATokenToKVPool):
             k, v, kept = self.read(layer_id, windows, state)
             pos = torch.arange(n_tokens, device=windows.device)
             return k[:, :n_tokens], v[:, :n_tokens], kept[:, :n_tokens], pos
-        live = (state != S_EVICT).any(0).nonzero().squeeze(1)  # host sync
+        live = reps.reads(state).any(0).nonzero().squeeze(1)  # host sync
         k, v, kept = self.read(layer_id, windows[live], state[:, live])
         pos = (live[:, None] * W + torch.arange(W, device=live.device)).flatten()
         t = live.numel() * W - (windows.numel() * W - n_tokens)  # the last window's unwritten rows

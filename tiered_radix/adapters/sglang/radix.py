@@ -44,7 +44,7 @@ from tiered_radix.policy.model import Policy
 from . import usage
 from .config import KVConfig
 from .pool import TieredKVPool
-from .reps import Layout, PoolConfigError, Q, R
+from .reps import STATES, Layout, PoolConfigError, Q, R, lent
 from .request_kv import RequestError, RequestKV, resolve
 
 log = logging.getLogger(__name__)
@@ -129,12 +129,16 @@ class TieredRadixCache(RadixCache):
         self._after_reset: Callable[[], None] | None = None  # the backend's, after reset()
         n_tiers = len(self.layout.engine_tiers)
         self._next = None  # decoupled windows never move: their requests repack (.zones)
-        if self.layout.tier_bits is None:  # [holder state, engine tier] -> the next state
+        if self.layout.tier_bits is None:  # [borrower?, holder state, engine tier] -> the next
             self._next = torch.tensor(
-                [[self.layout.next_state(st, t) for t in range(n_tiers)] for st in range(4)],
+                [
+                    [[self.layout.next_state(st, t, owner) for t in range(n_tiers)]
+                     for st in STATES]
+                    for owner in (True, False)
+                ],
                 dtype=torch.long,
                 device=pool.device,
-            )
+            )  # fmt: skip
         pool.attach_tree(self)  # the attention backend (same scheduler process) finds us there
         self._attach(self.token_to_kv_pool_allocator)
 
@@ -232,7 +236,7 @@ class TieredRadixCache(RadixCache):
             self.views[req.rid] = view
             return view
         w = self._windows(req, 0, prefix_len)
-        st = self.pool.owner_all[:, :, w]  # [L, H, n]
+        st = lent(self.pool.owner_all[:, :, w])  # [L, H, n]; an archived window quantized
         torch._assert_async((st >= 0).all(), "borrowing a window nobody owns")
         self.pool.acquire(*self.pool.pairs(w), st.flatten())
         view = RequestView(w, torch.ones_like(w, dtype=torch.bool), st, w.numel())
@@ -328,11 +332,19 @@ class TieredRadixCache(RadixCache):
                 live, views, *(x.split(sizes) for x in (ly, h, u, w, dst)), strict=True
             )
         ]
+        if self.layout.archive:  # archived copies yield to the copies this routing makes
+            lay = self.layout
+            copies = (dst == lay.quant_index) | (dst == lay.evict_index)
+            bound = sum(ly.numel() if t.written is None else t.written for _, t in routed)
+            self.pool.reclaim_ledger(ly, h, w, copies, bound)
         old = self.pool.owner_all[ly, h, w]
+        borrowed = 0  # or [m]: borrowed pairs move by the borrower's table (never archive)
         if any(p.b is not None for p in parts):  # borrowed pairs: the view's states
             split = zip(parts, old.split(sizes), strict=True)
             old = torch.cat([self._holder_old(p, o) for p, o in split])
-        new = self._next[old.long(), dst].to(old.dtype)
+            own = [torch.zeros_like(p.u, dtype=torch.bool) if p.b is None else p.b for p in parts]
+            borrowed = torch.cat(own).long()
+        new = self._next[borrowed, old.long(), dst].to(old.dtype)
         # a ledger copy is made only where the engine writes one, restored rows only where it
         # promotes (host counts, the pairs' number where unknown): at most that many blocks
         m, ts = ly.numel(), [t for _, t in routed]

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from tiered_radix.engine.routing import TierSet
 from tiered_radix.policy.model import Policy, Quantize
 
@@ -28,10 +31,25 @@ class PoolConfigError(ValueError):
 
 # Representation kinds (indices into the pool's per-kind tables).
 FULL, Q, R = 0, 1, 2
-# Holder states.
-S_FULL, S_Q, S_R, S_EVICT = 0, 1, 2, 3
-STATE_REPS: dict[int, tuple[int, ...]] = {S_FULL: (FULL,), S_Q: (Q,), S_R: (R,), S_EVICT: ()}
-STATE_NAMES = ("full", "quantized", "restored", "evicted")
+# Holder states. ``S_A`` (archived, ``evict(archive=...)``): an owner that evicted the window
+# keeps its ledger copy, reading nothing; a request that later borrows it reads it quantized.
+S_FULL, S_Q, S_R, S_EVICT, S_A = 0, 1, 2, 3, 4
+STATE_REPS: dict[int, tuple[int, ...]] = {
+    S_FULL: (FULL,), S_Q: (Q,), S_R: (R,), S_EVICT: (), S_A: (Q,)
+}  # fmt: skip
+STATE_NAMES = ("full", "quantized", "restored", "evicted", "archived")
+STATES = tuple(range(len(STATE_NAMES)))
+
+
+def reads(state: Tensor) -> Tensor:
+    """bool: where a holder in ``state`` attends to the window (not evicted, not archived)."""
+    return (state != S_EVICT) & (state != S_A)
+
+
+def lent(state: Tensor) -> Tensor:
+    """The state a borrower takes of a window its owner holds in ``state``: an archived
+    window is lent quantized (its copy), every other as held."""
+    return torch.where(state == S_A, S_Q, state)
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,7 @@ class Layout:
     # a decoupled (RDKV) policy's width per engine tier: its windows are full rows until a
     # request's routing repacks it into Zone A pages (.zones); None for coupled policies
     tier_bits: tuple[int, ...] | None = None
+    archive: bool = False  # evict(archive=<the quantized tier>): owners archive (S_A)
 
     @classmethod
     def of(cls, policy: Policy) -> Layout:
@@ -74,7 +93,10 @@ class Layout:
                     f"group={quant.group}, axis={quant.axis})"
                 )
             v_group = quant.group
-        return cls(window, quant, policy.ledger.write_once, tiers.names, qi, tiers.evict, v_group)
+        return cls(
+            window, quant, policy.ledger.write_once, tiers.names, qi, tiers.evict, v_group,
+            archive=tiers.archive is not None,
+        )  # fmt: skip
 
     @classmethod
     def _decoupled(cls, policy: Policy) -> Layout:
@@ -96,15 +118,18 @@ class Layout:
         return STATE_REPS[state]
 
     def state_tiers(self) -> tuple[int, ...]:
-        """The engine tier of a unit read in state ``S_FULL, S_Q, S_R, S_EVICT`` (restored rows
-        are full; 0 for a state this layout never produces)."""
+        """The engine tier of a unit held in each state (:data:`STATES`; restored rows are
+        full, an archived unit is evicted; 0 for a state this layout never produces)."""
         ev = self.evict_index if self.evict_index is not None else 0
-        return (0, self.quant_index or 0, 0, ev)
+        return (0, self.quant_index or 0, 0, ev, ev)
 
-    def next_state(self, state: int, engine_tier: int) -> int:
-        """The holder's state after the engine moves its unit to ``engine_tier``."""
-        if state == S_EVICT or engine_tier == self.evict_index:
+    def next_state(self, state: int, engine_tier: int, owner: bool = True) -> int:
+        """The holder's state after the engine moves its unit to ``engine_tier``. Under an
+        archive an owner evicts into ``S_A`` (a borrower's copy is the owner's to keep)."""
+        if state == S_EVICT:
             return S_EVICT  # evicted data is gone: it stays evicted
+        if engine_tier == self.evict_index:
+            return S_A if self.archive and owner else S_EVICT
         if engine_tier == self.quant_index:
             return S_Q
         assert engine_tier == 0, f"unknown engine tier {engine_tier}"

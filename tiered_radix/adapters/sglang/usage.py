@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, STATE_NAMES, Q, R
+from .reps import FULL, S_A, S_FULL, S_Q, S_R, STATE_NAMES, STATES, Q, R, reads
 
 KEY = "kv_usage"  # the report's name in meta_info (OpenAI API: usage.kv)
 # moves counted per (layer, head, window) a routing changed: [demotions, promotions, evictions]
@@ -34,17 +34,18 @@ def move_flags(old: Tensor, new: Tensor) -> Tensor:
     rows = (old == S_FULL) | (old == S_R)
     demote = rows & (new == S_Q)
     promote = (old == S_Q) & ((new == S_FULL) | (new == S_R))
-    evict = (old != S_EVICT) & (new == S_EVICT)
+    evict = reads(old) & ~reads(new)  # to evicted or archived
     return torch.stack([demote, promote, evict], 1).long()
 
 
 def state_bytes(pool) -> list[int]:
-    """Bytes one (layer, head, window) unit holds in each holder state, at the pool's sizes:
-    rows (K and V of a window) for full and restored, a ledger page for quantized (and for
-    restored under a write-once ledger, which keeps it), nothing for evicted."""
+    """Bytes one (layer, head, window) unit holds in each holder state (:data:`.reps.STATES`),
+    at the pool's sizes: rows (K and V of a window) for full and restored, a ledger page for
+    quantized, archived (and restored under a write-once ledger, which keeps it), nothing for
+    evicted."""
     rows = 2 * pool.rows_k[0][0].nbytes  # one row block of K and one of V: [W, d] each
     size = {FULL: rows, R: rows, Q: pool.page_bytes}
-    return [sum(size[k] for k in pool.layout.reps(st)) for st in (S_FULL, S_Q, S_R, S_EVICT)]
+    return [sum(size[k] for k in pool.layout.reps(st)) for st in STATES]
 
 
 def report(pool, states: Tensor, n_tokens: int, moved: Tensor | None, routes: int,
@@ -57,11 +58,13 @@ def report(pool, states: Tensor, n_tokens: int, moved: Tensor | None, routes: in
     and head agree (the last window counts whole). ``bf16_bytes``: the same tokens' K and V at
     the model's precision in every layer and head (a plain SGLang pool's bytes)."""
     L, H, n = states.shape
-    W = pool.layout.window
-    units = torch.bincount(states.long().flatten(), minlength=4)[:4]
+    W, k = pool.layout.window, len(STATES)
+    units = torch.bincount(states.long().flatten(), minlength=k)[:k]
     counts = torch.cat([units, moved if moved is not None else units.new_zeros(3)]).tolist()
-    units, moves = counts[:4], counts[4:]
-    held = sum(u * b for u, b in zip(units, state_bytes(pool), strict=True))
+    units, moves = counts[:k], counts[k:]
+    per = [u * b for u, b in zip(units, state_bytes(pool), strict=True)]
+    archived = per[S_A]  # kept for a later turn, read by nobody: not the request's bytes
+    held = sum(per) - archived
     bf16 = n_tokens * 2 * L * H * pool.head_dim * pool.rows_k[0].element_size()
     return {
         **request,
@@ -71,6 +74,7 @@ def report(pool, states: Tensor, n_tokens: int, moved: Tensor | None, routes: in
         },
         "units_per_state": dict(zip(STATE_NAMES, units, strict=True)),
         "bytes_held": held,
+        "archived_bytes": archived,
         "bf16_bytes": bf16,
         "held_vs_bf16": round(held / bf16, 4) if bf16 else None,
         "budget_bytes": budget_bytes,

@@ -161,6 +161,13 @@ class TieredCache(Cache):
                 return self.store.route(f"decode step {step}")
         return None
 
+    def new_turn(self) -> int:
+        """A later turn of the conversation begins: units the policy archived when it evicted
+        them (``evict(archive=...)``) are recalled at their archive tier, so the turn's prompt
+        attends to them and its routing ranks them (:meth:`TierStore.recall`). Returns the
+        units recalled."""
+        return 0 if self.store is None else self.store.recall()
+
     # -- accounting ------------------------------------------------------------------------
     def n_tokens(self) -> int:
         return 0 if self.store is None else self.store.n_tokens(0)
@@ -171,6 +178,10 @@ class TieredCache(Cache):
 
     def bytes_used(self) -> int:
         return 0 if self.store is None else self.store.bytes_used()
+
+    def archived_bytes(self) -> int:
+        """Archived copies of evicted units, kept for later turns outside the budget."""
+        return 0 if self.store is None else self.store.archived_bytes()
 
     def budget_bytes(self) -> int:
         return 0 if self.store is None else self.store.budget_bytes()

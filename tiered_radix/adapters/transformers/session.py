@@ -4,7 +4,8 @@ The cache holds exactly the tokens fed so far: every prompt chunk and every gene
 except the stop token. A new turn's chunk is what the chat template adds after the previous
 answer (the end-of-turn marker, the user message and the generation prompt), found by rendering
 the conversation with a sentinel in place of that answer, so the previous answer's tokens are
-never re-tokenized and the store (quantized windows and ledger included) is kept as it is.
+never re-tokenized and the store (quantized windows and ledger included) is kept as it is. A
+turn after the first begins by recalling what the policy archived (``evict(archive=...)``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class Turn:
     prefill_tokens: int  # tokens prefilled this turn
     reused_tokens: int  # tokens already cached when the turn began (prefix reuse)
     occupancy: dict[str, int]  # units per tier over layers and KV heads
-    bytes_used: int
+    bytes_used: int  # what this turn attends to: rows and copies of units not evicted
+    archived_bytes: int  # copies of evicted units kept for later turns (evict(archive=...))
+    recalled: int  # units brought back from the archive as this turn began
     full_bytes: int  # the same tokens as full KV (bf16)
     budget_bytes: int
     over_budget: bool  # a routing step this turn could not meet the budget (forced content)
@@ -99,6 +102,7 @@ class ChatSession:
     def ask_ids(self, ids: Sequence[int]) -> Turn:
         """Prefill ``ids`` after what is cached, then decode up to ``max_new_tokens``."""
         start, reused, n_routes = time.perf_counter(), self.cache.n_tokens(), self._routes()
+        recalled = self.cache.new_turn() if reused else 0
         device = self.model.device
         ids, n = list(ids), self.prefill_chunk or max(len(ids), 1)
         last = len(ids) % n or n
@@ -132,7 +136,8 @@ class ChatSession:
         return Turn(
             text=text.strip(), ids=tuple(out), new_tokens=len(out), prefill_tokens=len(ids),
             reused_tokens=reused, occupancy=c.occupancy(), bytes_used=c.bytes_used(),
-            full_bytes=c.full_bytes(), budget_bytes=c.budget_bytes(), over_budget=over,
+            archived_bytes=c.archived_bytes(), recalled=recalled, full_bytes=c.full_bytes(),
+            budget_bytes=c.budget_bytes(), over_budget=over,
             seconds=time.perf_counter() - start,
         )  # fmt: skip
 
