@@ -98,6 +98,10 @@ def test_policies_that_store_windows_alike_load_together_and_others_are_refused(
         load(qevict, "rdkv,full".split(",")[1])
     with pytest.raises(CatalogError, match="'h2o'.*tiers full/quantized/evicted vs full/evicted"):
         load(qevict, "h2o")
+    archive = "examples/ablation/archive.yaml"  # the pool archives for every request, or none
+    with pytest.raises(CatalogError, match="evicted windows dropped vs archived"):
+        load(qevict, archive)
+    assert load(load_policy(archive), "kivi").names == ("qevict-archive", "kivi")
     (tmp_path / "a.yaml").write_text(OTHER)
     (tmp_path / "b.yaml").write_text(OTHER.replace("80%, int2: 20%", "60%, int2: 40%"))
     with pytest.raises(CatalogError, match="two different policies are named 'tiny-split'"):

@@ -101,13 +101,16 @@ def pool_shape(policy: Policy) -> dict[str, object]:
     codec = "none"
     if lay.quant is not None:
         codec = f"INT{lay.quant.bits}, V groups of {lay.v_group}"
-    return {
+    shape = {
         "pool": "shared windows (one `units:` granularity)",
         "window": lay.window,
         "ledger codec": codec,
         "ledger": "none" if lay.quant is None else "write-once" if lay.write_once else "rewritten",
         "tiers": _tier_kinds(lay),
     }
+    if lay.evict_index is not None:  # the pool archives evictions for every request, or none
+        shape["evicted windows"] = "archived (ledger copy kept)" if lay.archive else "dropped"
+    return shape
 
 
 def _tier_kinds(lay: Layout) -> str:
@@ -130,7 +133,9 @@ def differences(a: Policy, b: Policy) -> list[str]:
     sa, sb = pool_shape(a), pool_shape(b)
     if sa["pool"] != sb["pool"]:
         return [f"pool {sa['pool']} vs {sb['pool']}"]
-    out = [f"{k} {sa[k]} vs {sb[k]}" for k in sa if k != "tiers" and sa.get(k) != sb.get(k)]
+    out = [
+        f"{k} {sa[k]} vs {sb[k]}" for k in sa if k != "tiers" and k in sb and sa[k] != sb[k]
+    ]  # a policy that never evicts has no "evicted windows"
     if "tiers" in sa and not (sa["tiers"] + "/").startswith(sb["tiers"] + "/"):
         out.append(f"tiers {sa['tiers']} vs {sb['tiers']}")
     return out
