@@ -17,7 +17,7 @@ import pytest
 from tiered_radix.cli.main import main
 from tiered_radix.eval.engines import Reply, flatten_stats
 from tiered_radix.eval.plot import write_plots
-from tiered_radix.eval.report import build_report, build_rows, markdown_report
+from tiered_radix.eval.report import build_report, build_rows, markdown_report, markdown_table
 from tiered_radix.eval.runner import RESULTS, Grid, merge_results, parse_shard, run_grid
 from tiered_radix.policy import load_policy
 
@@ -294,3 +294,23 @@ def test_cells_record_cuda_peaks_where_cuda_was_used(tmp_path, monkeypatch):
     assert len(cells) == len(recs) == 5 and len(set(cells)) == 5  # one reading per cell
     assert all(r.get("prefill_cuda_peak_mib") is None for r in recs)  # no shared prefill here
     assert runner.process_cuda_peak_mib() == max(cells)  # what the report's meta records
+
+
+def test_archived_bytes_are_reported_beside_the_budgets():
+    """``evict(archive=...)``'s copies are outside the budget: the row says them apart."""
+
+    def rec(policy, index, used, archived):
+        stats = {"bytes_used": used, "full_bytes": 100}
+        if archived is not None:
+            stats["archived_bytes"] = archived
+        return dict(task="t", length=8, policy=policy, budget="10%", engine="transformers",
+                    score=1.0, index=index, stats=stats)  # fmt: skip
+
+    records = [rec("archive", 0, 10, 12), rec("archive", 1, 10, 14), rec("qevict", 0, 10, None)]
+    report = build_report(records, {})
+    rows = {r["policy"]: r for r in report["rows"]}
+    assert rows["archive"]["bytes_fraction"] == pytest.approx(0.1)
+    assert rows["archive"]["archived_fraction"] == pytest.approx(0.13)
+    assert rows["qevict"]["archived_fraction"] is None
+    table = markdown_table(report)
+    assert "| 10.0% + 13.0% archived |" in table and table.count("archived") == 1

@@ -4,14 +4,16 @@
 
     {"schema": 1, "meta": {engine, model, seed, samples, lengths, ...},
      "rows": [{task, length, policy, budget, reference, n, score, ci_low, ci_high, retention,
-               bytes_fraction, over_budget, fmm, lir, churn, seconds, errors}],
+               bytes_fraction, archived_fraction, over_budget, fmm, lir, churn, seconds,
+               errors}],
      "depths": [{policy, budget, length, depth, n, score}],       # needle sweep cells
      "errors": [{policy, budget, task, length, index, error}]}
 
 Scores and interval ends are percents; ``retention`` is the row's score over the full-KV score
 of the same task, length and engine (kvpress's presses over kvpress's own full-KV run), in
 percent (null when the reference scored 0 or is missing).
-``bytes_fraction`` is the mean of ``bytes_used / full_bytes`` at the end of generation;
+``bytes_fraction`` is the mean of ``bytes_used / full_bytes`` at the end of generation
+(``archived_fraction`` that of ``archived_bytes``, ``evict(archive=...)``'s copies, else None);
 ``over_budget`` counts samples whose engine reported a routing step that missed the budget.
 Diagnostics (``fmm``, ``lir``, ``churn``) are means of any stats key ending in that name.
 """
@@ -47,9 +49,9 @@ def _stat(r: dict, name: str) -> float | None:
     return _mean([v for k, v in r.get("stats", {}).items() if k.split(".")[-1] == name])
 
 
-def _bytes_fraction(r: dict) -> float | None:
+def _bytes_fraction(r: dict, name: str = "bytes_used") -> float | None:
     st = r.get("stats", {})
-    used, full = st.get("bytes_used"), st.get("full_bytes")
+    used, full = st.get(name), st.get("full_bytes")
     return used / full if isinstance(used, int | float) and full else None
 
 
@@ -76,11 +78,16 @@ def build_rows(records: Sequence[dict]) -> list[dict[str, Any]]:
         else:
             row.update(score=None, ci_low=None, ci_high=None)
         row["bytes_fraction"] = _mean([_bytes_fraction(r) for r in recs])
+        # evict(archive=...): copies kept for later turns, outside the budget (None: no archive)
+        row["archived_fraction"] = (
+            _mean([_bytes_fraction(r, "archived_bytes") for r in recs]) or None
+        )
         row["over_budget"] = sum(bool(r.get("stats", {}).get("over_budget")) for r in recs)
         for name in DIAGNOSTICS:
             row[name] = _mean([_stat(r, name) for r in recs])
         row["seconds"] = _mean([r.get("seconds") for r in recs])
         rows.append(row)
+
     def home(row: dict) -> tuple:
         return row["task"], row["length"], engine.get(row["policy"])
 
@@ -167,10 +174,16 @@ def markdown_table(report: dict) -> str:
             f"| {r['task']} | {r['length']} | {r['policy']} | {r['budget']} | {_f(r['score'])} "
             f"| {ci} | {n} | {_f(r['retention'], '{:.0f}%')} "
             f"| {_f(r['bytes_fraction'] and 100 * r['bytes_fraction'], '{:.1f}%')}"
+            f"{_archived(r)}"
             f"{' (' + str(r['over_budget']) + ' over)' if r.get('over_budget') else ''} "
             f"| {_f(r['fmm'], '{:.3f}')} | {_f(r['lir'], '{:.3f}')} | {_f(r['churn'], '{:.3f}')} |"
         )
     return "\n".join(lines)
+
+
+def _archived(row: dict) -> str:
+    a = row.get("archived_fraction")
+    return f" + {100 * a:.1f}% archived" if a else ""
 
 
 def markdown_report(report: dict) -> str:
@@ -184,8 +197,9 @@ def markdown_report(report: dict) -> str:
         "Score: RULER string match (percent of answer strings found), mean over "
         "samples; 95% CI: Wilson (0/1 scores) or bootstrap. Retention: score / full-KV "
         "score of the same task, length and engine. KV bytes: bytes used / full-precision bytes "
-        "at the end of generation; '(k over)': k samples had a routing step that could not "
-        "meet the budget.",
+        "at the end of generation ('+ x% archived': copies of evicted windows kept for later "
+        "turns, evict(archive=...), outside the budget); '(k over)': k samples had a routing "
+        "step that could not meet the budget.",
         "",
     ]
     tail = [""]
