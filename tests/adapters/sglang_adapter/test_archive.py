@@ -89,3 +89,21 @@ def test_routings_take_ledger_blocks_from_archived_copies_first():
     sim.finish("new")
     sim.cache.evict(EvictParams(num_tokens=10**6))
     assert sim.pool.bytes_used() == 0
+
+
+def test_cached_rows_demote_into_ledger_blocks_archived_copies_held():
+    """Rows short for a new prompt: the pool demotes a cached prefix's rows to the ledger (the
+    prefix stays cached, quantized) and takes the ledger blocks from archived copies if it must,
+    rather than evicting the prefix."""
+    # 10 row blocks a layer: "arch"'s last window and "kept"'s 4, 2 heads each; 6 ledger blocks
+    sim = Sim(policy=ARCHIVE, blocks=PoolBlocks(full=10, quant=6))
+    sim.start("arch", PROMPT)
+    demote_all(sim, "arch", [0, 1, 2], dst=EVICT)  # 6 archived copies a layer: the ledger, full
+    sim.finish("arch")
+    sim.start("kept", [60 + i for i in range(16)])
+    sim.finish("kept")
+    assert sim.pool.blocks_free() == (0, 0)
+    sim.start("new", [90, 91, 92, 93])  # one window: its rows come from "kept"'s, demoted
+    assert sim.pool.reclaimed["cached_windows_demoted"] > 0
+    assert sim.pool.reclaimed["archived_copies_dropped"] > 0
+    assert sim.pool.reclaimed["cached_tokens_evicted"] == 0

@@ -411,6 +411,8 @@ class TieredKVPool(MHATokenToKVPool):
             kind = torch.where(st == S_R, R, FULL)
             sole = ((st == S_FULL) | (st == S_R)) & (self.ref_all[ly, kind, h, ww] == 1)
             fresh = sole & (st == S_FULL) & (self.block_all[ly, Q, h, ww] == 0)
+            # a cached prefix's rows kept quantized are worth more than archived copies
+            self.reclaim_ledger(ly, h, ww, fresh, ly.numel())
             per_layer = torch.bincount(ly[fresh], minlength=self.layer_num).tolist()
             if any(k > f for k, f in zip(per_layer, self.q_stacks.counts(), strict=True)):
                 break
