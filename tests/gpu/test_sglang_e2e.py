@@ -115,7 +115,8 @@ LOSES_NEEDLE = {
 def test_serves_multiturn_and_needle(policy):
     OUT.mkdir(parents=True, exist_ok=True)
     budget = None if policy == "full" else "50%"
-    log = OUT / (f"{policy}.log" if TP == 1 else f"{policy}.tp{TP}.log")
+    name = Path(policy).stem  # a shipped name, or a policy file's (TR_E2E_POLICIES=path.yaml)
+    log = OUT / (f"{name}.log" if TP == 1 else f"{name}.tp{TP}.log")
     proc = launch(policy, budget, log)
     try:
         wait_healthy(proc, log)
