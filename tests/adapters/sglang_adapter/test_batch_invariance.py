@@ -39,10 +39,16 @@ PROMPTS = {"a": 200, "b": 150, "c": 90}  # prompt lengths: chunks of a batch end
 DECODES = {"a": 5, "b": 3, "c": 4}  # decode steps: the batch shrinks as requests finish
 
 
+ARCHIVED = "qevict+archive"  # qevict archiving what it evicts (evict(archive=int2), S_A)
+
+
 def policy_text(name: str) -> str:
     """The shipped policy; a 10% budget becomes 35%, so that prompts of a few hundred tokens
     leave the allocator choices beyond the protected tokens."""
-    return (POLICIES / f"{name}.yaml").read_text().replace("budget: 10%", "budget: 35%")
+    text = (POLICIES / f"{name.split('+')[0]}.yaml").read_text()
+    if name == ARCHIVED:
+        text = text.replace("evicted: evict", "evicted: evict(archive=int2)")
+    return text.replace("budget: 10%", "budget: 35%")
 
 
 def prefill_adder(rig, running: list):
@@ -210,7 +216,7 @@ def stride(monkeypatch):
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["serial", "late-landing"])
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", [*SHIPPED, ARCHIVED])
 def test_a_request_reads_and_routes_alike_alone_and_in_a_batch(name, stride, late):
     """Three prompts of 200, 150 and 90 tokens at a 64-token chunk budget, each served alone
     and all three together (their chunks share the budget; their decode steps run together):
