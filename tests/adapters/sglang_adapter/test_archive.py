@@ -4,6 +4,7 @@ blocks take them from archived copies before degrading a move."""
 
 from __future__ import annotations
 
+import torch
 from sglang_sim import POLICY, Sim, require
 from test_radix import PROMPT, demote_all, nan_equal
 
@@ -107,3 +108,37 @@ def test_cached_rows_demote_into_ledger_blocks_archived_copies_held():
     assert sim.pool.reclaimed["cached_windows_demoted"] > 0
     assert sim.pool.reclaimed["archived_copies_dropped"] > 0
     assert sim.pool.reclaimed["cached_tokens_evicted"] == 0
+
+
+def test_through_the_backend_turn_two_attends_to_what_turn_one_evicted():
+    """The attention backend's sessions: turn 1 routes at its first decode step (its engine
+    decides the same tiers with or without the archive); turn 2 borrows turn 1's evicted
+    windows quantized under the archive (evicted without), and its prompt attends to them."""
+    from test_backend import Harness
+
+    seeded, kept = {}, {}
+    deferred = "schedule: after_prefill(defer=true)"  # turn 2's prompt is read before routing
+    for name, policy in (("plain", POLICY), ("archive", ARCHIVE)):
+        h = Harness(policy=policy.replace("schedule: after_prefill", deferred))
+        r1 = h.start("t1", list(range(1, 33)))
+        h.step([r1], [r1.origin_input_ids], extend=True)
+        h.step([r1], [[60]], extend=False)  # the deferred routing after prefill runs here
+        tiers1 = [h.backend.sessions["t1"].store.tiers(li).clone() for li in range(h.sim.L)]
+        turn1 = list(r1.tokens)
+        h.finish(r1)
+        r2 = h.start("t2", turn1 + [70, 71, 72, 73, 74])
+        h.step([r2], [r2.origin_input_ids[r2.prefix_len :]], extend=True)
+        seeded[name] = tiers1
+        kept[name] = [h.sim.cache.read("t2", li)[2] for li in range(h.sim.L)]
+    p1, a1 = seeded["plain"], seeded["archive"]
+    for li in range(2):
+        assert torch.equal(p1[li], a1[li])  # turn 1 decided alike
+        evicted = a1[li] == EVICT
+        assert evicted.any()
+        # turn 2 read them: the windows turn 1 evicted are attended under the archive only
+        W = 4
+        tok = evicted.repeat_interleave(W, dim=1)
+        n = tok.shape[1]
+        assert bool(kept["archive"][li][:, :n][tok].all())
+        assert not bool(kept["plain"][li][:, :n][tok].any())
+    assert h.backend.stats()["borrowed_quantized"] > 0
