@@ -102,7 +102,7 @@ def copies_dropped(
     ledger those leaving tier ``j`` for a kept tier."""
     left = (old == j) & (new != j)
     if j == archive:
-        return left & ~gone if not write_once else torch.zeros_like(gone)
+        return torch.zeros_like(gone) if write_once else left & ~gone
     return gone if write_once else gone | left
 
 
@@ -239,14 +239,21 @@ class CoupledStack:
         None."""
         if not self.write_once or not self.stores:
             return None
-        kept = self.attended(layers, n_units)
-        return torch.stack([s.present[layers, :, :n_units] & kept for s in self.stores.values()])
+        held = torch.stack([s.present[layers, :, :n_units] for s in self.stores.values()])
+        return self.own(held, layers, n_units)
 
     def attended(self, layers: slice | list[int], n_units: int) -> Tensor:
         """bool ``[G, H, U]``: units some tier holds for this request (not evicted; an archived
         unit's copy is not the request's)."""
         ev = self.tiers.evict
         return self.tier[layers, :, :n_units] != (-1 if ev is None else ev)
+
+    def own(self, present: Tensor, layers: slice | list[int], n_units: int) -> Tensor:
+        """Copy masks ``present [..., G, H, U]`` less the archived copies (not the request's).
+        Only a policy with an archive has any: the others' masks pass through, no work."""
+        if self.tiers.archive is None:
+            return present
+        return present & self.attended(layers, n_units)
 
     def unit_tokens(self, layers: slice | list[int], n_units: int) -> Tensor:
         """int64 ``[U]`` or ``[G, 1, U]``: tokens per unit (partial window fewer, 0 past the
@@ -265,9 +272,8 @@ class CoupledStack:
         u = self.max_units()
         rows = ((self.tier[..., :u] == 0) * self.unit_tokens(slice(None), u)).sum()
         b = rows * (2 * len(self.parts) * self.head_dim)
-        kept = self.attended(slice(None), self.capacity)
         for s in self.stores.values():
-            b = b + (s.present & kept).sum() * s.unit_nbytes
+            b = b + self.own(s.present, slice(None), self.capacity).sum() * s.unit_nbytes
         return b
 
     def archived_nbytes(self) -> Tensor:

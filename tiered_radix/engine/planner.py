@@ -291,11 +291,12 @@ def _copies_stacked(stores: list, us: list[int]) -> Tensor | None:
     if len(set(us)) > 1:
         held = [_copies(s, _Group([], slice(None), 0, n)) for s, n in zip(stores, us, strict=True)]
         return torch.cat([_pad(x, u, 0.0) for x in held], 1)
-    kept = torch.cat([s.stack.attended(slice(None), u) for s in stores])
     held = torch.stack([
-        torch.cat([s.stack.stores[j].present[:, :, :u] for s in stores]) & kept
+        torch.cat([s.stack.stores[j].present[:, :, :u] for s in stores])
         for j in s0.stack.stores
     ])  # fmt: skip
+    if s0.stack.tiers.archive is not None:  # archived copies are not the requests' (own())
+        held = held & torch.cat([s.stack.attended(slice(None), u) for s in stores])
     return held * s0.stack.copy_bytes_t.view(-1, 1, 1, 1)
 
 

@@ -157,9 +157,10 @@ class StackedMoves:
         n_tok = to_device([s.n_tokens for s in self.stacks], s0.device)[self.which]  # [N, L]
         tokens = (n_tok.T[:, None] - self.unit * w).clamp(0, w)  # [L, 1, N]
         per_slot = ((self.new == 0) * tokens).sum((0, 1)) * (2 * len(s0.parts) * s0.head_dim)
-        kept = self.new != self.ev  # an archived copy is in no request's bytes
+        archive = s0.tiers.archive is not None  # an archived copy is in no request's bytes
         for j, s in s0.stores.items():
-            per_slot = per_slot + (self.held[j] & kept).sum((0, 1)) * s.unit_nbytes
+            held = self.held[j] & (self.new != self.ev) if archive else self.held[j]
+            per_slot = per_slot + held.sum((0, 1)) * s.unit_nbytes
         out = per_slot.new_zeros(len(self.stacks))
         out.index_add_(0, self.which, per_slot)
         if any(self._grown()):  # the units added since hold full rows only
