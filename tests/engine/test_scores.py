@@ -317,3 +317,15 @@ def test_memos_from_all_layers_at_once_equal_layer_by_layer():
         b = every.evaluate_layers([0, 1, 2], pol.score("s"), lay, caches=[cache(T)] * 3)
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert not torch.equal(a[0], a[1])  # each layer its own
+    for layers in ([1, 2], [0, 2], [2]):  # a run of layers, a pick of them: slices of the stack
+        a = one.evaluate_layers(layers, pol.score("s"), lay, caches=[cache(30)] * len(layers))
+        b = every.evaluate_layers(layers, pol.score("s"), lay, caches=[cache(30)] * len(layers))
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a layer observed alone later: its own memo, the others' from the stacked pass
+    again = obs[1].flip(-1)
+    one.update(1, Signals(obs_attn=again))
+    every.update(1, Signals(obs_attn=again))
+    for T in (23, 30):
+        a = one.evaluate_layers([0, 1, 2], pol.score("s"), lay, caches=[cache(T)] * 3)
+        b = every.evaluate_layers([0, 1, 2], pol.score("s"), lay, caches=[cache(T)] * 3)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -256,6 +256,10 @@ class ScoreEvaluator:
         self._cumulative = list(held.grain)
         self._unit = UnitLayout.of(policy.v, 0)
         self._memo: list[dict[Call, _Memo]] = [{} for _ in range(n_layers)]
+        # memos remembered for every layer in one pass (update_layers): the same tensors as
+        # the per-layer views above, stacked, so an evaluation over the stacked layers reads
+        # them in one pass too; dropped for a call once any layer's memo is remembered alone
+        self._stacked_memo: dict[Call, _Memo] = {}
 
     # -- public ------------------------------------------------------------------------------
     def update(self, layer: int, signals: Signals, *, cache: CacheState | None = None) -> None:
@@ -305,7 +309,7 @@ class ScoreEvaluator:
                 x = self._eval(arg, _Ctx(every, caches, layout, not channel)).float()
                 x = torch.broadcast_to(x, (self.n_layers, self.n_heads, x.shape[-1]))
             self._accumulate(node, slice(None), x)
-        self._settle(every, set(given))
+        self._settle(every, set(given), stacked=given)
 
     def update_attn(self, attn: Tensor) -> None:
         """:meth:`update` of every layer with ``Signals(attn=attn[l])``, ``attn [L, H, T]``
@@ -419,57 +423,84 @@ class ScoreEvaluator:
             decay = _const(node.kwarg("decay", Num(1.0)))
         _advance(self._buffer(node, n, x.device)[layers, :, :n], decay, x)
 
-    def _settle(self, layers, observed=()) -> None:
+    def _settle(self, layers, observed=(), stacked: dict[str, Tensor] | None = None) -> None:
         """Memoize the prompt signals ``observed`` just now (:meth:`_remember`), then drop the
         latest token signals of ``layers`` that no expression reads again (the cumulative sums
-        and memos have taken them in); per-channel ones (``[H, d]``) stay."""
+        and memos have taken them in); per-channel ones (``[H, d]``) stay. ``stacked``: the
+        signals of every layer at once (``[L, H, T]``, ``layers`` all of them), memoized in
+        one pass of batched ops rather than layer by layer."""
+        for call, signal in self._memos.items():
+            if signal not in observed:
+                continue
+            if stacked is not None:
+                self._remember(tuple(layers), call, stacked[signal])
+            else:
+                for li in layers:
+                    self._remember(li, call, self._observed[li][signal])
         for li in layers:
             obs = self._observed[li]
-            for call, signal in self._memos.items():
-                if signal in observed:
-                    self._remember(li, call, obs[signal])
             for name in [n for n in obs if n not in self._latest and n not in CHANNEL]:
                 del obs[name]
 
-    def _remember(self, li: int, call: Call, x: Tensor) -> None:
+    def _remember(self, layers: int | tuple[int, ...], call: Call, x: Tensor) -> None:
         """The memo of ``call`` (a token-level function of one prompt signal) from the signal's
-        latest ``x [H, T_obs]`` at layer ``li``: the windows every token of whose value lies in
-        ``x`` (none past ``T_obs``: they are the same at any later length) and the tail of
-        ``x`` the later windows' values need."""
+        latest ``x [H, T_obs]`` at layer ``layers`` (or ``x [G, H, T_obs]`` at a tuple of
+        them, in one pass): the windows every token of whose value lies in ``x`` (none past
+        ``T_obs``: they are the same at any later length) and the tail of ``x`` the later
+        windows' values need."""
         lay, t_obs = self._unit, x.shape[-1]
         left, right = _reach(call)
         u_det = max(0, t_obs - right) // lay.size
-        ctx = _Ctx(li, None, lay, False, n_tokens=t_obs, bound={self._memos[call]: x.float()})
-        units = self._call(call, ctx)[..., :u_det].clone()
+        ctx = _Ctx(layers, None, lay, False, n_tokens=t_obs, bound={self._memos[call]: x.float()})
         start = max(0, u_det * lay.size - left)  # the first token a later window reads
-        self._memo[li][call] = _Memo(units, x[..., start:].float().clone(), start, t_obs)
+        m = _Memo(self._call(call, ctx)[..., :u_det].clone(), x[..., start:].float().clone(),
+                  start, t_obs)  # fmt: skip
+        if isinstance(layers, int):
+            self._memo[layers][call] = m
+            self._stacked_memo.pop(call, None)  # no longer every layer's
+            return
+        for i, li in enumerate(layers):
+            self._memo[li][call] = _Memo(m.units[i], m.tail[i], start, t_obs)
+        if layers == tuple(range(self.n_layers)):
+            self._stacked_memo[call] = m
 
     def _memoized(self, call: Call, c: _Ctx) -> Tensor:
         """``call`` at unit level from its memo (:class:`_Memo`): the kept windows, then the
         later ones computed from the signal's tail over tokens ``[start, T)`` (its value 0
-        past the prompt, as :func:`~.signals.pad_tokens` gives it)."""
+        past the prompt, as :func:`~.signals.pad_tokens` gives it). Stacked layers whose memos
+        were remembered together are evaluated in one pass."""
+        stacked = self._stacked_memo.get(call)
+        if c.stacked and stacked is not None:
+            first, last = c.layer[0], c.layer[-1]
+            if c.layer == tuple(range(self.n_layers)):
+                m = stacked
+            elif c.layer == tuple(range(first, last + 1)):
+                m = _Memo(stacked.units[first : last + 1], stacked.tail[first : last + 1],
+                          stacked.start, stacked.t_obs)  # fmt: skip
+            else:
+                idx = list(c.layer)
+                m = _Memo(stacked.units[idx], stacked.tail[idx], stacked.start, stacked.t_obs)
+            return self._from_memo(call, m, c.layer, c)
+        return c.each(lambda li, _cache: self._from_memo(call, self._memo[li].get(call), li, c))
 
+    def _from_memo(self, call: Call, m: _Memo | None, layers, c: _Ctx) -> Tensor:
+        """:meth:`_memoized` of one memo (one layer's, or stacked layers')."""
+        if m is None:
+            raise SignalError(
+                f"the policy uses signal '{self._memos[call]}' but layer {layers} never "
+                f"received it: pass Signals({self._memos[call]}=...) to observe() first"
+            )
         W = c.layout.size
-
-        def one(li: int, _cache) -> Tensor:
-            m = self._memo[li].get(call)
-            if m is None:
-                raise SignalError(
-                    f"the policy uses signal '{self._memos[call]}' but layer {li} never "
-                    f"received it: pass Signals({self._memos[call]}=...) to observe() first"
-                )
-            assert c.n_tokens >= m.t_obs, (c.n_tokens, m.t_obs)
-            if c.n_tokens == m.units.shape[-1] * W:  # no window after the kept ones
-                return m.units.clone()
-            # from a window boundary: zeros before the tail reach no later window's value
-            first = m.start // W * W
-            tail = F.pad(m.tail, (m.start - first, 0))
-            n, bound = c.n_tokens - first, {self._memos[call]: tail}
-            sub = _Ctx(li, None, c.layout, False, n_tokens=n, bound=bound)
-            later = self._call(call, sub)[..., m.units.shape[-1] - first // W :]
-            return torch.cat([m.units, later], -1)
-
-        return c.each(one)
+        assert c.n_tokens >= m.t_obs, (c.n_tokens, m.t_obs)
+        if c.n_tokens == m.units.shape[-1] * W:  # no window after the kept ones
+            return m.units.clone()
+        # from a window boundary: zeros before the tail reach no later window's value
+        first = m.start // W * W
+        tail = F.pad(m.tail, (m.start - first, 0))
+        n, bound = c.n_tokens - first, {self._memos[call]: tail}
+        sub = _Ctx(layers, None, c.layout, False, n_tokens=n, bound=bound)
+        later = self._call(call, sub)[..., m.units.shape[-1] - first // W :]
+        return torch.cat([m.units, later], -1)
 
     def _buffer(self, node: Call, n: int, device) -> Tensor:
         buf = self._state.get(node)

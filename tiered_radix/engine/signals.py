@@ -69,11 +69,11 @@ def at_positions(signals: Signals, pos: Tensor, n_tokens: int) -> Signals:
 
 
 def pad_tokens(x: Tensor, n_tokens: int, fill: float = 0.0) -> Tensor:
-    """``[H, T']`` -> ``[H, n_tokens]``, float32, new tokens filled with ``fill``."""
+    """``[..., H, T']`` -> ``[..., H, n_tokens]``, float32, new tokens filled with ``fill``."""
     x = x.float()
-    if x.shape[1] >= n_tokens:
-        return x[:, :n_tokens]
-    return torch.nn.functional.pad(x, (0, n_tokens - x.shape[1]), value=fill)
+    if x.shape[-1] >= n_tokens:
+        return x[..., :n_tokens]
+    return torch.nn.functional.pad(x, (0, n_tokens - x.shape[-1]), value=fill)
 
 
 class CacheState:
