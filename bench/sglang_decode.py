@@ -220,6 +220,8 @@ def prefill(kind: str, a, save, vocab: int = 30000) -> tuple[list[dict], dict]:
     if kind.startswith("tiered"):
         # tiered_gather: the gather path (SDPA per request and layer), before the extend kernel
         kw["kv_extend"] = "sdpa" if kind == "tiered_gather" else "kernel"
+        if a.profile:  # a window of extend batches (DIR:START:STEPS:extend, .profile)
+            kw["kv_profile"] = a.profile
     engine = sglang.Engine(**kw)
     rng = random.Random(1)
     rows, detail = [], {}
@@ -317,7 +319,8 @@ def main() -> None:
         help="tiered kinds: --kv-graph-tokens (batch 64 x 30K needs ~2,000,000 to replay graphs)",
     )
     p.add_argument("--profile", default=None, help="DIR:START:STEPS, tiered kinds: decode steps "
-                   "under torch.profiler (step 400 is in batch 8's first long call)")  # fmt: skip
+                   "under torch.profiler (step 400 is in batch 8's first long call); with "
+                   "--prefill DIR:START:STEPS:extend, extend batches")  # fmt: skip
     p.add_argument("--load-format", default="auto", help="'dummy': random weights from the "
                    "model folder's config.json (times only: no weights to stage)")  # fmt: skip
     p.add_argument("--out", default="bench/results")

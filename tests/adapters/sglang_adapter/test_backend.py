@@ -540,6 +540,22 @@ def test_a_window_of_decode_steps_is_profiled(tmp_path):
         StepProfiler("no-numbers")
 
 
+def test_a_window_of_extend_batches_is_profiled(tmp_path):
+    """``--kv-profile DIR:1:1:extend``: extend batch 1 (a prompt's second chunk) under the
+    profiler, decode steps in between not counted."""
+    h = Harness(options=KVOptions(profile=f"{tmp_path}:1:1:extend"))
+    req = h.start("a", list(range(1, 39)))
+    h.step([req], [req.origin_input_ids[:20]], extend=True)  # extend batch 0
+    h.step([req], [req.origin_input_ids[20:]], extend=True)  # 1: the window opens
+    h.step([req], [[50]], extend=False)  # a decode step: counts nothing, closes nothing
+    assert not list(tmp_path.iterdir())
+    other = h.start("b", list(range(40, 60)))
+    h.step([other], [other.origin_input_ids], extend=True)  # 2 begins: the window closes
+    text = (tmp_path / "profile-1-2-extend.txt").read_text()
+    assert text.startswith("extend steps 1-2:") and "tr:metadata_extend" in text
+    assert (tmp_path / "trace-1-2-extend.json.gz").exists()
+
+
 def two_turns(**options: str):
     """A prompt, four decode steps, then a second turn that extends over the first (evicted and
     quantized windows in its prefix), under the ``--kv-*`` ``options``: every output, the second

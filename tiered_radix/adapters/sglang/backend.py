@@ -314,6 +314,8 @@ class TieredAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb) -> None:
         if fb.forward_mode.is_decode():
             self.timer.decode_step()
+        elif fb.forward_mode.is_extend():
+            self.timer.extend_batch()
         self.flush()
         self.fold_pending()  # an eager forward may open windows, route or change the batch
         self.graph_last = None  # an eager forward may open windows or route: lists rebuild

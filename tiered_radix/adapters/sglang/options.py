@@ -28,7 +28,8 @@ flag                   default                     what it selects
                                                    replayed (fixed: batch-invariant float order)
 ``--kv-device-times``  off                         CUDA events time every graph replay
 ``--kv-profile``       off                         ``DIR:START:STEPS``: decode steps under
-                                                   ``torch.profiler`` (:mod:`.profile`)
+                                                   ``torch.profiler`` (:mod:`.profile`);
+                                                   ``DIR:START:STEPS:extend``: extend batches
 ``--kv-stats``         off                         a JSON file rewritten after every routing
 =====================  ==========================  ===============================================
 """
@@ -130,7 +131,8 @@ FLAGS = (
     ("graph_tokens", "N", f"tokens a captured decode batch holds (default {GRAPH_TOKENS})"),
     ("graph_splits", "N", "decode kernel splits per list, every step (default: by batch)"),
     ("device_times", None, "time every decode graph replay with CUDA events (stats device_s)"),
-    ("profile", "DIR:START:STEPS", "profile decode steps START..START+STEPS into DIR"),
+    ("profile", "DIR:START:STEPS[:extend]",
+     "profile decode steps (or extend batches) START..START+STEPS into DIR"),
     ("stats", "FILE", "rewrite FILE with the backend's stats (JSON) after every routing"),
 )
 

@@ -6,7 +6,9 @@ through.
 
 ``--kv-profile DIR:START:STEPS`` profiles decode steps ``START`` to ``START + STEPS``
 of the scheduler process (counted from its first decode step; a window of two routing periods
-holds two routings), host and device, SGLang's own work in between included, and writes
+holds two routings); ``DIR:START:STEPS:extend`` profiles extend batches instead (counted from the
+first one: a prefill's chunks, where the time to first token goes). Host and device, SGLang's own
+work in between included; it writes
 ``DIR/profile-START-END.txt``: the wall time, then the ops and kernels by their own device time
 and by their own host time, with the backend's phases (``tr:metadata``, ``tr:route``, ...) as
 ``record_function`` ranges among them, and within each phase the ops by the ``tiered_radix``
@@ -27,28 +29,34 @@ import torch
 
 
 class StepProfiler:
-    """Starts and stops the profiler at decode step boundaries (:meth:`at_step`); ``spec``:
-    ``DIR:START:STEPS``, or ``None`` (off)."""
+    """Starts and stops the profiler at decode step (or extend batch) boundaries
+    (:meth:`at_step`); ``spec``: ``DIR:START:STEPS[:extend]``, or ``None`` (off)."""
 
     def __init__(self, spec: str | None = None) -> None:
         self.prof = None
         self.t0 = 0.0
+        self.unit = "decode"  # what START and STEPS count: decode steps or extend batches
         if not spec:
             self.start = self.end = -1
             return
+        if spec.endswith(":extend"):
+            spec, self.unit = spec[: -len(":extend")], "extend"
         try:
             folder, start, steps = spec.rsplit(":", 2)
             self.dir, self.start = Path(folder), int(start)
             self.end = self.start + int(steps)
         except ValueError:
-            raise ValueError(f"--kv-profile {spec!r}: use DIR:START:STEPS") from None
+            raise ValueError(f"--kv-profile {spec!r}: use DIR:START:STEPS[:extend]") from None
 
     def phase(self, name: str):
         """A labelled range while profiling (a no-op context otherwise)."""
         return torch.autograd.profiler.record_function(f"tr:{name}") if self.prof else nullcontext()
 
-    def at_step(self, step: int) -> None:
-        """Decode step ``step`` (0-based) is about to begin."""
+    def at_step(self, step: int, unit: str = "decode") -> None:
+        """Decode step (``unit`` ``extend``: extend batch) ``step`` (0-based) is about to
+        begin; the window counts its own unit only."""
+        if unit != self.unit:
+            return
         if step == self.start and self.prof is None:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
@@ -69,7 +77,7 @@ class StepProfiler:
         steps = self.end - self.start
         device = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         out = [
-            f"decode steps {self.start}-{self.end}: {wall * 1e3:.1f} ms wall, "
+            f"{self.unit} steps {self.start}-{self.end}: {wall * 1e3:.1f} ms wall, "
             f"{wall * 1e3 / steps:.3f} ms a step (profiler overhead included)",
             "",
             "by own device time:",
@@ -80,7 +88,7 @@ class StepProfiler:
             self._by_line(),
         ]
         self.dir.mkdir(parents=True, exist_ok=True)
-        name = f"{self.start}-{self.end}"
+        name = f"{self.start}-{self.end}" + ("-extend" if self.unit == "extend" else "")
         (self.dir / f"profile-{name}.txt").write_text("\n".join(out))
         self.prof.export_chrome_trace(str(self.dir / f"trace-{name}.json.gz"))  # gzipped by torch
 
@@ -144,6 +152,10 @@ class StepTimer:
     def decode_step(self) -> None:
         """A decode step is about to begin (the profiler's window opens and closes here)."""
         self.profiler.at_step(int(self.host_s["decode_steps"]))
+
+    def extend_batch(self) -> None:
+        """An extend batch is about to begin (a ``:extend`` window opens and closes here)."""
+        self.profiler.at_step(int(self.host_s["extend_batches"]), "extend")
 
     def replay_starts(self) -> None:
         """SGLang launches a decode graph replay next (with ``device_times``: its start mark)."""
