@@ -11,11 +11,14 @@ path (``--kv-extend sdpa``): its time is not the GPU kernel's, the other phases'
 the same Python and dispatcher calls as on the GPU.
 
 Reported: wall seconds of the whole prefill, the backend's host seconds per phase
-(``StepTimer``), and with ``--ops`` the launching ATen ops per phase from ``torch.profiler``
-(on the GPU each costs the host ~5-15 us). Comparing two builds' numbers says which phase a
-TTFT change comes from before a GPU profile does.
+(``StepTimer``); ``--profile DIR:START:STEPS:extend`` writes the backend's own profile of those
+extend batches (``--kv-profile``: the ops per phase and per line; on the GPU each launching op
+costs the host ~5-15 us). Comparing two builds' numbers says which phase a TTFT change comes
+from before a GPU profile does; ``--extend kernel`` under ``TRITON_INTERPRET=1`` runs the GPU's
+phases (the kernel itself slowly):
 
-    python bench/prefill_host.py --batch 8 --prompt 8192 --chunk 8192 --ops
+    TRITON_INTERPRET=1 python bench/prefill_host.py --batch 4 --prompt 256 --chunk 256 \
+        --extend kernel --out bench/results/prefill-host-cpu/HEAD.json
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import argparse
 import json
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -59,7 +61,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--extend", default="sdpa", help="--kv-extend: sdpa, or kernel (on the "
                     "CPU under TRITON_INTERPRET=1: the GPU's phases, slowly)")  # fmt: skip
-    ap.add_argument("--ops", action="store_true", help="count launching ops per phase")
+    ap.add_argument("--profile", default=None, help="--kv-profile (DIR:START:STEPS:extend: "
+                    "extend batches under torch.profiler, the ops per phase)")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the numbers as JSON here")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
@@ -70,71 +73,42 @@ def main() -> None:
 
     policy = Path(a.policy).read_text()
     n = a.batch * (a.prompt // 32 + 8) + 8
+    options = KVOptions(extend=a.extend, profile=a.profile)
     h = Harness(policy=policy, layers=a.layers, heads=2, head_dim=64, pages=n,
                 blocks=PoolBlocks(2 * n, 2 * n), context=a.prompt + 64,
-                requests=a.batch + 2, options=KVOptions(extend=a.extend))  # fmt: skip
+                requests=a.batch + 2, options=options)  # fmt: skip
     reqs = [
         h.start(f"r{i}", [(i * 7 + t * 3) % 97 + 1 for t in range(a.prompt)])
         for i in range(a.batch)
     ]
     plan = batches(a.prompt, a.batch, a.chunk)
-    ops: Counter = Counter()
     t0 = time.perf_counter()
     for b in plan:
-        step = lambda b=b: h.step(  # noqa: E731
-            [reqs[r] for r, _, _ in b],
-            [reqs[r].origin_input_ids[s : s + k] for r, s, k in b], extend=True)  # fmt: skip
-        if a.ops:
-            ops += profiled(step)
-        else:
-            step()
+        h.step([reqs[r] for r, _, _ in b],
+               [reqs[r].origin_input_ids[s : s + k] for r, s, k in b], extend=True)  # fmt: skip
     t_extend = time.perf_counter() - t0
     t1 = time.perf_counter()
-    step = lambda: h.step(reqs, [[5]] * a.batch, extend=False)  # noqa: E731
-    if a.ops:
-        ops += profiled(step)
-    else:
-        step()
+    h.step(reqs, [[5]] * a.batch, extend=False)  # the first token: a deferred routing runs
     t_first = time.perf_counter() - t1
     host = {k: round(v, 4) for k, v in sorted(h.backend.timer.host_s.items())}
     out = {"policy": Path(a.policy).stem, "batch": a.batch, "prompt": a.prompt,
            "chunk": a.chunk, "layers": a.layers, "extend_batches": len(plan),
            "extend_s": round(t_extend, 3), "first_decode_s": round(t_first, 3),
            "host_s": host, "torch": torch.__version__,
-           "threads": torch.get_num_threads()}  # fmt: skip
-    if a.ops:
-        out["ops_by_phase"] = dict(ops.most_common())
+           "threads": torch.get_num_threads(), "commit": _commit()}  # fmt: skip
     print(json.dumps(out, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
 
 
-def profiled(fn) -> Counter:
-    """Run ``fn`` under ``torch.profiler``; the top-level ATen ops below each ``tr:`` phase."""
-    from torch.profiler import ProfilerActivity, profile
+def _commit() -> str:
+    import subprocess
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    counts: Counter = Counter()
-
-    def walk(ev, phase: str) -> None:
-        for c in ev.cpu_children:
-            if c.name.startswith("tr:"):
-                walk(c, c.name)
-            elif c.name.startswith("aten::"):
-                counts[phase] += 1
-            else:
-                walk(c, phase)
-
-    for e in prof.events():
-        if e.cpu_parent is None:
-            if e.name.startswith("tr:"):
-                walk(e, e.name)
-            elif e.name.startswith("aten::"):
-                counts["outside"] += 1
-            else:
-                walk(e, "outside")
-    return counts
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, cwd=ROOT).stdout.strip()  # fmt: skip
+    except Exception:  # noqa: BLE001 - a copy of the tree without .git
+        return "unknown"
 
 
 if __name__ == "__main__":
