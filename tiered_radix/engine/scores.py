@@ -256,10 +256,6 @@ class ScoreEvaluator:
         self._cumulative = list(held.grain)
         self._unit = UnitLayout.of(policy.v, 0)
         self._memo: list[dict[Call, _Memo]] = [{} for _ in range(n_layers)]
-        # memos remembered for every layer in one pass (update_layers): the same tensors as
-        # the per-layer views above, stacked, so an evaluation over the stacked layers reads
-        # them in one pass too; dropped for a call once any layer's memo is remembered alone
-        self._stacked_memo: dict[Call, _Memo] = {}
 
     # -- public ------------------------------------------------------------------------------
     def update(self, layer: int, signals: Signals, *, cache: CacheState | None = None) -> None:
@@ -457,30 +453,22 @@ class ScoreEvaluator:
                   start, t_obs)  # fmt: skip
         if isinstance(layers, int):
             self._memo[layers][call] = m
-            self._stacked_memo.pop(call, None)  # no longer every layer's
             return
         for i, li in enumerate(layers):
             self._memo[li][call] = _Memo(m.units[i], m.tail[i], start, t_obs)
-        if layers == tuple(range(self.n_layers)):
-            self._stacked_memo[call] = m
 
     def _memoized(self, call: Call, c: _Ctx) -> Tensor:
         """``call`` at unit level from its memo (:class:`_Memo`): the kept windows, then the
         later ones computed from the signal's tail over tokens ``[start, T)`` (its value 0
         past the prompt, as :func:`~.signals.pad_tokens` gives it). Stacked layers whose memos
-        were remembered together are evaluated in one pass."""
-        stacked = self._stacked_memo.get(call)
-        if c.stacked and stacked is not None:
-            first, last = c.layer[0], c.layer[-1]
-            if c.layer == tuple(range(self.n_layers)):
-                m = stacked
-            elif c.layer == tuple(range(first, last + 1)):
-                m = _Memo(stacked.units[first : last + 1], stacked.tail[first : last + 1],
-                          stacked.start, stacked.t_obs)  # fmt: skip
-            else:
-                idx = list(c.layer)
-                m = _Memo(stacked.units[idx], stacked.tail[idx], stacked.start, stacked.t_obs)
-            return self._from_memo(call, m, c.layer, c)
+        have the same shape (observed at the same length: the usual case) are evaluated in one
+        pass over their memos stacked."""
+        if c.stacked:
+            ms = [self._memo[li].get(call) for li in c.layer]
+            if None not in ms and len({(m.start, m.t_obs, m.units.shape[-1]) for m in ms}) == 1:
+                units = torch.stack([m.units for m in ms])
+                m = _Memo(units, torch.stack([m.tail for m in ms]), ms[0].start, ms[0].t_obs)
+                return self._from_memo(call, m, c.layer, c)
         return c.each(lambda li, _cache: self._from_memo(call, self._memo[li].get(call), li, c))
 
     def _from_memo(self, call: Call, m: _Memo | None, layers, c: _Ctx) -> Tensor:
