@@ -62,7 +62,9 @@ def main() -> None:
     ap.add_argument("--extend", default="sdpa", help="--kv-extend: sdpa, or kernel (on the "
                     "CPU under TRITON_INTERPRET=1: the GPU's phases, slowly)")  # fmt: skip
     ap.add_argument("--profile", default=None, help="--kv-profile (DIR:START:STEPS:extend: "
-                    "extend batches under torch.profiler, the ops per phase)")  # fmt: skip
+                    "extend batches under torch.profiler, the ops per phase; not with the "
+                    "interpreted kernel: it records the interpreter's every op, 23 GB for 3 x "
+                    "64 tokens)")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the numbers as JSON here")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
