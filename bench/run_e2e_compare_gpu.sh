@@ -4,7 +4,9 @@
 # and the SDPA gather path before it) and bench/e2e_compare.py over their answers; then, for
 # PREFILL_S seconds (0: skip), the TTFT benchmark of plain and qevict 10% (--kinds plain tiered;
 # KINDS, POLICY and CASES, the --prefill-cases, change them) into $OUT/prefill-POLICY-KINDS.tgz; E2E=0
-# skips the end-to-end part; then, for SERVE_S seconds (0: skip),
+# skips the end-to-end part; PROFILE=START:STEPS (e.g. 40:4) then profiles those extend batches
+# of the tiered kind's 32 x 8K case (--kv-profile DIR:START:STEPS:extend, inside its first timed
+# call) into $OUT/profile-extend.tgz; then, for SERVE_S seconds (0: skip),
 # the serving benchmark's quick preset for qevict 10% alone (its server log and tier counters,
 # for reading, not a row to compare). Writes $OUT/e2e.tgz, $OUT/e2e-compare.json and the
 # others' tarballs: few files, the machine returns at most 8.
@@ -31,6 +33,14 @@ if [ "${PREFILL_S:-0}" -gt 0 ]; then
     > "/tmp/$name/prefill.txt" 2>&1
   echo "prefill rc=$?"; grep -E "ratio|sha256" "/tmp/$name/prefill.txt" | tail -n 8
   tar czf "$OUT/$name.tgz" -C /tmp "$name"
+fi
+if [ -n "${PROFILE:-}" ]; then
+  mkdir -p /tmp/profile-extend
+  timeout 200 python3 -P bench/sglang_decode.py --prefill --policy "${POLICY:-qevict}" \
+    --kinds tiered --prefill-cases 32x8192 --profile "/tmp/profile-extend/prof:$PROFILE:extend" \
+    --out /tmp/profile-extend > /tmp/profile-extend/prefill.txt 2>&1
+  echo "profile rc=$?"; head -n 3 /tmp/profile-extend/prof/profile-*-extend.txt 2>/dev/null
+  tar czf "$OUT/profile-extend.tgz" -C /tmp profile-extend
 fi
 [ "${SERVE_S:-0}" -gt 0 ] || exit 0
 timeout "$SERVE_S" python3 bench/serve_multiturn.py --preset quick --systems 'qevict@10%' \
