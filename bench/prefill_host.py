@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the numbers as JSON here")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
+    from sglang_decode import _commit  # bench/ is this script's folder
     from test_backend import Harness
 
     from tiered_radix.adapters.sglang.options import KVOptions
@@ -101,16 +102,6 @@ def main() -> None:
     print(json.dumps(out, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
-
-
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True, cwd=ROOT).stdout.strip()  # fmt: skip
-    except Exception:  # noqa: BLE001 - a copy of the tree without .git
-        return "unknown"
 
 
 if __name__ == "__main__":
