@@ -113,17 +113,20 @@ class Sim:
         p = torch.arange(start, start + len(tokens))
         return tuple(self.emb[i, layer, t] + self.pos[i, layer, p] for i in (0, 1))
 
-    def match(self, rid: str, tokens: list[int], custom_params: dict | None = None):
+    def match(self, rid: str, tokens: list[int], custom_params: dict | None = None,
+              max_prefix: int | None = None):  # fmt: skip
         """Match the prefix in the tree and lock it; the request's row maps the matched slots.
         ``custom_params``: the request's (``kv_budget``, ``kv_policy``), as SGLang's ``Req``
-        carries them to the match."""
+        carries them to the match; ``max_prefix``: match at most this many tokens (SGLang
+        matches all but a prompt's last token, whose logits the prefill must compute)."""
         from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
         asking = SimpleNamespace(
             rid=rid, sampling_params=SimpleNamespace(custom_params=custom_params)
         )
-        m = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens)), req=asking))
+        key = RadixKey(list(tokens[:max_prefix]))
+        m = self.cache.match_prefix(MatchPrefixParams(key=key, req=asking))
         n = len(m.device_indices)
         self.cache.inc_lock_ref(m.last_device_node)
         req = SimpleNamespace(

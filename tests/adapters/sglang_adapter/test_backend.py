@@ -174,10 +174,12 @@ class Harness:
             for li, layer in enumerate(self.layers)
         ]
 
-    def start(self, rid: str, tokens: list[int], custom_params: dict | None = None):
-        """Match the prefix (``custom_params``: the request's ``kv_budget`` / ``kv_policy``);
-        the backend opens the view at the request's first extend."""
-        req = self.sim.match(rid, tokens, custom_params)
+    def start(self, rid: str, tokens: list[int], custom_params: dict | None = None,
+              max_prefix: int | None = None):  # fmt: skip
+        """Match the prefix (``custom_params``: the request's ``kv_budget`` / ``kv_policy``;
+        ``max_prefix``: :meth:`Sim.match`'s); the backend opens the view at the request's
+        first extend."""
+        req = self.sim.match(rid, tokens, custom_params, max_prefix)
         req.tokens = list(tokens[: req.prefix_len])
         return req
 

@@ -80,6 +80,7 @@ def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
         (P + "ledger_blocks_free", ()): sum(len(f) for f in pool.free_q),
         (P + "requests", ()): len(h.backend.sessions),
         (P + "routes_total", ()): moves["routes"],
+        (P + "rows_routings_total", ()): moves["rows"],
         (P + "promotions_total", ()): moves["promote"],
         (P + "demotions_total", ()): moves["demote"],
         (P + "evictions_total", ()): moves["evict"],
@@ -124,6 +125,7 @@ def record(h: Harness) -> Counter:
             store = h.backend.sessions[rid].store
             step = store.events.steps[-1]
             moves["over"] += bool(store.bytes_used() > step.budget and not step.forced)
+            moves["rows"] += step.reason == "rows short"
         return route_many(many)
 
     def opened(req, prefix_len):

@@ -332,11 +332,12 @@ class TieredAttnBackend(AttentionBackend):
             return
         self.extend = fb.forward_mode.is_extend()
         seqs, prefix, new = rows
+        # a batch's new windows are where its tokens begin one: known on the host, no sync
+        starts = window_starts(prefix, new, self.pool.layout.window)
+        self._make_rows(list(fb.rids), len(starts))
         self._admit(list(fb.rids), self._slots(fb), seqs, prefix, new)
         self.pool.end_step()
-        # open new windows, find rows in every layer (a batch's new windows are where its
-        # tokens begin one: known on the host, no sync)
-        starts = window_starts(prefix, new, self.pool.layout.window)
+        # open new windows, find rows in every layer
         self.pool.prepare_write(fb.out_cache_loc, starts=starts)
 
     def note_replay(self, rids: list[str] | None) -> None:
@@ -461,9 +462,10 @@ class TieredAttnBackend(AttentionBackend):
             # the same requests, one token more each, none of them in a new window
             steady = self.graph_last == (bs, pools, prev) and all(p % W for p in prev)
             self._graph_step(bs, steady)
+            starts = [] if steady else window_starts(prev, [1] * raw, W)
+            self._make_rows(rids, len(starts))
             self._admit(rids, pools, seqs, prev, [1] * raw)
             if not steady:  # the real requests' tokens: which begin a window is known here
-                starts = window_starts(prev, [1] * raw, W)
                 self.pool.graph_write(fb.out_cache_loc[:raw], g.dest[:, : bs * H], starts)
         with self._timed("decode_lists"):
             if steady:  # the lists hold the new rows already: their ends move on
@@ -724,6 +726,38 @@ class TieredAttnBackend(AttentionBackend):
             self.landing = (due, pending)
             return False
         return self._moved(due, pending)
+
+    def _make_rows(self, rids: list[str], windows: int) -> None:
+        """Before a forward of requests ``rids`` opens ``windows`` new windows: rows for them,
+        by :meth:`_route_for_rows` where the free rows and the radix cache's do not hold them
+        (a decoupled pool's routing frees no rows: its sizing holds every token's)."""
+        if windows and self.pool.zones is None and not self.pool.rows_for_windows(windows):
+            self._route_for_rows(rids)
+
+    def _route_for_rows(self, rids: list[str]) -> None:
+        """The batch's new windows do not fit the free row blocks, even after the radix cache
+        gave back what no running request holds: the batch's requests route now, before this
+        batch's tokens join them, so the windows their routing demotes or evicts free rows.
+        Those whose routing waits (``after_prefill(defer=true)``) hold every token so far at
+        full precision: a prompt longer than the rows hold is prefilled in routed pieces
+        instead of the forward failing (``PoolFullError``), and its routing after the last
+        chunk still waits for the question, as the policy says; a decoding request's windows
+        that left the protected recent tokens since its last routing go to their tier. Only
+        under this pressure, so a request's tiers then depend on what else the pool holds (as
+        SGLang's retractions do). Counted as ``rows_routings``."""
+        due = []
+        for rid in rids:
+            sess = self.sessions.get(rid)
+            if sess is None or rid not in self.tree.views:
+                continue  # new to this batch: nothing of it is held yet
+            due.append((_Req(rid, sess, 0, 0, sess.store.n_tokens(0)), "rows short"))
+        if not due:
+            return
+        self.fold_pending()
+        with self._timed("route_rows"):
+            stores = [r.session.store for r, _ in due]
+            self._moved(due, TierStore.begin_routes(stores, [why for _, why in due]))
+        self.counters.rows_routings += len(due)
 
     def _land(self) -> bool:
         """A routing left pending by :meth:`_route_due` moves now; whether one did. Requests

@@ -31,6 +31,10 @@ GAUGES = {  # snapshot key -> (metric name, help)
 }
 COUNTERS = {  # snapshot running total -> (metric name, help); exported with a _total suffix
     "routes": ("routes", "Routings run (one request's tier engine planning and moving units)."),
+    "rows_routings": (
+        "rows_routings",
+        "Routings run early because a forward's new windows lacked full-precision rows.",
+    ),
     "promote": ("promotions", "Units moved to a more precise tier."),
     "demote": ("demotions", "Units moved to a less precise tier (not evictions)."),
     "evict": ("evictions", "Units evicted."),

@@ -423,7 +423,9 @@ def add_chunked_req(original, self, req):
     With no room at all while requests run, the request is *parked*: returned as SGLang's
     chunked request without a chunk (SGLang's own early return for hybrid SWA pools, which its
     scheduler leaves uncached), so this round decodes and finishing or retracted requests free
-    rows for its next chunk."""
+    rows for its next chunk. With no room and nothing running, a chunk of one window: the
+    rows are the request's own prompt so far, which its routing frees first
+    (:meth:`~.backend.TieredAttnBackend._route_for_rows`, a deferred routing run early)."""
     pool = self.token_to_kv_pool_allocator.get_kvcache()
     if not hasattr(pool, "rows_for_windows"):
         return original(self, req)
@@ -433,12 +435,13 @@ def add_chunked_req(original, self, req):
     with self._lock_node(req.last_node):
         fits = pool.rows_for_windows(taken + -(-want // W))
         room = pool.windows_free() - taken
-    if not fits and room <= 0:
+    if fits:
+        return _admitted(self, req, pool, call)
+    if room <= 0:
         rb = self.running_batch
         if rb is not None and not rb.is_empty():
             return req  # parked
-    if fits or room <= 0:  # nothing runs that could free rows: it goes (see add_one_req)
-        return _admitted(self, req, pool, call)
+        room = 1
     return _cut_to_rows(self, req, pool, call, room)
 
 

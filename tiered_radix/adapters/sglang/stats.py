@@ -45,6 +45,7 @@ class BackendStats:
     having demoted them, so ``promote <= demote + borrowed_quantized`` over all requests."""
 
     routes: int = 0  # requests routed
+    rows_routings: int = 0  # requests routed because a batch's new windows lacked rows
     peak_bytes: int = 0
     peak_tokens: int = 0
     kernel_steps: int = 0  # decode steps run by the TriZone kernel
@@ -121,6 +122,7 @@ class BackendStats:
             "row_blocks_free": rows_free,
             "ledger_blocks_free": ledger_free,
             "routes": self.routes,
+            "rows_routings": self.rows_routings,
             **self.moved(),
             "degraded_moves": getattr(pool, "degraded", 0),  # moves short of blocks (pool.move)
             "zone_full_routings": getattr(pool, "zone_full", 0),  # repacks with no room (rdkv)

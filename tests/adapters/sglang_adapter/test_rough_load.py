@@ -1,0 +1,286 @@
+"""A rough load on CPU, for every shipped policy (issue 21: "no exception escapes the scheduler
+for any valid policy and any load"): the GPU soak's kinds of traffic, played through the real
+pool, allocator, radix cache and attention backend by a scheduler stand-in.
+
+Seeded random sessions arrive in bursts: prompts of 1 to ~300 tokens, 1-3 turns whose later
+prompts extend the earlier ones (radix hits), ``max_new_tokens`` of 1 (finished by its prefill)
+to 12, some requests aborted mid-decode, on a pool small enough that admission cuts chunks,
+the tree gives cached slots back and decode retracts requests. After it: nothing raised, every
+request finished or was aborted, every forward's outputs finite, no routing over the budget,
+promotions within demotions and borrowed copies, and once the tree's cache is dropped the
+allocator, the row and ledger blocks, Zone A and every reference count are back where they
+started.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang_sim import require
+
+require("sglang.srt.managers.schedule_policy")
+
+from test_backend import KERNEL_POLICY, Harness  # noqa: E402
+from test_batch_invariance import ARCHIVED, SHIPPED, policy_text  # noqa: E402
+from test_burst import Adder, evict  # noqa: E402
+
+from tiered_radix.adapters.sglang import plugin  # noqa: E402
+from tiered_radix.adapters.sglang.reps import Layout  # noqa: E402
+from tiered_radix.policy import compile_text  # noqa: E402
+
+HEAD_DIM = 32
+CHUNK = 96  # --chunked-prefill-size
+SLOTS = 24  # request slots (SGLang's ReqToTokenPool); more sessions than slots wait
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request: its whole prompt (the session's history and a new message), how many
+    tokens it may generate, and the decode step it is aborted at (None: it runs out)."""
+
+    rid: str
+    prompt: list[int]
+    max_new: int
+    abort_at: int | None
+
+
+def sessions(seed: int, n: int = 14) -> list[list[tuple[int, int, int | None, int]]]:
+    """Per session its turns: (new prompt tokens, max_new_tokens, abort step, first token)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        turns = []
+        for t in range(rng.choice((1, 1, 2, 3))):
+            new = rng.choice((1, 3, rng.randint(20, 120), rng.randint(120, 300)))
+            if t:  # a later turn's message
+                new = rng.randint(1, 60)
+            max_new = rng.choice((1, 2, rng.randint(3, 12)))
+            abort = rng.randint(0, max_new - 2) if rng.random() < 0.15 and max_new > 1 else None
+            turns.append((new, max_new, abort, rng.randint(1, 99)))
+        out.append(turns)
+    return out
+
+
+class RoughLoad:
+    """SGLang's loop around the harness, as ``test_burst.serve`` plays it (the admission hooks,
+    chunked requests, the tree's eviction before each allocation, decode retracting the newest
+    request), with sessions: a session's next turn arrives once its last one finished, its
+    prompt the last one's prompt, outputs and a new message (a radix hit)."""
+
+    def __init__(self, h: Harness, plan: list[list[tuple[int, int, int | None, int]]]) -> None:
+        self.h, self.plan = h, plan
+        self.next_turn = [0] * len(plan)
+        self.history: list[list[int]] = [[] for _ in plan]
+        self.waiting: deque[Turn] = deque()
+        self.turns: dict[str, Turn] = {}
+        self.state: dict[str, SimpleNamespace] = {}
+        self.running: list[SimpleNamespace] = []
+        self.generated: dict[str, int] = {}
+        self.finished: dict[str, str] = {}  # rid -> "length" | "abort"
+        self.retracted = 0
+        self.forwards = 0
+        for s in range(len(plan)):  # the first turns arrive as one burst
+            self._arrive(s)
+
+    def _arrive(self, s: int) -> None:
+        k = self.next_turn[s]
+        if k == len(self.plan[s]):
+            return
+        new, max_new, abort, first = self.plan[s][k]
+        msg = [(first + 7 * j) % 99 + 1 for j in range(new)]
+        turn = Turn(f"s{s}t{k}", self.history[s] + msg, max_new, abort)
+        self.next_turn[s] += 1
+        self.turns[turn.rid] = turn
+        self.waiting.append(turn)
+
+    def _finish(self, req, why: str) -> None:
+        turn = self.turns[req.rid]
+        self.running.remove(req)
+        self.h.finish(req)
+        del self.state[req.rid]
+        self.finished[req.rid] = why
+        s = int(req.rid[1 : req.rid.index("t")])
+        self.history[s] = list(req.tokens)
+        self._arrive(s)
+        assert len(req.tokens) <= len(turn.prompt) + turn.max_new
+
+    def _forward(self, batch, new, extend: bool) -> None:
+        outs = self.h.step(batch, new, extend=extend)
+        self.forwards += 1
+        for li, o in enumerate(outs):
+            assert torch.isfinite(o).all(), (self.forwards, li, [r.rid for r in batch])
+
+    def run(self, rounds: int = 4000) -> RoughLoad:
+        h, sim = self.h, self.h.sim
+        W, chunked, held = sim.W, None, False
+        for _ in range(rounds):
+            if not self.waiting and not self.running:
+                return self
+            adder = Adder(sim, CHUNK, running=len(self.running))
+            batch, new = [], []
+            fresh = [t for t in self.waiting if t.rid != chunked]
+            if held and self.running:  # after a retraction: until a running request ends
+                fresh = []
+            order = [self.turns[chunked]] if chunked else []
+            order += fresh
+            prev, chunked = chunked, None
+            for turn in order:
+                req = self.state.get(turn.rid)
+                if req is None:
+                    if not sim.r2t.free_slots:  # every request slot taken: it waits
+                        break
+                    req = h.start(turn.rid, turn.prompt, max_prefix=len(turn.prompt) - 1)
+                    self.state[turn.rid] = req
+                have = len(req.tokens)
+                req.full_untruncated_fill_ids = turn.prompt
+                req.prefix_indices = [0] * have
+                if turn.rid == prev:
+                    res = plugin.add_chunked_req(adder.admit_chunked, adder, req)
+                    if req not in adder.can_run_list:
+                        chunked = turn.rid
+                        break
+                else:
+                    res = plugin.add_one_req(adder.admit, adder, req, False, None)
+                if res not in ("CONTINUE", None):
+                    break
+                batch.append(req)
+                new.append(turn.prompt[have : have + req.extend_range.length])
+                if have + req.extend_range.length < len(turn.prompt):
+                    chunked = turn.rid
+                    break
+            if batch:
+                evict(sim, sum(len(t) + W for t in new))
+                self._forward(batch, new, extend=True)
+                for req in batch:
+                    if len(req.tokens) == len(self.turns[req.rid].prompt):
+                        self.waiting.remove(self.turns[req.rid])
+                        self.running.append(req)
+                        self.generated[req.rid] = 1  # the prefill's logits give token 1
+                        if self.turns[req.rid].max_new == 1:
+                            self._finish(req, "length")
+                            held = False
+                continue
+            held = self._decode(held)
+        raise AssertionError(f"not done after {rounds} rounds: {len(self.waiting)} waiting")
+
+    def _decode(self, held: bool) -> bool:
+        sim, W = self.h.sim, self.h.sim.W
+
+        def needed(_selected=None) -> int:  # SGLang's: a page for each request at a boundary
+            return W * sum(len(r.tokens) % W == 0 for r in self.running)
+
+        step = SimpleNamespace(
+            token_to_kv_pool_allocator=sim.alloc, new_tokens_required_next_decode=needed
+        )
+
+        def slots(_self, selected_indices=None):  # SGLang's own check: logical slots
+            evict(sim, needed())
+            return sim.alloc.available_size() >= needed()
+
+        # SGLang's retraction: the newest request back to the queue while the step does not
+        # fit, always keeping one
+        while len(self.running) > 1 and not plugin.check_decode_mem(slots, step):
+            req = self.running.pop()
+            req.output_ids = req.tokens[len(req.origin_input_ids) :]
+            sim.cache.cache_finished_req(req, is_insert=False, kv_len_to_handle=len(req.tokens))
+            sim.r2t.free_slots.append(req.req_pool_idx)
+            del self.state[req.rid]
+            self.waiting.appendleft(self.turns[req.rid])
+            self.retracted, held = self.retracted + 1, True
+        if not self.running:
+            return held
+        batch = list(self.running)
+        self._forward(batch, [[(len(r.tokens) * 7) % 97 + 1] for r in batch], extend=False)
+        for req in batch:
+            turn = self.turns[req.rid]
+            done = self.generated[req.rid]  # tokens generated before this step's
+            self.generated[req.rid] = done + 1
+            if turn.abort_at is not None and done - 1 >= turn.abort_at:
+                self._finish(req, "abort")  # the client went away: SGLang finishes it
+                held = False
+            elif done + 1 >= turn.max_new:
+                self._finish(req, "length")
+                held = False
+        return held
+
+
+def harness(name: str) -> Harness:
+    """The policy on a pool of 40 windows' slots a layer: a few of the longest prompts."""
+    text = policy_text(name)
+    W = Layout.of(compile_text(text)).window
+    return Harness(policy=text, head_dim=HEAD_DIM, pages=max(40, 1200 // W), requests=SLOTS)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", [*SHIPPED, ARCHIVED])
+def test_a_rough_load_completes_and_gives_everything_back(name, seed, monkeypatch):
+    monkeypatch.setattr(plugin, "route_stride", lambda: CHUNK, raising=False)
+    h = harness(name)
+    sim = h.sim
+    free0, avail0 = sim.pool.blocks_free(), sim.alloc.available_size()
+    zone0 = None if sim.pool.zones is None else sim.pool.zones.bytes_used()
+    plan = sessions(seed)
+    load = RoughLoad(h, plan).run()
+    want = {f"s{s}t{k}" for s, turns in enumerate(plan) for k in range(len(turns))}
+    assert set(load.finished) == want  # every turn of every session ran, in order
+    aborted = {rid for rid, why in load.finished.items() if why == "abort"}
+    assert aborted == {rid for rid in want if load.turns[rid].abort_at is not None}
+    stats = h.backend.stats()
+    assert stats["over_budget_routings"] == 0
+    assert stats["promote"] <= stats["demote"] + stats["borrowed_quantized"]
+    assert sim.cache.views == {}  # every request's view closed
+    evict(sim, 1 << 20)  # the tree's cache gives everything back
+    assert sim.alloc.available_size() == avail0
+    assert sim.pool.blocks_free() == free0
+    assert bool((sim.pool.ref_all == 0).all()) and bool((sim.pool.owner_all == -1).all())
+    if zone0 is not None:
+        assert sim.pool.zones.bytes_used() == zone0
+
+
+def test_a_deferred_prompt_longer_than_the_rows_is_prefilled_in_routed_pieces(monkeypatch):
+    """qevict routes once after the whole prompt (``after_prefill(defer=true)``), so a prompt
+    sits at full precision until then. One of more windows than the pool has row blocks, with
+    nothing else running, used to fail the forward of the chunk that ran out of rows
+    (``PoolFullError``, the scheduler gone). Now the request routes when a chunk's windows
+    lack rows (``rows short``), its next chunk is cut to what that freed, and its last
+    routing still waits for the whole prompt (``decode step 0``)."""
+    monkeypatch.setattr(plugin, "route_stride", lambda: CHUNK, raising=False)
+    h = harness("qevict")
+    W, rows = h.sim.W, h.sim.pool.windows_free()
+    load = RoughLoad(h, [[((rows + 3) * W + 5, 4, None, 7)]]).run()
+    assert load.finished == {"s0t0": "length"}
+    reasons = [e.reason for e in h.backend.sessions["s0t0"].store.events.steps]
+    assert "rows short" in reasons and h.backend.stats()["rows_routings"] >= 1
+    assert reasons[len(reasons) - reasons[::-1].index("rows short") :][0] == "decode step 0"
+    assert not any(r.startswith("after prefill") for r in reasons)  # deferred, not per chunk
+
+
+def test_a_replayed_decode_step_short_of_rows_routes_first(monkeypatch):
+    """The same under decode CUDA graphs (the server's decode): a prompt that fills every row
+    block, deferred, then a replayed step whose token opens a window. Its routing (due at this
+    first decode step anyway) runs before the step's rows are taken, instead of the step's
+    metadata failing."""
+    from tiered_radix.adapters.sglang import backend
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backend.decode, "run", lambda q, layout, plan, **kw: torch.zeros_like(q))
+    policy = KERNEL_POLICY.replace("after_prefill, every(3)", "after_prefill(defer=true), every(3)")
+    h = Harness(policy=policy, head_dim=64, pages=40, blocks=PoolBlocks(2 * 6, 64), context=256)
+    assert h.sim.pool.windows_free() == 6
+    h.backend.init_cuda_graph_state(1, 1)
+    h.capture(1)
+    req = h.start("a", [(5 * j) % 97 + 1 for j in range(6 * 16)])  # every row block
+    h.step([req], [req.origin_input_ids], extend=True)
+    assert h.sim.pool.windows_free() == 0
+    for t in range(4):
+        h.replay([req], [[60 + t]], 1)
+        h.backend.flush()
+    reasons = [e.reason for e in h.backend.sessions["a"].store.events.steps]
+    assert reasons[0] == "rows short" and h.backend.stats()["rows_routings"] == 1
+    assert h.sim.pool.windows_free() > 0
