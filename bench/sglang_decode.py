@@ -10,6 +10,9 @@ Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`
   prefill in the same chunks); without it each kind keeps SGLang's default (GPU run 15 and
   earlier ran the tiered kinds at 2,048 and plain at SGLang's default);
 - ``tiered_serial``: ``tiered`` without the overlap scheduler (``kv_overlap=False``);
+- ``tiered_pg``: ``tiered`` with SGLang's prefill CUDA graphs (``kv_prefill_graphs=True``: its
+  breakable graphs hold the layers between attention calls, up to its largest captured
+  bucket; plain captures them by default);
 - ``tiered_overlap``: ``tiered`` with ``kv_overlap=True`` said (the default now; runs 12-17
   compared it with the serial ``tiered``);
 - ``plain_serial``: ``plain`` without the overlap scheduler (``disable_overlap_schedule``);
@@ -190,6 +193,8 @@ def _engine_kwargs(kind: str, a, context: int) -> dict:
         kw.update(load_format=a.load_format, skip_tokenizer_init=True)
     if kind.startswith("tiered"):
         kw.update(kv_policy=a.policy, kv_overlap=kind != "tiered_serial")
+        if kind == "tiered_pg":
+            kw["kv_prefill_graphs"] = True
         kw.pop("attention_backend")
         if a.graph_tokens:  # decode graphs for batches of more tokens (the default 262,144
             kw["kv_graph_tokens"] = a.graph_tokens  # runs 8 x 30K captured, 64 x 30K eagerly)

@@ -1,5 +1,6 @@
-"""TriZone extend (prefill) kernels: attention of a chunk's queries over the pool in place, and
-the signals pass that turns the same scores into column sums with the first pass's lse.
+"""TriZone extend (prefill) kernels: attention of a chunk's queries over the pool in place (with
+the last query rows' attention sums where no column sums are asked for), and the signals pass
+that turns the same scores into column sums with the first pass's lse.
 
 Both read one layer's storage through per-(request, KV head) window lists (``extend.py``): row
 windows are ``W`` contiguous full-precision rows of a row block (``rows_k[blk]``), page windows
@@ -82,23 +83,46 @@ def _page_kv(arena8, arena16, page_bytes, ent_blk, ent_win, e, ok, seq, D: tl.co
 _BATCH_INDEX = ("ent_blk", "ent_win", "n_rows", "n_pages", "q_start", "q_len", "seq_len")
 
 
+@triton.jit
+def _tile_sums(s, lse, pos, valid, qpos, tok, seen, tq, obs_ptr, attn_ptr, sig_row,
+               OBS: tl.constexpr, LAST: tl.constexpr):  # fmt: skip
+    """A tile's probabilities exp2(s - lse) of keys at pos (valid) for its rows ``seen``,
+    summed over those rows and the group's heads: obs (every seen row: the last OBS_WINDOW)
+    and attn (the last query), stored at sig_row + pos."""
+    see = seen[:, None] & valid[None, :] & (pos[None, :] <= qpos[:, None])
+    p = tl.where(see, tl.exp2(s - lse[:, None]), 0.0)
+    at = sig_row + pos
+    if OBS:
+        tl.store(obs_ptr + at, tl.sum(p, 0), mask=valid)
+    if LAST:
+        tl.store(attn_ptr + at, tl.sum(tl.where((tok == tq - 1)[:, None], p, 0.0), 0), mask=valid)
+
+
 @triton.jit(
-    do_not_specialize=("list_stride", "qsq_sb"),
-    do_not_specialize_on_alignment=_BATCH_INDEX + ("tile_b", "tile_m", "lse_ptr", "qsq_ptr"),
+    do_not_specialize=("list_stride", "qsq_sb", "sig_sr", "sig_sh"),
+    do_not_specialize_on_alignment=_BATCH_INDEX
+    + ("tile_b", "tile_m", "lse_ptr", "qsq_ptr", "obs_ptr", "attn_ptr", "sig_off"),
 )
 def _extend_attn_kernel(
     q_ptr, q_st, q_sh, out_ptr, o_st, o_sh, lse_ptr, rows_k, rows_v, arena8, arena16, page_bytes,
     ent_blk, ent_win, n_rows, n_pages, list_stride, tile_b, tile_m, q_start, q_len, seq_len,
-    qk_scale, H_KV, G, qsq_ptr, qsq_sb,
+    qk_scale, H_KV, G, qsq_ptr, qsq_sb, obs_ptr, attn_ptr, sig_sr, sig_sh, sig_off,
     DT: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     W: tl.constexpr, WPI: tl.constexpr, PPI: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr,
-    PAGES: tl.constexpr, IL: tl.constexpr, QNORM: tl.constexpr,
+    PAGES: tl.constexpr, IL: tl.constexpr, QNORM: tl.constexpr, OBS: tl.constexpr,
+    LAST: tl.constexpr, OBS_WINDOW: tl.constexpr,
 ):  # fmt: skip
     """One tile of BLOCK_M query tokens of one request x one KV head (all its query heads):
     online softmax over the request's page windows, then its row windows up to the tile's last
     query (causal: key position <= query position); writes out and lse (log2, per query row).
     QNORM: also the tile's sum of q^2 per channel over its rows (float32 [D]) at
-    qsq[b, m0 // BLOCK_M, h] (row b at qsq_sb, then [tiles, H_KV, D] contiguous)."""
+    qsq[b, m0 // BLOCK_M, h] (row b at qsq_sb, then [tiles, H_KV, D] contiguous).
+    OBS / LAST: a tile holding some of the request's last OBS_WINDOW query rows (LAST alone:
+    its last row) reads its windows a second time with the final lse and writes those rows'
+    ``obs_attn`` / ``attn`` at each key's position, in its own row of the signal buffers
+    (float32 [rows, H_KV, T], request b's tile r-th from its end at row sig_off[b] + r): the
+    signals pass of :func:`_extend_signals_kernel` without its launch, for policies that read
+    no ``colmass``."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(tile_b + tile)
@@ -149,8 +173,32 @@ def _extend_attn_kernel(
     orow = (q0 + tok).to(tl.int64) * o_st + (h * G + g) * o_sh
     o = (acc / safe[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + orow[:, None] + d[None, :], o, mask=rok[:, None])
-    tl.store(lse_ptr + (q0 + tok).to(tl.int64) * (H_KV * G) + h * G + g, m + tl.log2(safe),
-             mask=rok)  # fmt: skip
+    lse = m + tl.log2(safe)
+    tl.store(lse_ptr + (q0 + tok).to(tl.int64) * (H_KV * G) + h * G + g, lse, mask=rok)
+    if OBS or LAST:
+        first = tq - OBS_WINDOW if OBS else tq - 1  # the first row whose mass is summed
+        if m0 + BLOCK_M > first:
+            seen = rok & (tok >= first)
+            run = (tq - 1) // BLOCK_M - m0 // BLOCK_M
+            sig_row = (tl.load(sig_off + b) + run).to(tl.int64) * sig_sr + h * sig_sh
+            if PAGES:
+                npg2 = tl.load(n_pages + li)
+                kk2 = tl.arange(0, PPI)
+                for i in range(0, npg2, PPI):
+                    e = i + kk2
+                    kt, v, pos, valid = _page_kv(arena8, arena16, page_bytes, ent_blk + base + nr,
+                                                 ent_win + base + nr, e, e < npg2, seq, D, W, PPI,
+                                                 VB, VG, IL)  # fmt: skip
+                    s = tl.dot(qd, kt.to(DT)) * qk_scale
+                    _tile_sums(s, lse, pos, valid, qpos, tok, seen, tq, obs_ptr, attn_ptr,
+                               sig_row, OBS, LAST)  # fmt: skip
+            for i in range(0, re, WPI):
+                e = i + ww
+                k, v, pos, valid = _row_kv(rows_k, rows_v, ent_blk + base, ent_win + base, e,
+                                           e < re, seq, D, W, WPI * W)  # fmt: skip
+                s = tl.dot(qd, tl.trans(k.to(DT))) * qk_scale
+                _tile_sums(s, lse, pos, valid, qpos, tok, seen, tq, obs_ptr, attn_ptr, sig_row,
+                           OBS, LAST)  # fmt: skip
 
 
 @triton.jit

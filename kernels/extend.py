@@ -11,10 +11,12 @@ is the last row windows of every list.
 ``plan()`` once per batch (host lists of lengths: one host-to-device copy), ``run()`` per layer
 (one launch, varlen over the batch, causal within the chunk, no host sync; with ``qnorm_sq`` it
 also writes each query tile's sum of squares per channel, which :func:`qnorm_of` turns into
-``qnorm``, e.g. once for every layer), ``signals()`` per layer when the policy reads attention
-(a second launch over the same lists with ``run()``'s lse: ``attn`` of the last query,
-``obs_attn`` of the last :data:`OBS_WINDOW`, ``colmass`` of all). :func:`extend_ref` is the
-PyTorch twin of ``run`` + ``signals``, :func:`chunk_qnorm` that of ``qnorm_of(qnorm_sq)``.
+``qnorm``, e.g. once for every layer; with ``into`` it also fills ``attn`` of the last query
+and ``obs_attn`` of the last :data:`OBS_WINDOW` itself, per tile, :func:`tile_splits`),
+``signals()`` per layer when the policy reads ``colmass`` (a second launch over the same lists
+with ``run()``'s lse: ``colmass`` of all rows, and ``attn``/``obs_attn`` beside it).
+:func:`extend_ref` is the PyTorch twin of ``run`` + ``signals``, :func:`chunk_qnorm` that of
+``qnorm_of(qnorm_sq)``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from tiered_radix.formats.layout import uniform_page_nbytes, unpack_uniform_page
 LOG2E = 1.4426950408889634
 OBS_WINDOW = 32  # as adapters/transformers/attention.py (SnapKV's observation window)
 ROW, PAGE, ABSENT = 0, 1, 2  # window kinds of :func:`window_lists`
+IN_RUN = frozenset({"attn", "obs_attn"})  # signals run() computes in its own launch
 # signal_splits: a grid of ~4 waves of the H200's 132 SMs at 2 programs each; a split reads at
 # least 16 blocks of query rows (its key tile's load amortised), and at most 8 partial sums
 SIGNAL_PROGRAMS, SPLIT_MIN_BLOCKS, MAX_SPLITS = 1024, 16, 8
@@ -173,8 +176,9 @@ def _check(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, hkv: int) 
 def run(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, num_kv_heads: int, *,
         sm_scale: float, out: Tensor | None = None, lse: Tensor | None = None,
         wpi: int | None = None, ppi: int | None = None, num_warps: int | None = None,
-        unpack: str | None = None,
-        qnorm_sq: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+        unpack: str | None = None, qnorm_sq: Tensor | None = None,
+        into: dict[str, Tensor] | None = None,
+        splits: SignalSplits | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Attention of q ``[n, H_q, d]`` (``p``'s requests' new tokens) over their window lists;
     returns out ``[n, H_q, d]`` (q's dtype) and lse float32 ``[n, H_q]`` (log2 domain, for
     :func:`signals`). ``wpi``/``ppi``: row/page windows an iteration (default 64 tokens' worth /
@@ -182,7 +186,13 @@ def run(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, num_kv_heads:
     under 32 tokens on CUDA). ``qnorm_sq``: float32 ``[B, >= p.tiles_max, H_kv, d]`` (the last
     three dims contiguous) that gets, at ``[b, j, h]``, the sum of q^2 per channel over request
     ``b``'s ``j``-th tile of ``p.block_m`` tokens and KV group ``h``'s query heads; entries of
-    tiles a request does not have are left as they are (zero them: :func:`qnorm_of` sums them)."""
+    tiles a request does not have are left as they are (zero them: :func:`qnorm_of` sums them).
+
+    ``into``: ``attn`` and/or ``obs_attn`` buffers (float32 ``[splits.rows, H_kv, >= t_max]``,
+    zeroed by the caller) that the same launch fills, as :func:`signals` would, with
+    ``splits`` = :func:`tile_splits`: each tile holding observed query rows writes its partial
+    sums to its own row (:meth:`SignalSplits.total` adds them). ``colmass`` needs every query
+    row's lse first: :func:`signals`."""
     _check(q, st, ls, p, num_kv_heads)
     n, hq, d = q.shape
     W = st.rows_k.shape[1]
@@ -190,6 +200,15 @@ def run(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, num_kv_heads:
     lse = torch.empty(n, hq, dtype=torch.float32, device=q.device) if lse is None else lse
     if qnorm_sq is not None:
         _check_qsq(qnorm_sq, p, num_kv_heads, d)
+    into = into or {}
+    if set(into) - IN_RUN or (into and splits is None):
+        raise ExtendInputError(f"run() fills {sorted(IN_RUN)} with tile_splits(), got "
+                               f"{sorted(into)}")  # fmt: skip
+    for name, x in into.items():
+        if x.shape[:2] != (splits.rows, num_kv_heads) or x.shape[2] < p.t_max or x.stride(2) != 1:
+            raise ExtendInputError(f"{name} buffer must be float32 [{splits.rows}, "
+                                   f"{num_kv_heads}, >= {p.t_max}]")  # fmt: skip
+    some = next(iter(into.values()), lse)
     pages = st.pages is not None and st.pages.numel() > 0
     arena = _arena(st, pages)
     il = _il(unpack, q, W)
@@ -198,12 +217,25 @@ def run(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, num_kv_heads:
         arena, arena.view(torch.float16), st.pages.shape[1] if pages else 16, ls.blk, ls.win,
         ls.rows, ls.pages, ls.n_max, p.tile_b, p.tile_m, p.q_start, p.q_len, p.seq_len,
         sm_scale * LOG2E, num_kv_heads, p.group, lse if qnorm_sq is None else qnorm_sq,
-        0 if qnorm_sq is None else qnorm_sq.stride(0),
+        0 if qnorm_sq is None else qnorm_sq.stride(0), into.get("obs_attn", some),
+        into.get("attn", some), some.stride(0) if into else 0, some.stride(1) if into else 0,
+        splits.table if into else p.q_len,
         DT=_dt(q), D=d, G_PAD=p.g_pad, BLOCK_M=p.block_m, W=W, WPI=wpi or max(1, 64 // W),
         PPI=ppi or 1, VB=st.bits, VG=st.v_group, PAGES=pages, IL=il, QNORM=qnorm_sq is not None,
+        OBS="obs_attn" in into, LAST="attn" in into, OBS_WINDOW=OBS_WINDOW,
         num_warps=num_warps or (4 if d == 64 else 8), num_stages=2,
     )  # fmt: skip
     return out, lse
+
+
+def tile_splits(p: ExtendPlan, need: frozenset[str]) -> SignalSplits:
+    """:class:`SignalSplits` for the signals :func:`run` fills itself (``need`` within
+    :data:`IN_RUN`): request ``b``'s observed query rows (its last :data:`OBS_WINDOW` for
+    ``obs_attn``, else its last) lie in ``n[b]`` tiles of ``p.block_m`` tokens, one row each.
+    By the request's own length only: its signals do not depend on its batch."""
+    first = OBS_WINDOW if "obs_attn" in need else 1
+    n = [(q - 1) // p.block_m - max(q - first, 0) // p.block_m + 1 for q in p.q_lens]
+    return SignalSplits.of(n, p.q_len.device)
 
 
 def _check_qsq(x: Tensor, p: ExtendPlan, hkv: int, d: int) -> None:

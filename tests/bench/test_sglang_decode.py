@@ -19,11 +19,13 @@ def _args(**kw) -> SimpleNamespace:
 
 
 def test_every_tiered_kind_says_its_overlap_and_plain_says_nothing():
-    want = {"tiered": True, "tiered_overlap": True, "tiered_step": True, "tiered_serial": False}
+    want = {"tiered": True, "tiered_overlap": True, "tiered_step": True, "tiered_serial": False,
+            "tiered_pg": True}  # fmt: skip
     for kind, overlap in want.items():
         kw = sglang_decode._engine_kwargs(kind, _args(), 30000)
         assert kw["kv_overlap"] is overlap and kw["kv_policy"] == "qevict", kind
         assert "attention_backend" not in kw  # the plugin selects its own
+        assert kw.get("kv_prefill_graphs", False) is (kind == "tiered_pg"), kind
     plain = sglang_decode._engine_kwargs("plain", _args(budget="25%"), 30000)
     assert "kv_overlap" not in plain and "kv_policy" not in plain and "kv_budget" not in plain
     assert plain["context_length"] == 30512 and plain["attention_backend"] == "triton"

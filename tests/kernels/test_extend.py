@@ -299,6 +299,49 @@ def test_batches_of_any_shape_launch_one_compiled_variant():
             extend.signals(q, lse, st, every.layer(li), p, H, frozenset({"attn", "colmass"}),
                            sm_scale=0.125, into={"attn": sig[li], "colmass": sig[(li + 1) % L]},
                            zeroed=True, splits=splits)  # fmt: skip
-    for name in ("_extend_attn_kernel", "_extend_signals_kernel"):
-        assert len(v.specs[name]) == 9
-        assert len(v.keys[name]) == 1, v.varying(name)
+            # qevict's reads, filled by the attention launch itself (its other variant)
+            tiles = extend.tile_splits(p, frozenset({"attn", "obs_attn"}))
+            own = torch.zeros(L, tiles.rows, H, p.t_max, device=DEV)
+            extend.run(q, st, every.layer(li), p, H, sm_scale=0.125, splits=tiles,
+                       into={"attn": own[li], "obs_attn": own[(li + 1) % L]})  # fmt: skip
+    for name, variants in (("_extend_attn_kernel", 2), ("_extend_signals_kernel", 1)):
+        assert len(v.specs[name]) == 9 * variants
+        assert len(v.keys[name]) == variants, v.varying(name)
+
+
+@pytest.mark.parametrize("need", [{"attn", "obs_attn"}, {"obs_attn"}, {"attn"}])
+@pytest.mark.parametrize("block_m", [None, 16])
+def test_run_fills_attn_and_obs_attn_in_its_own_launch(need, block_m):
+    """``run(into=...)``: a tile holding observed query rows sums their probabilities with its
+    final lse in the same launch, each into its own row (chunks shorter than the observation
+    window, not aligned to a tile, several tiles); the rows' total equals the twin's signals
+    and the signals pass's, and the outputs and lse are run()'s without them."""
+    prefix, chunk = [0, 70, 33, 5, 96], [40, 20, 1, 33, 48]
+    q, st, ls, _, _ = make_batch(prefix, chunk, G=3, seed=9)
+    seqs = [a + b for a, b in zip(prefix, chunk, strict=True)]
+    p = extend.plan(chunk, seqs, 3, q.device, block_m=block_m)
+    scale, need = 64**-0.5, frozenset(need)
+    splits = extend.tile_splits(p, need)
+    if "obs_attn" in need:  # some requests' observed rows span several tiles
+        assert max(splits.n) > 1 and min(splits.n) == 1
+    into = {n: torch.zeros(splits.rows, 2, p.t_max, device=q.device) for n in need}
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale, into=into, splits=splits)
+    out0, lse0 = extend.run(q, st, ls, p, 2, sm_scale=scale)
+    assert torch.equal(out, out0) and torch.equal(lse, lse0)
+    _, _, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=scale, need=need)
+    two = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale)
+    for n in need:
+        got = splits.total(into[n])
+        assert got.shape == rs[n].shape
+        assert rel(got, rs[n]) < TOL, (n, rel(got, rs[n]))
+        torch.testing.assert_close(got, two[n], rtol=TOL, atol=1e-5)
+
+
+def test_run_refuses_signals_it_does_not_fill():
+    q, st, ls, p, _ = make_batch([20, 0], [40, 17], seed=5)
+    buf = torch.zeros(p.batch, 2, p.t_max, device=q.device)
+    with pytest.raises(extend.ExtendInputError, match="tile_splits"):
+        extend.run(q, st, ls, p, 2, sm_scale=0.1, into={"colmass": buf},
+                   splits=extend.tile_splits(p, frozenset({"attn"})))  # fmt: skip
+    with pytest.raises(extend.ExtendInputError, match="tile_splits"):
+        extend.run(q, st, ls, p, 2, sm_scale=0.1, into={"attn": buf})

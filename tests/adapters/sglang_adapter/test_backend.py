@@ -75,8 +75,11 @@ class Harness:
             for li in range(self.sim.L)
         ]  # fmt: skip
 
-    def step(self, reqs: list[SimpleNamespace], new: list[list[int]], extend: bool):
-        """One forward of ``new[i]`` tokens for each request; returns per-layer outputs."""
+    def step(self, reqs: list[SimpleNamespace], new: list[list[int]], extend: bool,
+             graph_copy: bool = False):  # fmt: skip
+        """One forward of ``new[i]`` tokens for each request; returns per-layer outputs.
+        ``graph_copy``: the layers get what SGLang's prefill graph replay hands them, a batch of
+        its own (no request ids) whose slots are a copy of the metadata's."""
         sim = self.sim
         locs, pre = self._locs(reqs, new)
         fb = SimpleNamespace(
@@ -92,6 +95,9 @@ class Harness:
         runner = SimpleNamespace(attn_backend=self.backend)
         plugin.forward_batch_made(fb, None, SimpleNamespace(reqs=reqs), runner)
         self.backend.init_forward_metadata(fb)
+        if graph_copy:
+            fb = SimpleNamespace(forward_mode=fb.forward_mode, rids=None,
+                                 out_cache_loc=fb.out_cache_loc.clone())  # fmt: skip
         outs = []
         for li, layer in enumerate(self.layers):
             ks, vs, qs = [], [], []
@@ -389,17 +395,23 @@ def test_decode_kernel_matches_the_gather_path(monkeypatch, policy):
 SIGNALS_POLICY = KERNEL_POLICY.replace(
     "cumulative(attn, decay=0.99)", "cumulative(colmass, decay=1) + pool_max(obs_attn, size=3)"
 )
+# qevict's reads (attn, obs_attn, no colmass): the attention launch sums them itself (in_run)
+OBS_POLICY = KERNEL_POLICY.replace(
+    "cumulative(attn, decay=0.99)", "cumulative(attn, decay=0.99) + pool_max(obs_attn, size=3)"
+)
 
 
 @pytest.mark.parametrize(
     "policy",
-    [KERNEL_POLICY, POSITION_POLICY, SIGNALS_POLICY, KIVI_POLICY],
-    ids=["attn", "position", "signals", "kivi"],
+    [KERNEL_POLICY, POSITION_POLICY, SIGNALS_POLICY, OBS_POLICY, KIVI_POLICY],
+    ids=["attn", "position", "signals", "attn+obs", "kivi"],
 )
 def test_extend_kernel_matches_the_gather_path(monkeypatch, policy):
     """The extend kernel (interpreted on CPU) over a varlen batch of chunks whose prefixes hold
     rows, INT2 pages and evicted windows (routed after the first chunk): outputs, the signals
-    it feeds the engines, and so every later tier decision equal the float32 gather path's."""
+    it feeds the engines, and so every later tier decision equal the float32 gather path's
+    (``attn`` and ``obs_attn`` from the attention launch itself, ``colmass`` from the second
+    pass)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     runs = {}
@@ -425,6 +437,8 @@ def test_extend_kernel_matches_the_gather_path(monkeypatch, policy):
     kinds = keb.lists.pages.sum(), keb.lists.rows.sum()
     assert kinds[0] > 0 and kinds[1] > 0  # the second chunks read pages and rows
     assert h.backend.extend_kernel_batches == 2 and gs["routes"] == ks["routes"] >= 2
+    reads = set(keb.sig)
+    assert keb.in_run is (bool(reads) and "colmass" not in reads)
 
 
 def test_extend_signals_split_over_query_rows_route_as_one_program_a_key_tile(monkeypatch):

@@ -89,10 +89,22 @@ def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, 
                                                                       decode_graphs):  # fmt: skip
     """Windows the TriZone kernel pages (qevict's 32) keep SGLang's decode CUDA graphs; token
     units (full) decode through PyTorch gathers, which a graph cannot hold. Prefill graphs are
-    always off; the overlap scheduler stays on (``--no-kv-overlap`` turns it off)."""
+    off unless ``--kv-prefill-graphs``; the overlap scheduler stays on (``--no-kv-overlap``
+    turns it off)."""
     args = prepare_server_args([*BARE, "--kv-policy", policy])
     assert args.disable_decode_cuda_graph is not decode_graphs
     assert args.disable_prefill_cuda_graph and not args.disable_overlap_schedule
+
+
+def test_prefill_graphs_are_the_users_with_kv_prefill_graphs(baseline):
+    """``--kv-prefill-graphs`` leaves SGLang's prefill CUDA graphs as the user has them (on by
+    default: its breakable graphs), and reaches the backend's options."""
+    args = prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-prefill-graphs"])
+    assert not args.disable_prefill_cuda_graph
+    assert config.current().options.prefill_graphs
+    args = prepare_server_args([*BARE, "--kv-policy", "qevict", "--kv-prefill-graphs",
+                                "--disable-prefill-cuda-graph"])  # fmt: skip
+    assert args.disable_prefill_cuda_graph
 
 
 def test_the_overlap_scheduler_is_on_unless_turned_off(baseline):

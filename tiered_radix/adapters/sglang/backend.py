@@ -19,7 +19,8 @@ route: the store plans, and :meth:`~.radix.TieredRadixCache.route` moves the poo
 Extend routes after every chunk when the policy says ``after_prefill`` (as the transformers
 adapter does); decode steps count per request. Extend runs the TriZone extend kernel on CUDA
 (:func:`~.trizone.extend_layer`: one launch a layer for the batch, the pool read in place, the
-policy's signals from a second pass, observed after the last layer); without it (the CPU, or
+policy's signals from the same launch, or a second one for ``colmass``, observed after the last
+layer); without it (the CPU, or
 ``--kv-extend sdpa``/``exact``) it gathers rows per request and layer and attends with
 ``scaled_dot_product_attention`` under a kept/causal mask (float32 score blocks on CPU, or with
 ``--kv-extend exact``); decode runs the TriZone kernel over the
@@ -249,6 +250,8 @@ class TieredAttnBackend(AttentionBackend):
         self.sessions: dict[str, Session] = {}
         self.batch: list[_Req] = []
         self.extend = False
+        self.capturing = False  # the extend batch is a prefill graph's capture (_metadata)
+        self.out_loc: torch.Tensor | None = None  # the eager batch's slots (_metadata)
         self.counters = BackendStats(path=options.stats)
         self.kernel = self._use_kernel()
         self.extend_attend = extend_attention(pool.device, options)
@@ -327,6 +330,14 @@ class TieredAttnBackend(AttentionBackend):
 
     def _metadata(self, fb) -> None:
         self.batch, self.dbatch, self.graph_bs, self.ebatch = [], None, None, None
+        # SGLang's prefill graph runner captures (and warms up) on a dummy batch: no request ids
+        self.capturing = fb.forward_mode.is_extend() and fb.rids is None
+        if self.capturing:
+            self.extend = True
+            return
+        # the slots the batch writes: a prefill graph's replay hands the layers a copy of them
+        # (its static buffer), the rows prepared below are for these
+        self.out_loc = fb.out_cache_loc
         rows = batch_rows(fb)
         if rows is None:
             return
@@ -575,9 +586,15 @@ class TieredAttnBackend(AttentionBackend):
     def _forward(self, q, k, v, layer, fb, save_kv_cache: bool):
         if getattr(layer, "logit_cap", 0) or (getattr(layer, "sliding_window_size", -1) or -1) > 0:
             raise NotImplementedError("tiered_triton: logit caps and sliding windows unsupported")
+        if self.capturing and fb.forward_mode.is_extend():
+            # a prefill graph's capture records the layers around this call, which its replays
+            # make again with the batch's own metadata (eager, as any other extend): nothing
+            # is written or routed for the capture's dummy tokens
+            return q.new_zeros(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
         if save_kv_cache and k is not None:
+            loc = fb.out_cache_loc if self.graph_bs is not None else self.out_loc
             with self._timed("write_extend" if self.extend else "write"):
-                self.pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+                self.pool.set_kv_buffer(layer, loc, k, v)
         hq, dv = layer.tp_q_head_num, layer.v_head_dim
         q3 = q.reshape(-1, hq, layer.qk_head_dim)
         li = layer.layer_id - self.pool.start_layer

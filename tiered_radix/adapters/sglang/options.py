@@ -23,6 +23,10 @@ flag                   default                     what it selects
                                                    only those some head reads (two syncs a read)
 ``--kv-observe``       ``fold``                    replayed decode steps sum their attention on the
                                                    device (``fold``) or observe every step
+``--kv-prefill-graphs`` off                        SGLang's prefill CUDA graphs (its breakable
+                                                   graphs: the layers between attention calls
+                                                   captured, the tiered attention run eagerly
+                                                   between them); off: every extend is eager
 ``--kv-graph-tokens``  262,144                     tokens a captured decode batch holds
 ``--kv-graph-splits``  per batch size              the decode kernel's splits per list, eager and
                                                    replayed (fixed: batch-invariant float order)
@@ -70,6 +74,7 @@ class KVOptions:
     extend: str | None = None
     gather: str | None = None
     observe: str = "fold"
+    prefill_graphs: bool = False
     graph_tokens: int = GRAPH_TOKENS
     graph_splits: int | None = None
     device_times: bool = False
@@ -128,6 +133,7 @@ FLAGS = (
     ("extend", "{kernel,sdpa,exact}", "extend attention (default: kernel on CUDA, exact on CPU)"),
     ("gather", "{live,all}", "extend reads live windows or all (default: all on CUDA)"),
     ("observe", "{fold,step}", "graph steps' attention: summed on the device (fold) or per step"),
+    ("prefill_graphs", None, "SGLang's prefill CUDA graphs around the tiered attention (off)"),
     ("graph_tokens", "N", f"tokens a captured decode batch holds (default {GRAPH_TOKENS})"),
     ("graph_splits", "N", "decode kernel splits per list, every step (default: by batch)"),
     ("device_times", None, "time every decode graph replay with CUDA events (stats device_s)"),

@@ -129,14 +129,15 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
         raise ValueError(f"--kv-policy {cfg.policy_arg} does not support --enable-dp-attention")
 
 
-# The backend captures decode steps only (:mod:`.graph`): an extend batch's index tables are
-# built on the host at each step and its routing runs between chunks, so no prefill CUDA graphs.
-# Decode graphs stay as the user has them. The overlap
-# scheduler stays as the user has it unless --no-kv-overlap: decode is faster with it
-# (docs/sglang.md).
+# The backend captures decode steps itself (:mod:`.graph`). An extend batch's index tables are
+# built on the host at each step and its routing runs after the last layer, so SGLang's prefill
+# graphs can hold only the layers between attention calls (its breakable graphs, which run each
+# attention call eagerly): --kv-prefill-graphs, off until measured on the GPU. Decode graphs stay
+# as the user has them. The overlap scheduler stays as the user has it unless --no-kv-overlap:
+# decode is faster with it (docs/sglang.md).
 def forced(options: KVOptions) -> dict:
     """ServerArgs fields every tiered launch sets, whatever the user gave."""
-    out = {"disable_prefill_cuda_graph": True}
+    out = {} if options.prefill_graphs else {"disable_prefill_cuda_graph": True}
     if not options.overlap:
         out["disable_overlap_schedule"] = True
     return out

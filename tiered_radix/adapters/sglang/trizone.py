@@ -293,7 +293,8 @@ class ExtendBatch:
     per layer the signals the policy reads (``sig[name]`` float32 ``[L, rows, H, T_max]`` at
     token positions, each request's partial sums in ``splits.n[b]`` rows, :meth:`signals`;
     ``qnorm_sq`` the attention kernel's per-tile sums of q^2, float32 ``[L, B, tiles, H, d]``,
-    :meth:`qnorm`), filled by :func:`extend_layer`."""
+    :meth:`qnorm`), filled by :func:`extend_layer`. ``in_run``: the attention launch fills the
+    signals itself (``attn``/``obs_attn`` without ``colmass``: one launch a layer, not two)."""
 
     plan: extend.ExtendPlan
     lists: extend.WindowLists
@@ -301,6 +302,7 @@ class ExtendBatch:
     sig: dict[str, Tensor]
     qnorm_sq: Tensor | None
     splits: extend.SignalSplits
+    in_run: bool = False
 
     def signals(self) -> dict[str, Tensor]:
         """float32 ``[L, B, H, T_max]`` per signal: every layer's at once (after the last
@@ -319,16 +321,21 @@ def build_extend(pool, views, q_lens: list[int], seqs: list[int], group: int,
     ``obs_attn``, ``colmass``, ``qnorm``)."""
     L, H, dev = pool.layer_num, pool.head_num, pool.device
     p = extend.plan(q_lens, seqs, group, dev)
-    splits = extend.signal_splits(p, pool.layout.window, H, need)
-    sig = {  # zeroed once for every layer (extend_layer's signals fill them)
+    names = need & {"attn", "obs_attn", "colmass"}
+    in_run = bool(names) and names <= extend.IN_RUN
+    if in_run:
+        splits = extend.tile_splits(p, names)
+    else:
+        splits = extend.signal_splits(p, pool.layout.window, H, need)
+    sig = {  # zeroed once for every layer (extend_layer's launches fill them)
         n: torch.zeros(L, splits.rows, H, p.t_max, dtype=torch.float32, device=dev)
-        for n in need & {"attn", "obs_attn", "colmass"}
+        for n in names
     }
     qsq = None
     if "qnorm" in need:  # zeroed: requests with fewer tiles leave theirs
         qsq = torch.zeros(L, p.batch, p.tiles_max, H, pool.head_dim, dtype=torch.float32,
                           device=dev)  # fmt: skip
-    return ExtendBatch(p, extend_lists(pool, views), frozenset(need), sig, qsq, splits)
+    return ExtendBatch(p, extend_lists(pool, views), frozenset(need), sig, qsq, splits, in_run)
 
 
 def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> Tensor:
@@ -341,9 +348,13 @@ def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> 
     )  # fmt: skip
     H, ls = pool.head_num, eb.lists.layer(li)
     qsq = None if eb.qnorm_sq is None else eb.qnorm_sq[li]
+    into = {n: x[li] for n, x in eb.sig.items()}
+    if eb.in_run:  # one launch: the tiles of observed rows sum their own probabilities
+        out, _ = extend.run(q, st, ls, eb.plan, H, sm_scale=sm_scale, qnorm_sq=qsq, into=into,
+                            splits=eb.splits)  # fmt: skip
+        return out
     out, lse = extend.run(q, st, ls, eb.plan, H, sm_scale=sm_scale, qnorm_sq=qsq)
-    if eb.sig:
-        into = {n: x[li] for n, x in eb.sig.items()}
+    if into:
         extend.signals(q, lse, st, ls, eb.plan, H, eb.need, sm_scale=sm_scale, into=into,
                        zeroed=True, splits=eb.splits)  # fmt: skip
     return out
