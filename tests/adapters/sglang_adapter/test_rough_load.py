@@ -31,6 +31,7 @@ from test_burst import Adder, evict  # noqa: E402
 
 from tiered_radix.adapters.sglang import plugin  # noqa: E402
 from tiered_radix.adapters.sglang.reps import Layout  # noqa: E402
+from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
 from tiered_radix.policy import compile_text  # noqa: E402
 
 HEAD_DIM = 32
@@ -209,19 +210,27 @@ class RoughLoad:
         return held
 
 
+SMALL_ZONE = "rdkv+small-zone"  # rdkv whose Zone A store holds 16 KiB a layer: repacks find
+# no room and the request reads what it held (zone_full_routings)
+
+
 def harness(name: str, late: bool = False) -> Harness:
     """The policy on a pool of 40 windows' slots a layer: a few of the longest prompts.
     ``late``: SGLang's overlap scheduler runs, so a decode routing lands one step late (and
     is dropped for requests that finish, abort or are retracted before it lands)."""
-    text = policy_text(name)
+    text = policy_text(name.replace("+small-zone", ""))
     W = Layout.of(compile_text(text)).window
-    return Harness(policy=text, head_dim=HEAD_DIM, pages=max(40, 1200 // W), requests=SLOTS,
-                   overlap_schedule=late)  # fmt: skip
+    kw = dict(policy=text, head_dim=HEAD_DIM, pages=max(40, 1200 // W), requests=SLOTS,
+              overlap_schedule=late)  # fmt: skip
+    if name == SMALL_ZONE:
+        b = Harness(**kw).sim.pool.blocks
+        kw["blocks"] = PoolBlocks(b.full, b.quant, 1 << 14)
+    return Harness(**kw)
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["serial", "late-landing"])
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("name", [*SHIPPED, ARCHIVED])
+@pytest.mark.parametrize("name", [*SHIPPED, ARCHIVED, SMALL_ZONE])
 def test_a_rough_load_completes_and_gives_everything_back(name, seed, late, monkeypatch):
     monkeypatch.setattr(plugin, "route_stride", lambda: CHUNK, raising=False)
     h = harness(name, late)
@@ -236,6 +245,8 @@ def test_a_rough_load_completes_and_gives_everything_back(name, seed, late, monk
     assert aborted == {rid for rid in want if load.turns[rid].abort_at is not None}
     stats = h.backend.stats()
     assert stats["over_budget_routings"] == 0
+    if name == SMALL_ZONE and seed == 1:  # this load's repacks outgrow 16 KiB
+        assert stats["zone_full_routings"] > 0
     assert stats["promote"] <= stats["demote"] + stats["borrowed_quantized"]
     assert sim.cache.views == {}  # every request's view closed
     evict(sim, 1 << 20)  # the tree's cache gives everything back
@@ -270,7 +281,6 @@ def test_a_replayed_decode_step_short_of_rows_routes_first(monkeypatch):
     first decode step anyway) runs before the step's rows are taken, instead of the step's
     metadata failing."""
     from tiered_radix.adapters.sglang import backend
-    from tiered_radix.adapters.sglang.sizing import PoolBlocks
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(backend.decode, "run", lambda q, layout, plan, **kw: torch.zeros_like(q))

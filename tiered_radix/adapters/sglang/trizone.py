@@ -328,8 +328,7 @@ def build_extend(pool, views, q_lens: list[int], seqs: list[int], group: int,
     else:
         splits = extend.signal_splits(p, pool.layout.window, H, need)
     sig = {  # zeroed once for every layer (extend_layer's launches fill them)
-        n: torch.zeros(L, splits.rows, H, p.t_max, dtype=torch.float32, device=dev)
-        for n in names
+        n: torch.zeros(L, splits.rows, H, p.t_max, dtype=torch.float32, device=dev) for n in names
     }
     qsq = None
     if "qnorm" in need:  # zeroed: requests with fewer tiles leave theirs
