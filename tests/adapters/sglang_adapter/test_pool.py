@@ -218,9 +218,19 @@ def test_stock_backends_cannot_read_a_tiered_pool(sim):
 
 
 def test_out_of_row_blocks_is_a_pool_full_error():
-    sim = Sim(blocks=PoolBlocks(full=4, quant=4))  # 2 heads: two windows' worth
+    sim = Sim(blocks=PoolBlocks(full=6, quant=4))  # 2 heads: three windows' worth
     with pytest.raises(PoolFullError, match="row blocks needed"):
-        sim.start("a", list(range(1, 13)))
+        sim.start("a", list(range(1, 17)))  # four windows written at once
+
+
+def test_rows_that_cannot_hold_one_requests_protected_tokens_are_refused_at_launch():
+    """POLICY protects the 4 newest tokens (windows of 4): a request holds up to 2 windows of
+    them (they may start mid-window) and needs one more to extend into. Rows of 2 windows a
+    layer could never prefill a longer prompt, whatever routing frees: refused, saying what to
+    change; 3 windows start."""
+    with pytest.raises(PoolConfigError, match="rows hold 2 window.*needs 3.*mem-fraction"):
+        Sim(blocks=PoolBlocks(full=4, quant=4))
+    assert Sim(blocks=PoolBlocks(full=6, quant=4)).pool.windows_free() == 3
 
 
 def test_a_move_short_of_blocks_degrades_instead_of_failing():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -73,8 +74,10 @@ class RoughLoad:
     request), with sessions: a session's next turn arrives once its last one finished, its
     prompt the last one's prompt, outputs and a new message (a radix hit)."""
 
-    def __init__(self, h: Harness, plan: list[list[tuple[int, int, int | None, int]]]) -> None:
-        self.h, self.plan = h, plan
+    def __init__(self, h: Harness, plan: list[list[tuple[int, int, int | None, int]]],
+                 asks: dict[int, dict] | None = None) -> None:  # fmt: skip
+        """``asks``: a session's ``custom_params`` (its ``kv_budget`` / ``kv_policy``)."""
+        self.h, self.plan, self.asks = h, plan, asks or {}
         self.next_turn = [0] * len(plan)
         self.history: list[list[int]] = [[] for _ in plan]
         self.waiting: deque[Turn] = deque()
@@ -135,7 +138,8 @@ class RoughLoad:
                 if req is None:
                     if not sim.r2t.free_slots:  # every request slot taken: it waits
                         break
-                    req = h.start(turn.rid, turn.prompt, max_prefix=len(turn.prompt) - 1)
+                    ask = self.asks.get(int(turn.rid[1 : turn.rid.index("t")]))
+                    req = h.start(turn.rid, turn.prompt, ask, max_prefix=len(turn.prompt) - 1)
                     self.state[turn.rid] = req
                 have = len(req.tokens)
                 req.full_untruncated_fill_ids = turn.prompt
@@ -298,3 +302,37 @@ def test_a_replayed_decode_step_short_of_rows_routes_first(monkeypatch):
     reasons = [e.reason for e in h.backend.sessions["a"].store.events.steps]
     assert reasons[0] == "rows short" and h.backend.stats()["rows_routings"] == 1
     assert h.sim.pool.windows_free() > 0
+
+
+def test_a_rough_load_of_per_request_budgets_and_policies(monkeypatch):
+    """The same load on a launch serving two policies (``--kv-policy qevict --kv-policies
+    examples/qevict_full70.yaml``), each session asking for one of them at its own budget (5% to
+    50%; some ask nothing: the launch's): sessions at different budgets borrow each other's
+    cached prefixes. Everything completes and comes back, no routing over its budget."""
+    from test_request_kv import launch
+
+    monkeypatch.setattr(plugin, "route_stride", lambda: CHUNK, raising=False)
+    root = Path(__file__).parents[3]
+    texts = [(root / f).read_text() for f in ("policies/qevict.yaml",
+                                                 "examples/qevict_full70.yaml")]  # fmt: skip
+    h = Harness(policy=texts[0], kv=launch(*texts), head_dim=HEAD_DIM, pages=200, requests=SLOTS)
+    sim = h.sim
+    free0, avail0 = sim.pool.blocks_free(), sim.alloc.available_size()
+    plan = sessions(3)
+    rng = random.Random(3)
+    asks = {}
+    for s in range(len(plan)):
+        ask = {"kv_budget": rng.choice(("5%", "10%", "25%", "50%"))}
+        if rng.random() < 0.5:
+            ask["kv_policy"] = rng.choice(("qevict", "qevict-full70"))
+        if rng.random() < 0.8:
+            asks[s] = ask
+    assert len({tuple(sorted(a.items())) for a in asks.values()}) > 3
+    load = RoughLoad(h, plan, asks).run()
+    assert len(load.finished) == sum(len(t) for t in plan)
+    stats = h.backend.stats()
+    assert stats["over_budget_routings"] == 0
+    assert stats["promote"] <= stats["demote"] + stats["borrowed_quantized"]
+    evict(sim, 1 << 20)
+    assert sim.alloc.available_size() == avail0 and sim.pool.blocks_free() == free0
+    assert bool((sim.pool.ref_all == 0).all()) and bool((sim.pool.owner_all == -1).all())

@@ -49,7 +49,7 @@ from .metrics import BLOCK_KINDS
 from .options import KVOptions
 from .pages import pack_pages
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Layout, PoolConfigError, Q, R
-from .sizing import PoolBlocks, block_id_dtype, plan_blocks, pool_bytes, table_kinds
+from .sizing import PoolBlocks, block_id_dtype, check_rows, plan_blocks, pool_bytes, table_kinds
 from .zones import ZoneFullError, ZoneStore
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.gather_live = (options or KVOptions()).gather_on(device) == "live"  # --kv-gather
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
+        check_rows(self.blocks, head_num, policy)  # one request must fit its protected rows
         self._warned_short = False  # the first degraded move is logged (see degraded)
         # rows reclaimed from the radix cache (_reclaim_rows): windows demoted, tokens evicted
         self._reclaimed = {

@@ -244,6 +244,34 @@ def plan_blocks(
     )
 
 
+def min_row_windows(policy: Policy) -> int:
+    """Row windows a layer needs for one request to make progress: its protected tokens at full
+    precision (the sinks' windows, the recent tokens' windows and one more where they start
+    mid-window) and one window for its next tokens. A window pool with fewer rows cannot serve
+    a prompt longer than them, whatever routing frees (:func:`check_rows`)."""
+    W, prot = Layout.of(policy).window, policy.protect
+    sinks = -(-prot.sinks // W) if prot.sinks else 0
+    recent = -(-prot.recent // W) + 1 if prot.recent else 0
+    return sinks + recent + 1
+
+
+def check_rows(blocks: PoolBlocks, head_num: int, policy: Policy) -> None:
+    """Refuse a window pool whose row blocks (:func:`plan_blocks`) hold fewer windows a layer
+    than one request needs (:func:`min_row_windows`), with what to change.
+
+    Raises:
+        PoolConfigError: the rows are too few.
+    """
+    lay = Layout.of(policy)
+    have, need = blocks.full // head_num, min_row_windows(policy)
+    if lay.tier_bits is None and have < need:
+        raise PoolConfigError(
+            f"the tiered pool's full-precision rows hold {have} window(s) of {lay.window} tokens "
+            f"a layer; a request needs {need} (its protected tokens and a window to extend "
+            "into): raise --mem-fraction-static or the budget, or protect fewer tokens"
+        )
+
+
 def pool_bytes(
     size: int,
     head_num: int,
