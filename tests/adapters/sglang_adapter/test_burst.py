@@ -86,6 +86,22 @@ class Adder:
         return "CONTINUE"
 
 
+def take_chunk(adder, req, prompt: list[int], continuing: bool) -> list[int] | None:
+    """SGLang's admission of ``req``'s next chunk of ``prompt`` through the plugin's hooks
+    (``continuing``: it is the chunked request, ``add_chunked_req``; else ``add_one_req``):
+    the chunk's tokens, or None where it was not admitted (parked, or the round is over)."""
+    have = len(req.tokens)
+    req.full_untruncated_fill_ids = prompt
+    req.prefix_indices = [0] * have
+    if continuing:
+        plugin.add_chunked_req(adder.admit_chunked, adder, req)
+        if req not in adder.can_run_list:  # parked: no chunk this round
+            return None
+    elif plugin.add_one_req(adder.admit, adder, req, False, None) not in ("CONTINUE", None):
+        return None
+    return prompt[have : have + req.extend_range.length]
+
+
 def evict(sim, tokens: int) -> None:
     """SGLang's tree eviction before allocating: enough cached slots for ``tokens``."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -120,21 +136,13 @@ def serve(h: Harness, prompts: dict[str, list[int]], out_len: int, chunk: int) -
             req = state.get(rid)
             if req is None:
                 req = state[rid] = h.start(rid, prompts[rid])
-            have = len(req.tokens)
-            req.full_untruncated_fill_ids = prompts[rid]
-            req.prefix_indices = [0] * have
-            if rid == prev:
-                res = plugin.add_chunked_req(adder.admit_chunked, adder, req)
-                if req not in adder.can_run_list:  # parked: no chunk this round
-                    chunked = rid
-                    break
-            else:
-                res = plugin.add_one_req(adder.admit, adder, req, False, None)
-            if res not in ("CONTINUE", None):
+            part = take_chunk(adder, req, prompts[rid], rid == prev)
+            if part is None:
+                chunked = rid if rid == prev else None  # parked, or not admitted
                 break
             batch.append(req)
-            new.append(prompts[rid][have : have + req.extend_range.length])
-            if have + req.extend_range.length < len(prompts[rid]):
+            new.append(part)
+            if len(req.tokens) + len(part) < len(prompts[rid]):
                 chunked = rid  # cut: the next prefill batch continues it first
                 break
         if batch:

@@ -28,7 +28,7 @@ require("sglang.srt.managers.schedule_policy")
 
 from test_backend import KERNEL_POLICY, Harness  # noqa: E402
 from test_batch_invariance import ARCHIVED, SHIPPED, policy_text  # noqa: E402
-from test_burst import Adder, evict  # noqa: E402
+from test_burst import Adder, evict, take_chunk  # noqa: E402
 
 from tiered_radix.adapters.sglang import plugin  # noqa: E402
 from tiered_radix.adapters.sglang.reps import Layout  # noqa: E402
@@ -141,22 +141,14 @@ class RoughLoad:
                     ask = self.asks.get(int(turn.rid[1 : turn.rid.index("t")]))
                     req = h.start(turn.rid, turn.prompt, ask, max_prefix=len(turn.prompt) - 1)
                     self.state[turn.rid] = req
-                have = len(req.tokens)
-                req.full_untruncated_fill_ids = turn.prompt
-                req.prefix_indices = [0] * have
-                if turn.rid == prev:
-                    res = plugin.add_chunked_req(adder.admit_chunked, adder, req)
-                    if req not in adder.can_run_list:
-                        chunked = turn.rid
-                        break
-                else:
-                    res = plugin.add_one_req(adder.admit, adder, req, False, None)
-                if res not in ("CONTINUE", None):
+                part = take_chunk(adder, req, turn.prompt, turn.rid == prev)
+                if part is None:
+                    chunked = turn.rid if turn.rid == prev else None  # parked, or not admitted
                     break
                 batch.append(req)
-                new.append(turn.prompt[have : have + req.extend_range.length])
-                if have + req.extend_range.length < len(turn.prompt):
-                    chunked = turn.rid
+                new.append(part)
+                if len(req.tokens) + len(part) < len(turn.prompt):
+                    chunked = turn.rid  # cut: the next batch continues it first
                     break
             if batch:
                 evict(sim, sum(len(t) + W for t in new))
@@ -336,3 +328,16 @@ def test_a_rough_load_of_per_request_budgets_and_policies(monkeypatch):
     evict(sim, 1 << 20)
     assert sim.alloc.available_size() == avail0 and sim.pool.blocks_free() == free0
     assert bool((sim.pool.ref_all == 0).all()) and bool((sim.pool.owner_all == -1).all())
+
+
+def test_a_decode_step_short_of_rows_routes_the_held_back_prompt(monkeypatch):
+    """A request decodes into a new window while the rows are full of another request's
+    prompt, chunked and held back this round (parked: its routing waits for its last chunk).
+    SGLang keeps its last running request, so the step must find rows: the held-back prompt
+    routes (``rows short``), not only the batch's request, whose own tokens are all protected."""
+    monkeypatch.setattr(plugin, "route_stride", lambda: CHUNK, raising=False)
+    h = harness("qevict")
+    load = RoughLoad(h, [[(30, 12, None, 3)], [(300, 2, None, 5)]]).run()
+    assert set(load.finished.values()) == {"length"}
+    held_back = h.backend.sessions["s1t0"].store.events.steps
+    assert [e.reason for e in held_back].count("rows short") >= 1

@@ -753,20 +753,22 @@ class TieredAttnBackend(AttentionBackend):
 
     def _route_for_rows(self, rids: list[str]) -> None:
         """The batch's new windows do not fit the free row blocks, even after the radix cache
-        gave back what no running request holds: the batch's requests route now, before this
-        batch's tokens join them, so the windows their routing demotes or evicts free rows.
-        Those whose routing waits (``after_prefill(defer=true)``) hold every token so far at
-        full precision: a prompt longer than the rows hold is prefilled in routed pieces
-        instead of the forward failing (``PoolFullError``), and its routing after the last
-        chunk still waits for the question, as the policy says; a decoding request's windows
-        that left the protected recent tokens since its last routing go to their tier. Only
-        under this pressure, so a request's tiers then depend on what else the pool holds (as
-        SGLang's retractions do). Counted as ``rows_routings``."""
+        gave back what no running request holds: the batch's requests, and every request whose
+        routing waits (``after_prefill(defer=true)``: every token so far at full precision;
+        e.g. a chunked prompt SGLang holds back this round), route now, before this batch's
+        tokens join them, so the windows their routing demotes or evicts free rows. A prompt
+        longer than the rows hold is prefilled in routed pieces instead of a forward failing
+        (``PoolFullError``), and its routing after the last chunk still waits for the question,
+        as the policy says; a decoding request's windows that left the protected recent tokens
+        since its last routing go to their tier. Only under this pressure, so a request's tiers
+        then depend on what else the pool holds (as SGLang's retractions do). Counted as
+        ``rows_routings``."""
+        waiting = [rid for rid, sess in self.sessions.items() if sess.store.deferred]
         due = []
-        for rid in rids:
+        for rid in dict.fromkeys([*rids, *waiting]):  # in order, once each
             sess = self.sessions.get(rid)
             if sess is None or rid not in self.tree.views:
-                continue  # new to this batch: nothing of it is held yet
+                continue  # new to this batch, or closed: nothing of it is held
             due.append((_Req(rid, sess, 0, 0, sess.store.n_tokens(0)), "rows short"))
         if not due:
             return
