@@ -218,33 +218,33 @@ def test_stock_backends_cannot_read_a_tiered_pool(sim):
 
 
 def test_out_of_row_blocks_is_a_pool_full_error():
-    sim = Sim(blocks=PoolBlocks(full=6, quant=4))  # 2 heads: three windows' worth
+    sim = Sim(blocks=PoolBlocks(full=10, quant=4))  # 2 heads: five windows' worth
     with pytest.raises(PoolFullError, match="row blocks needed"):
-        sim.start("a", list(range(1, 17)))  # four windows written at once
+        sim.start("a", list(range(1, 25)))  # six windows written at once
 
 
-def test_rows_that_cannot_hold_one_requests_protected_tokens_are_refused_at_launch():
+def test_rows_that_cannot_hold_what_the_scheduler_never_lets_go_are_refused_at_launch():
     """POLICY protects the 4 newest tokens (windows of 4): a request holds up to 2 windows of
-    them (they may start mid-window) and needs one more to extend into. Rows of 2 windows a
-    layer could never prefill a longer prompt, whatever routing frees: refused, saying what to
-    change; 3 windows start."""
-    with pytest.raises(PoolConfigError, match="rows hold 2 window.*needs 3.*mem-fraction"):
-        Sim(blocks=PoolBlocks(full=4, quant=4))
-    assert Sim(blocks=PoolBlocks(full=6, quant=4)).pool.windows_free() == 3
+    them (they may start mid-window). SGLang never retracts its last running request nor a
+    chunked prompt midway, and routing frees neither's protected windows: with one window to
+    extend into, 5 windows a layer. Fewer are refused, saying what to change."""
+    with pytest.raises(PoolConfigError, match="rows hold 4 window.*needs 5.*mem-fraction"):
+        Sim(blocks=PoolBlocks(full=8, quant=4))
+    assert Sim(blocks=PoolBlocks(full=10, quant=4)).pool.windows_free() == 5
 
 
 def test_a_move_short_of_blocks_degrades_instead_of_failing():
     """One free ledger block a layer and three windows to quantize: the first is quantized,
     the others go to the next tier down (evicted), and ``move`` says so; a promotion with no
     free row block stays quantized. Nothing raises and every block is accounted for."""
-    sim = Sim(blocks=PoolBlocks(full=8, quant=1))
-    _, w, _ = written(sim, list(range(1, 13)))  # 3 windows x 2 heads: 6 of 8 row blocks
+    sim = Sim(blocks=PoolBlocks(full=10, quant=1))
+    _, w, _ = written(sim, list(range(1, 13)))  # 3 windows x 2 heads: 6 of 10 row blocks
     pool, li = sim.pool, 0
     h, win = torch.zeros(3, dtype=torch.long), w[:3]
     got = pool.move(li, h, win, torch.full((3,), S_FULL), torch.full((3,), S_Q))
     assert got.tolist() == [S_Q, S_EVICT, S_EVICT] and pool.degraded == 2
     pool.owner[li][h, win] = got.to(torch.int8)
-    assert len(pool.free_q[li]) == 0 and len(pool.free_rows[li]) == 2 + 3
+    assert len(pool.free_q[li]) == 0 and len(pool.free_rows[li]) == 4 + 3
     while pool.free_rows[li]:  # no row left to restore into
         pool.free_rows[li].pop()
     back = pool.move(li, h[:1], win[:1], torch.tensor([S_Q]), torch.tensor([S_R]))

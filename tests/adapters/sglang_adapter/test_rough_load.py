@@ -32,7 +32,11 @@ from test_burst import Adder, evict, take_chunk  # noqa: E402
 
 from tiered_radix.adapters.sglang import plugin  # noqa: E402
 from tiered_radix.adapters.sglang.reps import Layout  # noqa: E402
-from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
+from tiered_radix.adapters.sglang.sizing import (  # noqa: E402
+    PoolBlocks,
+    min_row_windows,
+    plan_blocks,
+)
 from tiered_radix.policy import compile_text  # noqa: E402
 
 HEAD_DIM = 32
@@ -86,6 +90,7 @@ class RoughLoad:
         self.running: list[SimpleNamespace] = []
         self.generated: dict[str, int] = {}
         self.finished: dict[str, str] = {}  # rid -> "length" | "abort"
+        self.routings: dict[str, list[str]] = {}  # rid -> its engine's routings' reasons
         self.retracted = 0
         self.forwards = 0
         for s in range(len(plan)):  # the first turns arrive as one burst
@@ -105,6 +110,8 @@ class RoughLoad:
     def _finish(self, req, why: str) -> None:
         turn = self.turns[req.rid]
         self.running.remove(req)
+        steps = self.h.backend.sessions[req.rid].store.events.steps
+        self.routings[req.rid] = [e.reason for e in steps]
         self.h.finish(req)
         del self.state[req.rid]
         self.finished[req.rid] = why
@@ -210,18 +217,23 @@ SMALL_ZONE = "rdkv+small-zone"  # rdkv whose Zone A store holds 16 KiB a layer: 
 # no room and the request reads what it held (zone_full_routings)
 
 
-def harness(name: str, late: bool = False) -> Harness:
-    """The policy on a pool of 40 windows' slots a layer: a few of the longest prompts.
-    ``late``: SGLang's overlap scheduler runs, so a decode routing lands one step late (and
-    is dropped for requests that finish, abort or are retracted before it lands)."""
+def harness(name: str, late: bool = False, rows: int | None = None) -> Harness:
+    """The policy on a pool of 80 windows' slots a layer: a few of the longest prompts, with
+    the fewest full-precision rows a launch accepts or more (``sizing.check_rows``); ``rows``:
+    that many windows of rows a layer instead. ``late``: SGLang's overlap scheduler runs, so a
+    decode routing lands one step late (and is dropped for requests that finish, abort or are
+    retracted before it lands)."""
     text = policy_text(name.replace("+small-zone", ""))
-    W = Layout.of(compile_text(text)).window
-    kw = dict(policy=text, head_dim=HEAD_DIM, pages=max(40, 1200 // W), requests=SLOTS,
+    policy = compile_text(text)
+    W = Layout.of(policy).window
+    kw = dict(policy=text, head_dim=HEAD_DIM, pages=max(80, 2400 // W), requests=SLOTS,
               overlap_schedule=late)  # fmt: skip
+    b = plan_blocks(kw["pages"] * W, 2, HEAD_DIM, 2, policy, policy.budget)
+    if rows is not None or b.full < 2 * min_row_windows(policy):
+        b = PoolBlocks(2 * (rows or min_row_windows(policy)), b.quant, b.zone)  # 2 KV heads
     if name == SMALL_ZONE:
-        b = Harness(**kw).sim.pool.blocks
-        kw["blocks"] = PoolBlocks(b.full, b.quant, 1 << 14)
-    return Harness(**kw)
+        b = PoolBlocks(b.full, b.quant, 1 << 14)
+    return Harness(blocks=b, **kw)
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["serial", "late-landing"])
@@ -261,11 +273,11 @@ def test_a_deferred_prompt_longer_than_the_rows_is_prefilled_in_routed_pieces(mo
     lack rows (``rows short``), its next chunk is cut to what that freed, and its last
     routing still waits for the whole prompt (``decode step 0``)."""
     monkeypatch.setattr(plugin, "route_stride", lambda: CHUNK, raising=False)
-    h = harness("qevict")
+    h = harness("qevict", rows=9)
     W, rows = h.sim.W, h.sim.pool.windows_free()
     load = RoughLoad(h, [[((rows + 3) * W + 5, 4, None, 7)]]).run()
     assert load.finished == {"s0t0": "length"}
-    reasons = [e.reason for e in h.backend.sessions["s0t0"].store.events.steps]
+    reasons = load.routings["s0t0"]
     assert "rows short" in reasons and h.backend.stats()["rows_routings"] >= 1
     assert reasons[len(reasons) - reasons[::-1].index("rows short") :][0] == "decode step 0"
     assert not any(r.startswith("after prefill") for r in reasons)  # deferred, not per chunk
@@ -336,8 +348,7 @@ def test_a_decode_step_short_of_rows_routes_the_held_back_prompt(monkeypatch):
     SGLang keeps its last running request, so the step must find rows: the held-back prompt
     routes (``rows short``), not only the batch's request, whose own tokens are all protected."""
     monkeypatch.setattr(plugin, "route_stride", lambda: CHUNK, raising=False)
-    h = harness("qevict")
+    h = harness("qevict", rows=9)  # the fewest a launch accepts: two requests' protection + 1
     load = RoughLoad(h, [[(30, 12, None, 3)], [(300, 2, None, 5)]]).run()
     assert set(load.finished.values()) == {"length"}
-    held_back = h.backend.sessions["s1t0"].store.events.steps
-    assert [e.reason for e in held_back].count("rows short") >= 1
+    assert load.routings["s1t0"].count("rows short") >= 1

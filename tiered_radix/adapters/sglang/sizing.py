@@ -245,14 +245,15 @@ def plan_blocks(
 
 
 def min_row_windows(policy: Policy) -> int:
-    """Row windows a layer needs for one request to make progress: its protected tokens at full
-    precision (the sinks' windows, the recent tokens' windows and one more where they start
-    mid-window) and one window for its next tokens. A window pool with fewer rows cannot serve
-    a prompt longer than them, whatever routing frees (:func:`check_rows`)."""
+    """Row windows a layer needs so that SGLang's scheduler always makes progress: it never
+    retracts its last running request, nor a chunked prompt midway, and both keep their
+    protected tokens at full precision (the sinks' windows, the recent tokens' windows and one
+    more where they start mid-window) whatever routing frees; and one window for the next
+    tokens. A window pool with fewer rows is refused (:func:`check_rows`)."""
     W, prot = Layout.of(policy).window, policy.protect
     sinks = -(-prot.sinks // W) if prot.sinks else 0
     recent = -(-prot.recent // W) + 1 if prot.recent else 0
-    return sinks + recent + 1
+    return 2 * (sinks + recent) + 1
 
 
 def check_rows(blocks: PoolBlocks, head_num: int, policy: Policy) -> None:
@@ -267,8 +268,9 @@ def check_rows(blocks: PoolBlocks, head_num: int, policy: Policy) -> None:
     if lay.tier_bits is None and have < need:
         raise PoolConfigError(
             f"the tiered pool's full-precision rows hold {have} window(s) of {lay.window} tokens "
-            f"a layer; a request needs {need} (its protected tokens and a window to extend "
-            "into): raise --mem-fraction-static or the budget, or protect fewer tokens"
+            f"a layer; it needs {need} (the protected tokens of a running request and of a "
+            "chunked prompt, and a window to extend into): raise --mem-fraction-static or the "
+            "budget, or protect fewer tokens"
         )
 
 
