@@ -51,7 +51,8 @@ def test_every_policy_fits_the_bytes_sglang_set_aside(policy, model, monkeypatch
     """On an H200 at mem_fraction_static 0.3-0.9 and contexts 4K-128K (SGLang's request table,
     ``max_running_requests x context`` int32, comes off first): the slots fit rows, codes and
     metadata; fraction budgets hold more tokens than SGLang's own pool, 100% nearly as many;
-    a decoupled policy (every slot's rows and its Zone A share) fewer, by that share."""
+    a decoupled policy (every slot's rows and its Zone A share) fewer, by that share; and the
+    rows hold what the scheduler never lets go (``check_rows``: the launch is not refused)."""
     L, H, d, isz, weights = MODELS[model]
     p = load_policy(policy)
     for frac in (0.3, 0.5, 0.7, 0.9):
@@ -60,6 +61,7 @@ def test_every_policy_fits_the_bytes_sglang_set_aside(policy, model, monkeypatch
             n = slots(policy, available, L, H, d, isz, monkeypatch)
             split = sizing.pool_bytes(n, H, d, L, isz, p, p.budget)
             assert split.total <= available, (frac, context, split)
+            sizing.check_rows(sizing.plan_blocks(n, H, d, isz, p, p.budget), H, p)
             stock = available // (2 * L * H * d * isz)
             f = p.budget.value if p.budget.kind == "fraction" else 1.0
             assert n > context
