@@ -9,7 +9,10 @@ the tree gives cached slots back and decode retracts requests. After it: nothing
 request finished or was aborted, every forward's outputs finite, no routing over the budget,
 promotions within demotions and borrowed copies, and once the tree's cache is dropped the
 allocator, the row and ledger blocks, Zone A and every reference count are back where they
-started.
+started. Also: decode routings landing one step late (SGLang's overlap scheduler), rdkv with a
+Zone A store too small for its repacks, a launch serving two policies at per-request budgets,
+and the three ways rows ran out that this load found (each failing before its fix).
+Locally, more seeds: ``RoughLoad(harness(name, late), sessions(seed, n=24)).run()``.
 """
 
 from __future__ import annotations
