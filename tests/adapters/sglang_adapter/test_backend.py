@@ -441,6 +441,39 @@ def test_extend_kernel_matches_the_gather_path(monkeypatch, policy):
     assert keb.in_run is (bool(reads) and "colmass" not in reads)
 
 
+@pytest.mark.parametrize(("policy", "signals_launches"), [(OBS_POLICY, 0), (SIGNALS_POLICY, 1)],
+                         ids=["attn+obs", "colmass"])  # fmt: skip
+def test_an_extend_layer_is_one_launch_unless_the_policy_reads_colmass(
+    monkeypatch, policy, signals_launches
+):
+    """A layer of an extend batch launches the attention kernel once; the signals pass only
+    for ``colmass`` (each launch costs the host what the device-side work of a short prompt
+    does: GPU run 21's ``extend_attend``, ~13 ms a batch of 24 layers at every prompt size)."""
+    pytest.importorskip("triton")
+    from tiered_radix.kernels import extend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    launches = {"attn": 0, "signals": 0}
+
+    class Counted:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            launches[self.name] += 1
+            return self.kernel[grid]
+
+    monkeypatch.setattr(extend, "_extend_attn_kernel", Counted(extend._extend_attn_kernel, "attn"))
+    monkeypatch.setattr(extend, "_extend_signals_kernel",
+                        Counted(extend._extend_signals_kernel, "signals"))  # fmt: skip
+    h = Harness(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                options=KVOptions(extend="kernel", decode="gather"))  # fmt: skip
+    a, b = h.start("a", list(range(1, 91))), h.start("b", list(range(20, 56)))
+    h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
+    L = h.sim.L
+    assert launches == {"attn": L, "signals": signals_launches * L}
+
+
 def test_extend_signals_split_over_query_rows_route_as_one_program_a_key_tile(monkeypatch):
     """A batch whose colmass pass splits each key tile's query rows over several programs
     (forced here: a run of one block of rows) feeds the engines what one program a key tile
