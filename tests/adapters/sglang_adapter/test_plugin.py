@@ -212,14 +212,14 @@ def test_decode_retracts_when_the_row_blocks_cannot_hold_the_new_windows():
 
     from tiered_radix.adapters.sglang.sizing import PoolBlocks
 
-    sim = Sim(blocks=PoolBlocks(7, 8))  # 7 row blocks a layer: 3 windows of 2 heads
+    sim = Sim(blocks=PoolBlocks(11, 8))  # 11 row blocks a layer: 5 windows of 2 heads
     batch = SimpleNamespace(
         token_to_kv_pool_allocator=sim.alloc,
-        new_tokens_required_next_decode=lambda idx: sim.W * (3 if idx is None else len(idx)),
+        new_tokens_required_next_decode=lambda idx: sim.W * (5 if idx is None else len(idx)),
     )
     yes = lambda _self, selected_indices=None: True  # noqa: E731
-    assert plugin.check_decode_mem(yes, batch) is True  # 3 new windows: 6 of 7 blocks
-    assert plugin.check_decode_mem(yes, batch, selected_indices=[0, 1, 2, 3]) is False
+    assert plugin.check_decode_mem(yes, batch) is True  # 5 new windows: 10 of 11 blocks
+    assert plugin.check_decode_mem(yes, batch, selected_indices=list(range(6))) is False
     assert plugin.check_decode_mem(lambda _s, selected_indices=None: False, batch) is False
     stock = SimpleNamespace(
         token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: object()),
@@ -267,8 +267,8 @@ def prompt(windows: int, W: int, cached: int = 0) -> SimpleNamespace:
 
 
 def test_prefill_admits_only_the_windows_the_row_blocks_hold():
-    """The AROUND hooks on ``PrefillAdder.add_one_req``/``add_chunked_req``: 7 row blocks a
-    layer hold 3 windows of 2 heads; a batch's windows are counted as they are admitted."""
+    """The AROUND hooks on ``PrefillAdder.add_one_req``/``add_chunked_req``: 11 row blocks a
+    layer hold 5 windows of 2 heads; a batch's windows are counted as they are admitted."""
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
     from sglang_sim import Sim
 
@@ -277,7 +277,7 @@ def test_prefill_admits_only_the_windows_the_row_blocks_hold():
     for name in ("add_one_req", "add_chunked_req"):  # the hooks' targets exist in SGLang
         assert "req" in inspect.signature(getattr(PrefillAdder, name)).parameters
     assert "last_node" in inspect.signature(PrefillAdder._lock_node).parameters
-    sim = Sim(blocks=PoolBlocks(7, 8))
+    sim = Sim(blocks=PoolBlocks(11, 8))
     W, a = sim.W, Adder(sim, chunk=100)
     rows_for_windows, seen = sim.pool.rows_for_windows, []
 
@@ -287,20 +287,20 @@ def test_prefill_admits_only_the_windows_the_row_blocks_hold():
 
     sim.pool.rows_for_windows = spy
     one = lambda ad, req: plugin.add_one_req(ad.admit, ad, req, False, None)  # noqa: E731
-    first = prompt(2, W)
-    assert one(a, first) == "CONTINUE" and first.extend_range.length == 2 * W
+    first = prompt(4, W)
+    assert one(a, first) == "CONTINUE" and first.extend_range.length == 4 * W
     second = prompt(3, W, cached=W)  # 2 windows to prefill past its cached one: 1 fits
     assert one(a, second) == "CONTINUE" and second.extend_range.length == W
-    assert a.rem_chunk_tokens == 100 - 3 * W  # the cut chunk spent only what it used
+    assert a.rem_chunk_tokens == 100 - 5 * W  # the cut chunk spent only what it used
     assert one(a, prompt(1, W)) == AddReqResult.NO_TOKEN  # no room left: it waits
-    assert seen == [["node of 2"], ["node of 3"], ["node of 1"]] and not a.locked
+    assert seen == [["node of 4"], ["node of 3"], ["node of 1"]] and not a.locked
     whole = Adder(sim, chunk=None)  # chunked prefill off: no cut, the request waits ...
     whole.can_run_list.append("admitted before")
-    assert one(whole, prompt(4, W)) == AddReqResult.NO_TOKEN
+    assert one(whole, prompt(6, W)) == AddReqResult.NO_TOKEN
     alone = Adder(sim, chunk=None)  # ... unless nothing could ever free rows for it
-    assert one(alone, prompt(4, W)) == "CONTINUE"
+    assert one(alone, prompt(6, W)) == "CONTINUE"
     chunked = Adder(sim, chunk=100)  # a chunked request's next chunk counts for the next
-    plugin.add_chunked_req(chunked.admit, chunked, prompt(2, W))
+    plugin.add_chunked_req(chunked.admit, chunked, prompt(4, W))
     assert one(chunked, prompt(2, W)) == "CONTINUE"
     assert chunked.can_run_list[-1].extend_range.length == W
     stock = SimpleNamespace(
@@ -387,23 +387,26 @@ def test_tensor_parallel_takes_head_reductions_refuses_dp_attention(baseline, tm
 def test_the_chunked_request_is_cut_to_the_free_rows_or_parked():
     """The chunked request's next chunk (SGLang always admits it): cut to the windows the free
     rows hold; with none free while requests run, parked (returned without a chunk, so the
-    round decodes); with nothing running, it goes (nothing else could free rows)."""
+    round decodes); with nothing running, one window (the rows are its own prompt so far, which
+    the backend's routing for rows frees before that chunk's forward)."""
     from sglang_sim import Sim
 
     from tiered_radix.adapters.sglang.sizing import PoolBlocks
 
-    sim = Sim(blocks=PoolBlocks(7, 8))  # 3 windows of 2 heads a layer
+    sim = Sim(blocks=PoolBlocks(11, 8))  # 5 windows of 2 heads a layer
     W = sim.W
     a = Adder(sim, chunk=100, running=True)
-    req = prompt(5, W)
+    req = prompt(7, W)
     assert plugin.add_chunked_req(a.admit, a, req) == "CONTINUE"
-    assert req.extend_range.length == 3 * W and a.rem_chunk_tokens == 100 - 3 * W
-    sim.start("x", list(range(1, 3 * W + 1)))  # the rows are taken now
+    assert req.extend_range.length == 5 * W and a.rem_chunk_tokens == 100 - 5 * W
+    sim.start("x", list(range(1, 5 * W + 1)))  # the rows are taken now
     parked = Adder(sim, chunk=100, running=True)
     req = prompt(2, W)
     assert plugin.add_chunked_req(parked.admit, parked, req) is req and not parked.can_run_list
     alone = Adder(sim, chunk=100, running=False)
-    assert plugin.add_chunked_req(alone.admit, alone, prompt(2, W)) == "CONTINUE"
+    req = prompt(2, W)
+    assert plugin.add_chunked_req(alone.admit, alone, req) == "CONTINUE"
+    assert req.extend_range.length == W
 
 
 def test_server_info_carries_the_backend_stats(baseline):
