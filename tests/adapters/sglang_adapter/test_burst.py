@@ -102,6 +102,14 @@ def take_chunk(adder, req, prompt: list[int], continuing: bool) -> list[int] | N
     return prompt[have : have + req.extend_range.length]
 
 
+def retract(sim, req) -> None:
+    """SGLang's retraction of a running request: its slots back to the tree uncached, its
+    request slot freed (it prefills again from the queue)."""
+    req.output_ids = req.tokens[len(req.origin_input_ids) :]
+    sim.cache.cache_finished_req(req, is_insert=False, kv_len_to_handle=len(req.tokens))
+    sim.r2t.free_slots.append(req.req_pool_idx)
+
+
 def evict(sim, tokens: int) -> None:
     """SGLang's tree eviction before allocating: enough cached slots for ``tokens``."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -165,9 +173,7 @@ def serve(h: Harness, prompts: dict[str, list[int]], out_len: int, chunk: int) -
 
         while running and not plugin.check_decode_mem(slots, step):
             req = running.pop()
-            req.output_ids = req.tokens[len(req.origin_input_ids) :]
-            sim.cache.cache_finished_req(req, is_insert=False, kv_len_to_handle=len(req.tokens))
-            sim.r2t.free_slots.append(req.req_pool_idx)
+            retract(sim, req)
             del state[req.rid]
             waiting.appendleft(req.rid)
             retracted, held = retracted + 1, True

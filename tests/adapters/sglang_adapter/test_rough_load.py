@@ -31,7 +31,7 @@ require("sglang.srt.managers.schedule_policy")
 
 from test_backend import KERNEL_POLICY, Harness  # noqa: E402
 from test_batch_invariance import ARCHIVED, SHIPPED, policy_text  # noqa: E402
-from test_burst import Adder, evict, take_chunk  # noqa: E402
+from test_burst import Adder, evict, retract, take_chunk  # noqa: E402
 
 from tiered_radix.adapters.sglang import plugin  # noqa: E402
 from tiered_radix.adapters.sglang.reps import Layout  # noqa: E402
@@ -193,9 +193,7 @@ class RoughLoad:
         # fit, always keeping one
         while len(self.running) > 1 and not plugin.check_decode_mem(slots, step):
             req = self.running.pop()
-            req.output_ids = req.tokens[len(req.origin_input_ids) :]
-            sim.cache.cache_finished_req(req, is_insert=False, kv_len_to_handle=len(req.tokens))
-            sim.r2t.free_slots.append(req.req_pool_idx)
+            retract(sim, req)
             del self.state[req.rid]
             self.waiting.appendleft(self.turns[req.rid])
             self.retracted, held = self.retracted + 1, True

@@ -108,7 +108,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.gather_live = (options or KVOptions()).gather_on(device) == "live"  # --kv-gather
         itemsize = torch.empty(0, dtype=dtype).element_size()
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
-        check_rows(self.blocks, head_num, policy)  # one request must fit its protected rows
+        check_rows(self.blocks, head_num, policy)  # what the scheduler never lets go must fit
         self._warned_short = False  # the first degraded move is logged (see degraded)
         # rows reclaimed from the radix cache (_reclaim_rows): windows demoted, tokens evicted
         self._reclaimed = {

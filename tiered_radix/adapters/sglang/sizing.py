@@ -258,7 +258,7 @@ def min_row_windows(policy: Policy) -> int:
 
 def check_rows(blocks: PoolBlocks, head_num: int, policy: Policy) -> None:
     """Refuse a window pool whose row blocks (:func:`plan_blocks`) hold fewer windows a layer
-    than one request needs (:func:`min_row_windows`), with what to change.
+    than the scheduler needs to make progress (:func:`min_row_windows`), with what to change.
 
     Raises:
         PoolConfigError: the rows are too few.
