@@ -303,7 +303,8 @@ def _warm_up(server: Server, warm, args) -> dict:
 # what new tokens took from the radix cache, and its host seconds per phase
 TIERED_KEYS = ("tokens_held", "units", "blocks", "row_blocks_free", "ledger_blocks_free",
                "cached_windows_demoted", "cached_tokens_evicted", "degraded_moves",
-               "over_budget_routings", "routes", "host_s")  # fmt: skip
+               "over_budget_routings", "routes", "rows_routings", "host_s",
+               "cuda_bytes")  # fmt: skip
 
 
 def _tiered_stats(server: Server) -> dict | None:

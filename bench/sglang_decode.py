@@ -196,8 +196,8 @@ def _engine_kwargs(kind: str, a, context: int) -> dict:
         if kind == "tiered_pg":
             kw["kv_prefill_graphs"] = True
         kw.pop("attention_backend")
-        if a.graph_tokens:  # decode graphs for batches of more tokens (the default 262,144
-            kw["kv_graph_tokens"] = a.graph_tokens  # runs 8 x 30K captured, 64 x 30K eagerly)
+        if a.graph_tokens:  # decode graphs' capacity (default: sized by free memory)
+            kw["kv_graph_tokens"] = a.graph_tokens
         if a.budget:
             kw["kv_budget"] = a.budget
     return kw
@@ -321,7 +321,7 @@ def main() -> None:
         "--graph-tokens",
         type=int,
         default=None,
-        help="tiered kinds: --kv-graph-tokens (batch 64 x 30K needs ~2,000,000 to replay graphs)",
+        help="tiered kinds: --kv-graph-tokens (default: every captured request at full context)",
     )
     p.add_argument("--profile", default=None, help="DIR:START:STEPS, tiered kinds: decode steps "
                    "under torch.profiler (step 400 is in batch 8's first long call); with "

@@ -96,3 +96,47 @@ def test_positions_past_the_capacity_go_to_the_dump_entry():
     listed = torch.tensor([[True, False, True, True], [False, True, True, False]])
     at = graph._positions(listed, cap=2)  # a [2, 3] buffer: entries 0, 1, then the dump
     assert at.tolist() == [0, 2, 1, 2, 5, 3, 4, 5]
+
+
+def test_the_default_capacity_holds_every_captured_request_at_full_context_when_memory_allows():
+    """``--kv-graph-tokens``' default: ``max_bs`` full contexts (and a window each) when an eighth
+    of the free memory pays for them; capped by that eighth; never under the fixed floor."""
+    per, ctx, W = graph.token_bytes(24, 2, 64, 32, 32), 26_092, 32
+    want = 32 * (ctx + W)  # the serving benchmark's 32 conversations at its context length
+    assert graph.auto_tokens(32, ctx, W, per, free=39 << 30) == want
+    tight = want * per  # an eighth of this pays for an eighth of the batches' tokens
+    assert graph.auto_tokens(32, ctx, W, per, free=tight) == max(want // 8, graph.GRAPH_TOKENS)
+    big = graph.auto_tokens(160, 131_072, W, per, free=64 << 30)
+    assert big == (64 << 30) // graph.GRAPH_MEMORY_SHARE // per < 160 * (131_072 + W)
+    assert graph.auto_tokens(32, ctx, W, per, free=0) == graph.GRAPH_TOKENS  # CPU: the floor
+    assert graph.auto_tokens(2, 64, 16, per, free=0) == 2 * (64 + 16)  # small batches: their need
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 31, 32, 1000, 26_092, 1 << 20])
+def test_token_bytes_bounds_what_the_buffers_grow_by(tokens):
+    """What :func:`~.graph.token_bytes` charges a token of capacity is at least what the
+    buffers grow by (so the default capacity stays within its share of free memory), and
+    within one token's worth of it for capacities of many windows."""
+    L, H, d, W, bs = 24, 2, 64, 32, 32
+    per = graph.token_bytes(L, H, d, W, bs)
+    grown = graph.buffer_bytes(L, H, d, W, bs, tokens, W, False) - graph.buffer_bytes(
+        L, H, d, W, bs, 0, W, False
+    )
+    assert grown <= per * tokens + per * W  # a partial last window's page entry
+    if tokens >= 1000:
+        assert per * tokens - grown < per * W
+
+
+def test_the_backend_sizes_its_graphs_by_default_and_by_flag():
+    """No ``--kv-graph-tokens``: the graphs hold the captured batches' full contexts (here, on
+    CPU with no free-memory reading, within the floor); with it, exactly what it says."""
+    from tiered_radix.adapters.sglang.options import KVOptions
+
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64), context=64)
+    h.backend.init_cuda_graph_state(4, 4)
+    assert h.backend.graph.tokens == 4 * (64 + h.sim.W)
+    assert h.backend.graph_fits([64] * 4)
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64), context=64,
+                options=KVOptions(graph_tokens=100))  # fmt: skip
+    h.backend.init_cuda_graph_state(4, 4)
+    assert h.backend.graph.tokens == 100 and not h.backend.graph_fits([64] * 4)

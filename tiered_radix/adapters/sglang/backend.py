@@ -412,7 +412,14 @@ class TieredAttnBackend(AttentionBackend):
                 f", --kv-decode {self.options.decode}): relaunch with "
                 "--disable-cuda-graph"
             )
-        tokens = graph.capacity(self.context_len, self.options.graph_tokens)
+        tokens = self.options.graph_tokens
+        if tokens is None:  # sized by the batches and the memory free now (graph.auto_tokens)
+            pool, dev = self.pool, torch.device(self.pool.device)
+            per = graph.token_bytes(pool.layer_num, pool.head_num, pool.head_dim,
+                                    pool.layout.window, max_bs)  # fmt: skip
+            free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
+            tokens = graph.auto_tokens(max_bs, self.context_len, pool.layout.window, per, free)
+        tokens = graph.capacity(self.context_len, tokens)
         self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
                                        self.decode_attn, self.fold_decay,
                                        splits=self.options.graph_splits)  # fmt: skip
@@ -877,11 +884,18 @@ class TieredAttnBackend(AttentionBackend):
         what it costs the host to launch it (plus any host sync in it): where their sum per step
         nears the step time, the step is launch-bound. With ``--kv-device-times``,
         ``device_s``: the device seconds of graph replays (``replay``, CUDA events around
-        SGLang's replay of the forward) and their count (``replays``)."""
+        SGLang's replay of the forward) and their count (``replays``). On CUDA, ``cuda_bytes``:
+        the process's allocator (``allocated_peak``, ``reserved``, ``reserved_peak``; the pool,
+        graphs and activations together, for the server's memory beside the pool's)."""
         decode = "kernel" if self.kernel else "gather"
         out = self.counters.snapshot(self.pool, len(self.sessions), decode, self.kernel_error)
         out["extend"] = "kernel" if self.extend_kernel else "gather"
         out |= self.timer.report()
         if self.tp is not None:
             out["tp"] = self.tp.record()
+        dev = torch.device(self.pool.device)
+        if dev.type == "cuda":  # the whole process's, pool included: what a server costs
+            out["cuda_bytes"] = {"allocated_peak": torch.cuda.max_memory_allocated(dev),
+                                 "reserved": torch.cuda.memory_reserved(dev),
+                                 "reserved_peak": torch.cuda.max_memory_reserved(dev)}  # fmt: skip
         return out

@@ -27,7 +27,9 @@ flag                   default                     what it selects
                                                    graphs: the layers between attention calls
                                                    captured, the tiered attention run eagerly
                                                    between them); off: every extend is eager
-``--kv-graph-tokens``  262,144                     tokens a captured decode batch holds
+``--kv-graph-tokens``  every captured request at  tokens a captured decode batch holds
+                       full context, within 1/8 of
+                       the free device memory
 ``--kv-graph-splits``  per batch size              the decode kernel's splits per list, eager and
                                                    replayed (fixed: batch-invariant float order)
 ``--kv-device-times``  off                         CUDA events time every graph replay
@@ -49,7 +51,6 @@ DECODE = ("kernel", "gather")
 EXTEND = ("kernel", "sdpa", "exact")
 GATHER = ("live", "all")
 OBSERVE = ("fold", "step")
-GRAPH_TOKENS = 1 << 18
 
 
 class OptionsError(ValueError):
@@ -75,7 +76,7 @@ class KVOptions:
     gather: str | None = None
     observe: str = "fold"
     prefill_graphs: bool = False
-    graph_tokens: int = GRAPH_TOKENS
+    graph_tokens: int | None = None
     graph_splits: int | None = None
     device_times: bool = False
     profile: str | None = None
@@ -89,7 +90,7 @@ class KVOptions:
                 raise OptionsError(
                     f"--kv-{name} {value!r}: use {' or '.join(repr(c) for c in choices)}"
                 )
-        if self.graph_tokens < 1 or (self.graph_splits is not None and self.graph_splits < 1):
+        if any(n is not None and n < 1 for n in (self.graph_tokens, self.graph_splits)):
             raise OptionsError("--kv-graph-tokens and --kv-graph-splits must be positive")
 
     def extend_on(self, device) -> str:
@@ -134,11 +135,14 @@ FLAGS = (
     ("gather", "{live,all}", "extend reads live windows or all (default: all on CUDA)"),
     ("observe", "{fold,step}", "graph steps' attention: summed on the device (fold) or per step"),
     ("prefill_graphs", None, "SGLang's prefill CUDA graphs around the tiered attention (off)"),
-    ("graph_tokens", "N", f"tokens a captured decode batch holds (default {GRAPH_TOKENS})"),
+    ("graph_tokens", "N", "tokens a captured decode batch holds (default: sized by memory)"),
     ("graph_splits", "N", "decode kernel splits per list, every step (default: by batch)"),
     ("device_times", None, "time every decode graph replay with CUDA events (stats device_s)"),
-    ("profile", "DIR:START:STEPS[:extend]",
-     "profile decode steps (or extend batches) START..START+STEPS into DIR"),
+    (
+        "profile",
+        "DIR:START:STEPS[:extend]",
+        "profile decode steps (or extend batches) START..START+STEPS into DIR",
+    ),
     ("stats", "FILE", "rewrite FILE with the backend's stats (JSON) after every routing"),
 )
 
