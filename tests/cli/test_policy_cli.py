@@ -43,20 +43,10 @@ def test_tier_bytes_from_first_principles():
 
 def test_explain_qevict_says_what_the_paper_does():
     text = explain(load_policy("qevict"))
-    for phrase in (
-        "window of 32 tokens",
-        "one decision moves both",
-        "first 4 tokens",
-        "last 64 tokens",
-        "cumulative(attn, decay=0.99)",
-        "2-bit codes, groups of 32",
-        "full up to 50% of the budget",
-        "int2 up to 50% of the budget",
-        "the rest evicted",
-        "within 10%",
-        "every 16 decode steps",
-        "write-once",
-    ):
+    for phrase in ("window of 32 tokens", "one decision moves both", "first 4 tokens",
+                   "last 64 tokens", "cumulative(attn, decay=0.99)", "2-bit codes, groups of 32",
+                   "full up to 50% of the budget", "int2 up to 50% of the budget",
+                   "the rest evicted", "within 10%", "every 16 decode steps", "write-once"):
         assert phrase in text, phrase
     # 10% of 128 KiB/token for Llama-3.1-8B; half the budget buys full rows, half INT2 rows.
     assert LLAMA_8B.full_bytes_per_token == 32 * 8 * 512
@@ -69,16 +59,12 @@ def test_explain_qevict_says_what_the_paper_does():
 
 def test_explain_rdkv_says_what_the_paper_does():
     text = explain(load_policy("rdkv"))
-    for phrase in (
-        "V in units of one token, K in units of one channel",
-        "rate-distortion",
-        "{16, 8, 4, 2, 0}",
-        "V units first over 50% of the budget",
-        "w(V) = ((cumulative(colmass) / seq_len) + (pool_max(obs_attn, size=7) / 32))",
-        "w(K) = ((sqrt(cumulative((qnorm ^ 2))) * knorm) / sqrt(head_dim))",
-        "Protected at full precision: the first 4 tokens",
-        "Routing runs: once after the whole prompt",
-    ):
+    for phrase in ("V in units of one token, K in units of one channel", "rate-distortion",
+                   "{16, 8, 4, 2, 0}", "V units first over 50% of the budget",
+                   "w(V) = ((cumulative(colmass) / seq_len) + (pool_max(obs_attn, size=7) / 32))",
+                   "w(K) = ((sqrt(cumulative((qnorm ^ 2))) * knorm) / sqrt(head_dim))",
+                   "Protected at full precision: the first 4 tokens",
+                   "Routing runs: once after the whole prompt"):
         assert phrase in text, phrase
 
 

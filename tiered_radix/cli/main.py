@@ -72,23 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(fn=_policy_check)
     expl = psub.add_parser("explain", help="summarise a policy in plain language")
     expl.add_argument("file", metavar="FILE")
-    expl.add_argument(
-        "--shape",
-        type=int,
-        nargs=3,
-        metavar=("LAYERS", "KV_HEADS", "HEAD_DIM"),
-        help="model shape for the byte figures (default: Llama-3.1-8B, 32 8 128)",
-    )
+    expl.add_argument("--shape", type=int, nargs=3, metavar=("LAYERS", "KV_HEADS", "HEAD_DIM"),
+                      help="model shape for the byte figures (default: Llama-3.1-8B, 32 8 128)")
     expl.set_defaults(fn=_policy_explain)
 
     sim = sub.add_parser("simulate", help="replay an attention trace through a policy")
-    sim.add_argument(
-        "--policy",
-        "-p",
-        action="append",
-        required=True,
-        help="policy path or shipped name; repeat to compare several",
-    )
+    sim.add_argument("--policy", "-p", action="append", required=True,
+                     help="policy path or shipped name; repeat to compare several")
     sim.add_argument("--trace", "-t", required=True, help="a .npz trace (docs/trace-format.md)")
     sim.add_argument("--budget", help="override the policies' budget, e.g. 10%%")
     sim.add_argument("--out", default="sim-results", help="folder for report.json and plots")
