@@ -77,10 +77,13 @@ class KVGeometry:
 @dataclass(frozen=True)
 class System:
     """One system: ``kind`` (one of :data:`KINDS`, or the path of a policy file: a user's own
-    tiered policy) and, for tiered kinds, a ``budget`` fraction (``"10%"``)."""
+    tiered policy) and, for tiered kinds, a ``budget`` fraction (``"10%"``) and ``kv_options``:
+    the plugin's ``--kv-*`` options for its server, ``(name, value)`` pairs (``("kv-route-clock",
+    "server")``; value None: a switch)."""
 
     kind: str
     budget: str | None = None
+    kv_options: tuple[tuple[str, str | None], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS and not self.policy_file:
@@ -95,15 +98,26 @@ class System:
             )
         if self.budget is not None:
             self.fraction()  # validates
+        if self.kv_options and not self.tiered:
+            raise ValueError(f"{self.kind}: --kv-* options are for tiered systems")
 
     @classmethod
     def parse(cls, spec: str) -> System:
         """``bf16``, ``fp8``, ``hicache``, ``qevict@10%``, ``rdkv@25%``, ``path/x.yaml@10%``
-        (the path resolved: servers run in the output folder)."""
-        kind, _, budget = spec.strip().partition("@")
+        (the path resolved: servers run in the output folder); a tiered system may add the
+        plugin's options, ``qevict@10%+kv-route-clock=server`` (``+kv-NAME=VALUE``, or
+        ``+kv-NAME`` for a switch), passed to its server as ``--kv-NAME VALUE``."""
+        head, *extra = spec.strip().split("+")
+        kind, _, budget = head.partition("@")
         if kind.endswith((".yaml", ".yml")):
             kind = str(Path(kind).resolve())
-        return cls(kind, budget or None)
+        options = []
+        for item in extra:
+            name, eq, value = item.partition("=")
+            if not name.startswith("kv-") or (eq and not value):
+                raise ValueError(f"{spec}: '+{item}' is not a +kv-NAME=VALUE option")
+            options.append((name, value if eq else None))
+        return cls(kind, budget or None, tuple(options))
 
     @property
     def policy_file(self) -> bool:
@@ -121,7 +135,13 @@ class System:
 
     @property
     def name(self) -> str:
-        return self.label if self.budget is None else f"{self.label}@{self.budget}"
+        """The spec it was parsed from, less a policy file's folder and suffix."""
+        base = self.label if self.budget is None else f"{self.label}@{self.budget}"
+        return base + "".join(f"+{k}" if v is None else f"+{k}={v}" for k, v in self.kv_options)
+
+    def kv_flags(self) -> list[str]:
+        """``kv_options`` as server arguments: ``--kv-NAME VALUE`` (or ``--kv-NAME``)."""
+        return [x for k, v in self.kv_options for x in ([f"--{k}"] + ([] if v is None else [v]))]
 
     def fraction(self) -> Fraction:
         """The budget as a fraction of full KV (1 for untiered systems)."""
@@ -176,7 +196,7 @@ def server_command(system: System, kv_bytes: int, geometry: KVGeometry, opts: Se
         "--cuda-graph-max-bs-decode", str(opts.graph_max_bs),
     ]  # fmt: skip
     if system.tiered:  # the plugin picks page size and attention backend
-        cmd += ["--kv-policy", system.kind, "--kv-budget", system.budget]
+        cmd += ["--kv-policy", system.kind, "--kv-budget", system.budget, *system.kv_flags()]
     else:  # FA3 (SGLang's Hopper default) is not in the staged wheels
         cmd += ["--attention-backend", "triton"]
     if system.kind == "fp8":

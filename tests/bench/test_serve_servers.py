@@ -89,8 +89,31 @@ def test_server_flags():
     assert "--kv-policy" not in cmd["bf16"] + cmd["fp8"] + cmd["hicache"]
 
 
+def test_a_tiered_system_takes_the_plugins_options():
+    """``qevict@10%+kv-route-clock=server+kv-device-times``: the same pool, and the server gets
+    ``--kv-route-clock server --kv-device-times``; the name says them (logs, rows, the plot)."""
+    system = System.parse("qevict@10%+kv-route-clock=server+kv-device-times")
+    assert system.name == "qevict@10%+kv-route-clock=server+kv-device-times"
+    assert system.label == "qevict" and system.budget == "10%"
+    assert system.pool_tokens(GIB, QWEN) == System.parse("qevict@10%").pool_tokens(GIB, QWEN)
+    cmd = server_command(system, GIB, QWEN, ServerOptions(model="/m"))
+    assert _flag(cmd, "--kv-route-clock") == "server" and "--kv-device-times" in cmd
+    assert _flag(cmd, "--kv-budget") == "10%"
+
+
 @pytest.mark.parametrize(
-    "bad", ["fp16", "qevict", "bf16@10%", "qevict@2GiB", "rdkv@0%", "no/such.yaml@10%"]
+    "bad",
+    [
+        "fp16",
+        "qevict",
+        "bf16@10%",
+        "qevict@2GiB",
+        "rdkv@0%",
+        "no/such.yaml@10%",
+        "bf16+kv-route-clock=server",
+        "qevict@10%+route-clock=server",
+        "qevict@10%+kv-x=",
+    ],
 )
 def test_bad_systems(bad):
     with pytest.raises(ValueError):

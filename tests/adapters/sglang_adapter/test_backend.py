@@ -322,6 +322,33 @@ def test_a_deferred_policy_routes_at_the_first_decode_step_not_after_each_chunk(
     assert h.backend.stats()["demote"] + h.backend.stats()["evict"] > 0
 
 
+@pytest.mark.parametrize("clock", ["request", "server"])
+def test_every_n_counts_each_requests_decode_steps_or_the_servers(clock):
+    """``every(3)`` with ``--kv-route-clock request``: each request routes after its own decode
+    steps 2, 5, ...; with ``server``: every running request routes after the server's decode
+    forwards 2, 5, ..., whatever step each request is at (one routing where there were two)."""
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                options=KVOptions(route_clock=clock))  # fmt: skip
+    a = h.start("a", list(range(1, 41)))
+    h.step([a], [a.origin_input_ids], extend=True)
+    h.step([a], [[50]], extend=False)  # a's decode step 0, the server's decode forward 0
+    b = h.start("b", list(range(41, 81)))
+    h.step([b], [b.origin_input_ids], extend=True)  # an extend: not a decode forward
+    events = lambda: {rid: len(s.store.events.steps) for rid, s in h.backend.sessions.items()}  # noqa: E731
+    routed = []
+    for t in range(1, 7):  # the server's decode forwards 1-6: a's steps 1-6, b's 0-5
+        before = events()
+        h.step([a, b], [[80 + t], [90 + t]], extend=False)
+        routed.append({rid for rid, n in events().items() if n > before[rid]})
+    if clock == "request":
+        assert routed == [set(), {"a"}, {"b"}, set(), {"a"}, {"b"}]
+    else:
+        assert routed == [set(), {"a", "b"}, set(), set(), {"a", "b"}, set()]
+    reasons = [e.reason for e in h.backend.sessions["b"].store.events.steps[-2:]]
+    assert reasons == (["decode step 2", "decode step 5"] if clock == "request"
+                       else ["decode step 1", "decode step 4"])  # fmt: skip
+
+
 def test_flush_cache_gives_the_trees_windows_back_before_their_pages_are_reused():
     """SGLang's ``flush_cache`` resets the tree and clears the allocator, which frees no page:
     the tree's windows must leave the pool then, or a later prompt given the same pages finds

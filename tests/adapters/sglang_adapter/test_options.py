@@ -23,7 +23,8 @@ def test_device_defaults_and_explicit_choices():
 @pytest.mark.parametrize(
     ("kw", "match"),
     [({"decode": "fast"}, "'kernel' or 'gather'"), ({"observe": "every"}, "'fold' or 'step'"),
-     ({"graph_tokens": 0}, "positive"), ({"graph_splits": -1}, "positive")],
+     ({"graph_tokens": 0}, "positive"), ({"graph_splits": -1}, "positive"),
+     ({"route_clock": "global"}, "'request' or 'server'")],
 )  # fmt: skip
 def test_values_outside_their_choices_are_refused(kw, match):
     with pytest.raises(OptionsError, match=match):
@@ -34,11 +35,13 @@ def test_flags_and_keywords_build_the_same_options():
     p = argparse.ArgumentParser()
     add_flags(p.add_argument_group("kv"))
     args = p.parse_args(["--kv-decode", "gather", "--kv-overlap", "--kv-graph-tokens", "4096",
-                         "--kv-profile", "/tmp/p:1:2"])  # fmt: skip
-    want = KVOptions(decode="gather", overlap=True, graph_tokens=4096, profile="/tmp/p:1:2")
+                         "--kv-profile", "/tmp/p:1:2", "--kv-route-clock", "server"])  # fmt: skip
+    want = KVOptions(decode="gather", overlap=True, graph_tokens=4096, profile="/tmp/p:1:2",
+                     route_clock="server")  # fmt: skip
     assert KVOptions.from_args(vars(args)) == want
     kwargs = {"kv_decode": "gather", "kv_overlap": True, "kv_graph_tokens": 4096,
-              "kv_profile": "/tmp/p:1:2", "model_path": "m"}  # fmt: skip
+              "kv_profile": "/tmp/p:1:2", "kv_route_clock": "server",
+              "model_path": "m"}  # fmt: skip
     assert KVOptions.from_args(kwargs, pop=True) == want and kwargs == {"model_path": "m"}
     assert KVOptions.from_dict(want.to_dict()) == want
     assert KVOptions.from_args(vars(p.parse_args([]))) == KVOptions()  # unset: the defaults

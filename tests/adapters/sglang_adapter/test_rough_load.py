@@ -34,6 +34,7 @@ from test_batch_invariance import ARCHIVED, SHIPPED, policy_text  # noqa: E402
 from test_burst import Adder, evict, retract, take_chunk  # noqa: E402
 
 from tiered_radix.adapters.sglang import plugin  # noqa: E402
+from tiered_radix.adapters.sglang.options import KVOptions  # noqa: E402
 from tiered_radix.adapters.sglang.reps import Layout  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import (  # noqa: E402
     PoolBlocks,
@@ -218,12 +219,14 @@ SMALL_ZONE = "rdkv+small-zone"  # rdkv whose Zone A store holds 16 KiB a layer: 
 # no room and the request reads what it held (zone_full_routings)
 
 
-def harness(name: str, late: bool = False, rows: int | None = None) -> Harness:
+def harness(
+    name: str, late: bool = False, rows: int | None = None, options: KVOptions | None = None
+) -> Harness:
     """The policy on a pool of 80 windows' slots a layer: a few of the longest prompts, with
     the fewest full-precision rows a launch accepts or more (``sizing.check_rows``); ``rows``:
     that many windows of rows a layer instead. ``late``: SGLang's overlap scheduler runs, so a
     decode routing lands one step late (and is dropped for requests that finish, abort or are
-    retracted before it lands)."""
+    retracted before it lands). ``options``: the launch's ``--kv-*`` flags."""
     text = policy_text(name.replace("+small-zone", ""))
     policy = compile_text(text)
     W = Layout.of(policy).window
@@ -234,7 +237,7 @@ def harness(name: str, late: bool = False, rows: int | None = None) -> Harness:
         b = PoolBlocks(2 * (rows or min_row_windows(policy)), b.quant, b.zone)  # 2 KV heads
     if name == SMALL_ZONE:
         b = PoolBlocks(b.full, b.quant, 1 << 14)
-    return Harness(blocks=b, **kw)
+    return Harness(blocks=b, options=options, **kw)
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["serial", "late-landing"])
@@ -242,7 +245,21 @@ def harness(name: str, late: bool = False, rows: int | None = None) -> Harness:
 @pytest.mark.parametrize("name", [*SHIPPED, ARCHIVED, SMALL_ZONE])
 def test_a_rough_load_completes_and_gives_everything_back(name, seed, late, monkeypatch):
     monkeypatch.setattr(plugin, "route_stride", lambda: CHUNK, raising=False)
-    h = harness(name, late)
+    check_rough_load(harness(name, late), name, seed)
+
+
+@pytest.mark.parametrize("name", [*SHIPPED, ARCHIVED])
+def test_a_rough_load_on_the_server_clock(name, monkeypatch):
+    """``--kv-route-clock server`` (every running request routes at the server's every-N
+    steps) under the same load, routings landing late: everything completes and comes back."""
+    monkeypatch.setattr(plugin, "route_stride", lambda: CHUNK, raising=False)
+    check_rough_load(harness(name, True, options=KVOptions(route_clock="server")), name, 2)
+
+
+def check_rough_load(h: Harness, name: str, seed: int) -> None:
+    """:class:`RoughLoad` of :func:`sessions` ``seed`` on ``h``: every turn finished (or
+    aborted as planned), no routing over its budget, promotions explained, and once the tree's
+    cache is dropped the allocator, blocks, Zone A bytes and reference counts as they were."""
     sim = h.sim
     free0, avail0 = sim.pool.blocks_free(), sim.alloc.available_size()
     zone0 = None if sim.pool.zones is None else sim.pool.zones.bytes_used()

@@ -17,14 +17,16 @@ reads them), fed to the request's store. After the last layer, requests whose sc
 route: the store plans, and :meth:`~.radix.TieredRadixCache.route` moves the pool's blocks.
 
 Extend routes after every chunk when the policy says ``after_prefill`` (as the transformers
-adapter does); decode steps count per request. Extend runs the TriZone extend kernel on CUDA
-(:func:`~.trizone.extend_layer`: one launch a layer for the batch, the pool read in place, the
-policy's signals from the same launch, or a second one for ``colmass``, observed after the last
-layer); without it (the CPU, or
-``--kv-extend sdpa``/``exact``) it gathers rows per request and layer and attends with
+adapter does); decode steps count per request, or per server forward under ``--kv-route-clock
+server`` (then ``every(N)`` falls due for every running request at once: one routing every N
+steps instead of one for each phase the requests' start times left). Extend runs the TriZone
+extend kernel on CUDA (:func:`~.trizone.extend_layer`: one launch a layer for the batch, the
+pool read in place, the policy's signals from the same launch, or a second one for
+``colmass``, observed after the last layer); without it (the CPU, or ``--kv-extend
+sdpa``/``exact``) it gathers rows per request and layer and attends with
 ``scaled_dot_product_attention`` under a kept/causal mask (float32 score blocks on CPU, or with
-``--kv-extend exact``); decode runs the TriZone kernel over the
-pool's pages and rows in place (:mod:`.trizone`) where it can read the pool, else PyTorch.
+``--kv-extend exact``); decode runs the TriZone kernel over the pool's pages and rows in place
+(:mod:`.trizone`) where it can read the pool, else PyTorch.
 
 CUDA graphs (decode): SGLang calls :meth:`init_forward_metadata_out_graph` before capturing a
 batch size and before every replay. It builds the step's lists on the host side as the eager
@@ -188,9 +190,13 @@ def window_starts(prefix: list[int], new: list[int], window: int) -> list[int]:
     return out
 
 
-def due_routings(batch: list[_Req], extend: bool) -> list[tuple[_Req, str]]:
+def due_routings(
+    batch: list[_Req], extend: bool, clock: int | None = None
+) -> list[tuple[_Req, str]]:
     """After a forward of ``batch``: count each request's prefill or decode step, and return
-    those whose schedule (their own policy's) is due now, with the reason the engine records."""
+    those whose schedule (their own policy's) is due now, with the reason the engine records.
+    ``clock``: the server's decode step (``--kv-route-clock server``), which ``every(N)`` then
+    counts instead of each request's own step, so the running requests fall due together."""
     due = []
     for r in batch:
         s = r.session
@@ -200,7 +206,7 @@ def due_routings(batch: list[_Req], extend: bool) -> list[tuple[_Req, str]]:
                 due.append((r, f"after prefill {s.prefills}"))
         else:
             step, s.decode_steps = s.decode_steps, s.decode_steps + 1
-            if s.store.schedule_due(step):
+            if s.store.schedule_due(step if clock is None else clock):
                 due.append((r, f"decode step {step}"))
     return due
 
@@ -272,6 +278,7 @@ class TieredAttnBackend(AttentionBackend):
         # server args (a serial stand-in)
         args = getattr(runner, "server_args", None)
         self.late_landing = options.overlap and not getattr(args, "disable_overlap_schedule", True)
+        self.decode_clock = 0  # decode forwards so far (--kv-route-clock server's step)
         self._tiers_of: dict[str, torch.Tensor] = {}  # holder state -> engine tier, per device
         self.rid_of: dict[int, str] = {}  # req_pool_idx -> rid (replays carry no rids)
         self.pool_of: dict[str, int] = {}  # rid -> req_pool_idx, for the same
@@ -738,7 +745,10 @@ class TieredAttnBackend(AttentionBackend):
         self._land()
         alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
         self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
-        due = due_routings(self.batch, self.extend)
+        clock = None
+        if not self.extend and self.options.route_clock == "server":
+            clock, self.decode_clock = self.decode_clock, self.decode_clock + 1
+        due = due_routings(self.batch, self.extend, clock)
         if self.late_landing and closing:
             due = [(r, why) for r, why in due if r.rid not in closing]
         if due:

@@ -23,6 +23,10 @@ flag                   default                     what it selects
                                                    only those some head reads (two syncs a read)
 ``--kv-observe``       ``fold``                    replayed decode steps sum their attention on the
                                                    device (``fold``) or observe every step
+``--kv-route-clock``   ``request``                 what ``every(N)`` counts: each request's own
+                                                   decode steps, or the server's (``server``:
+                                                   the running requests route together, one
+                                                   routing every N steps, whatever their phases)
 ``--kv-prefill-graphs`` off                        SGLang's prefill CUDA graphs (its breakable
                                                    graphs: the layers between attention calls
                                                    captured, the tiered attention run eagerly
@@ -51,6 +55,7 @@ DECODE = ("kernel", "gather")
 EXTEND = ("kernel", "sdpa", "exact")
 GATHER = ("live", "all")
 OBSERVE = ("fold", "step")
+ROUTE_CLOCK = ("request", "server")
 
 
 class OptionsError(ValueError):
@@ -75,6 +80,7 @@ class KVOptions:
     extend: str | None = None
     gather: str | None = None
     observe: str = "fold"
+    route_clock: str = "request"
     prefill_graphs: bool = False
     graph_tokens: int | None = None
     graph_splits: int | None = None
@@ -84,7 +90,7 @@ class KVOptions:
 
     def __post_init__(self) -> None:
         for name, choices in (("decode", DECODE), ("extend", EXTEND), ("gather", GATHER),
-                              ("observe", OBSERVE)):  # fmt: skip
+                              ("observe", OBSERVE), ("route_clock", ROUTE_CLOCK)):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value not in choices:
                 raise OptionsError(
@@ -134,6 +140,11 @@ FLAGS = (
     ("extend", "{kernel,sdpa,exact}", "extend attention (default: kernel on CUDA, exact on CPU)"),
     ("gather", "{live,all}", "extend reads live windows or all (default: all on CUDA)"),
     ("observe", "{fold,step}", "graph steps' attention: summed on the device (fold) or per step"),
+    (
+        "route_clock",
+        "{request,server}",
+        "every(N) counts each request's decode steps (default) or the server's (all route at once)",
+    ),
     ("prefill_graphs", None, "SGLang's prefill CUDA graphs around the tiered attention (off)"),
     ("graph_tokens", "N", "tokens a captured decode batch holds (default: sized by memory)"),
     ("graph_splits", "N", "decode kernel splits per list, every step (default: by batch)"),
@@ -151,7 +162,8 @@ def add_flags(group) -> None:
     """The ``--kv-*`` option flags on an argparse group (``None`` defaults: unset). Switches
     that default to on also take ``--no-kv-NAME``."""
     kinds = {"graph_tokens": int, "graph_splits": int}
-    choices = {"decode": DECODE, "extend": EXTEND, "gather": GATHER, "observe": OBSERVE}
+    choices = {"decode": DECODE, "extend": EXTEND, "gather": GATHER, "observe": OBSERVE,
+               "route_clock": ROUTE_CLOCK}  # fmt: skip
     for name, metavar, help_ in FLAGS:
         flag = "--kv-" + name.replace("_", "-")
         if metavar is None and getattr(KVOptions, name):
