@@ -261,3 +261,17 @@ def test_head_reductions_see_every_rank():
         for li in range(L):
             t = tiers[li][:, :-16]  # the recent (protected) tokens aside
             assert torch.equal(t, t[:1].expand_as(t)), "heads of a layer decided apart"
+
+
+def _least(rank: int) -> list[int]:
+    shard = HeadShard.of_group(H)
+    return shard.least(torch.tensor([10 + rank, 7 - rank])).tolist()
+
+
+def test_least_is_every_ranks_minimum(tmp_path):
+    """A choice made from a per-rank reading (the decode graphs' capacity from free memory) is
+    the same on every rank: the elementwise minimum over them."""
+    assert run_ranks(_least, WORLD, tmp_path) == [[10, 7 - (WORLD - 1)]] * WORLD
+    one = HeadShard.single(4)
+    t = torch.tensor([3, 1])
+    assert torch.equal(one.least(t), t) and one.least(t).data_ptr() != t.data_ptr()

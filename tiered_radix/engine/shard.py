@@ -98,6 +98,14 @@ class HeadShard:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
         return out
 
+    def least(self, t: Tensor) -> Tensor:
+        """A new tensor: the elementwise minimum of ``t`` over the ranks (all-reduce), so that
+        a choice made from a per-rank reading (e.g. free device memory) is every rank's."""
+        out = t.clone()
+        if self.world > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.MIN, group=self.group)
+        return out
+
     def gather_heads(self, t: Tensor, dim: int) -> Tensor:
         """Every rank's ``t`` (``heads_local`` along ``dim``, same shape and dtype on every
         rank) concatenated in rank order along ``dim`` (all-gather): ``heads_total`` along

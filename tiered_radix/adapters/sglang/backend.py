@@ -425,6 +425,8 @@ class TieredAttnBackend(AttentionBackend):
             per = graph.token_bytes(pool.layer_num, pool.head_num, pool.head_dim,
                                     pool.layout.window, max_bs)  # fmt: skip
             free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
+            if self.shard is not None:  # one capacity on every rank: they replay alike
+                free = int(self.shard.least(torch.tensor([free], device=dev))[0])
             tokens = graph.auto_tokens(max_bs, self.context_len, pool.layout.window, per, free)
         tokens = graph.capacity(self.context_len, tokens)
         self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
