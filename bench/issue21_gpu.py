@@ -14,8 +14,10 @@ Runs on the GPU machine after ``bash bench/gpu_install.sh`` and staging Qwen2.5-
   routings the pool was short of blocks for).
 
 Writes ``issue21.json`` under ``--out``. Expected: every policy ``ok`` with
-``max_total_num_tokens`` about 6.5x (qevict), 4.1-4.7x (h2o, snapkv, streaming), 3.2x (rdkv)
-and 0.9-1x (full, kivi) of a bf16 pool's; the burst ``ok`` with 12 completions.
+``max_total_num_tokens`` about what ``tiered-radix policy explain P --shape 24 2 64`` says of
+a bf16 pool's: 9.4x (qevict), 5.2-5.7x (h2o, snapkv, streaming), 0.9-1x (full, kivi) and 0.7x
+(rdkv: every slot keeps its rows beside the Zone A store); the burst ``ok`` with 12
+completions.
 """
 
 from __future__ import annotations
