@@ -316,11 +316,18 @@ def _tiered_stats(server: Server) -> dict | None:
 
 
 def _brief(row: dict) -> str:
+    """One line of a row; for a tiered server also its decode steps run without graphs and the
+    host seconds it spent routing (running totals since its start)."""
     keys = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "hit_rate", "recall",
             "errors")  # fmt: skip
-    return ", ".join(
+    line = ", ".join(
         f"{k}={row[k]:.3g}" if isinstance(row.get(k), float) else f"{k}={row.get(k)}" for k in keys
     )
+    host = (row.get("tiered") or {}).get("host_s")
+    if host:
+        eager, steps = int(host.get("graph_too_long", 0)), int(host.get("decode_steps", 0))
+        line += f", eager_steps={eager}/{steps}, route_s={host.get('route', 0):.3g}"
+    return line
 
 
 def main(argv=None) -> int:

@@ -230,3 +230,17 @@ def test_gpu_memory_of_one_server_started_beside_others(monkeypatch):
         while len(seen) < 6:
             time.sleep(0.005)
     assert seen[0] == {40, 41} and mem.baseline == 0 and mem.peak_mib == 2100
+
+
+def test_a_tiered_rows_line_says_its_eager_steps_and_routing_time():
+    """The line printed after each load: a tiered server's decode steps run without graphs
+    and its routing host seconds after the common figures (run 22's serving ran 580 of 1,388
+    steps eagerly, which only its log said)."""
+    import serve_multiturn
+
+    row = {"output_tok_s": 605.0, "ttft_p50_s": 0.169, "errors": 0}
+    assert "eager_steps" not in serve_multiturn._brief(row)
+    row["tiered"] = {"host_s": {"graph_too_long": 580.0, "decode_steps": 1388.0, "route": 6.07}}
+    line = serve_multiturn._brief(row)
+    assert line.startswith("output_tok_s=605, ttft_p50_s=0.169")
+    assert line.endswith("eager_steps=580/1388, route_s=6.07")
