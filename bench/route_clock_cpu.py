@@ -1,0 +1,150 @@
+"""The route clock's host cost (CPU harness, no GPU needed): requests that joined a server at
+different steps route at different steps on the request clock, together on the server clock.
+
+Drives the CPU harness of ``tests/adapters/sglang_adapter`` at Qwen2.5-0.5B's attention shapes
+with the qevict-shaped policy of ``bench/route_host.py`` (routing every ``--every`` decode
+steps), SGLang's overlap order (a routing lands a step late) and the decode kernel stubbed as
+there. ``--batch`` requests join one at a time, ``--every // batch`` or more decode steps apart
+(the last has prefilled before the others' periodic routings fall), then all decode together
+for ``--steps`` steps, each ``--kv-route-clock`` in turn. Counted over those steps: the decode
+forwards with a routing planned, the requests routed, and the launching ATen ops (views left
+out, as ``route_host.py`` counts them) and host syncs in ``_route_due`` and ``_land`` (the
+plans and the landings), per step. On the GPU every launching op costs the host ~40 us
+(``routing_notes.md``); this CPU's wall ms also carry the ops' own work.
+
+    python bench/route_clock_cpu.py --batch 8 --out bench/results/route-clock-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
+
+from route_host import POLICY, _wrap  # noqa: E402
+
+
+def run(clock: str, args) -> dict:
+    from backend_host_ops import SYNCS, VIEWS
+    from test_backend import Harness
+
+    from tiered_radix.adapters.sglang import backend
+    from tiered_radix.adapters.sglang.options import KVOptions
+    from tiered_radix.adapters.sglang.sizing import PoolBlocks
+
+    gen = torch.Generator().manual_seed(args.batch)
+
+    def stub(q, layout, plan, mass=None, **kw):  # host work only; random mass moves the scores
+        if mass is not None:
+            mass.copy_(torch.rand(mass.shape, generator=gen) ** 8)
+        return torch.zeros_like(q)
+
+    backend.decode.run = stub
+    policy = POLICY.replace("EVERY", str(args.every)).replace("BUDGET", str(args.budget))
+    W, B = 32, args.batch
+    gap = max(1, args.every // B)
+    total = args.steps + gap * B
+    pages = B * (args.prompt // W + total // W + 4) + 8
+    h = Harness(policy=policy, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
+                pages=pages, blocks=PoolBlocks(pages * args.heads + 16, pages * args.heads + 16),
+                context=args.prompt + total + 64, requests=max(16, B),
+                options=KVOptions(overlap=True, route_clock=clock),
+                overlap_schedule=True)  # fmt: skip
+    running = []
+    for i in range(B):  # request i joins after gap * i decode steps of the others
+        r = h.start(f"r{i}", [(7 * j + i) % 97 + 1 for j in range(args.prompt)])
+        h.step([r], [r.origin_input_ids], extend=True)
+        running.append(r)
+        for t in range(gap):
+            h.step(running, [[60 + t % 30]] * len(running), extend=False)
+    stores = [h.backend.sessions[r.rid].store for r in running]
+    routed0 = [len(s.events.steps) for s in stores]
+    steps_with_routing = 0
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for t in range(args.steps):
+            before = sum(len(s.events.steps) for s in stores)
+            h.step(running, [[60 + t % 30]] * B, extend=False)
+            steps_with_routing += sum(len(s.events.steps) for s in stores) > before
+    wall = time.perf_counter() - t0
+    events = prof.events()
+    spans = [e.time_range for e in events if e.name in ("X:_route_due", "X:_land")]
+    aten = [e for e in events if e.name.startswith("aten::")]
+    top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+
+    def inside(e) -> bool:
+        return any(s.start <= e.time_range.start and e.time_range.end <= s.end for s in spans)
+
+    outer = [s for s in spans if not any(o is not s and o.start <= s.start and s.end <= o.end
+                                         for o in spans)]  # fmt: skip
+    route_us = sum(s.end - s.start for s in outer)
+    ops = sum(1 for e in top if e.name not in VIEWS and inside(e))
+    syncs = sum(1 for e in events if e.name in SYNCS and inside(e))
+    routed = sum(len(s.events.steps) for s in stores) - sum(routed0)
+    return {
+        "clock": clock, "batch": B, "steps": args.steps, "joined_gap_steps": gap,
+        "steps_with_routing": steps_with_routing, "requests_routed": routed,
+        "route_ops_per_step": round(ops / args.steps, 1),
+        "route_syncs_per_step": round(syncs / args.steps, 2),
+        "route_ms_per_step": round(route_us / 1e3 / args.steps, 2),
+        "wall_ms_per_step": round(1e3 * wall / args.steps, 2),
+        "over_budget_routings": h.backend.stats()["over_budget_routings"],
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=32, help="decode steps counted")
+    ap.add_argument("--every", type=int, default=16, help="decode steps between routings")
+    ap.add_argument("--budget", type=int, default=40, help="percent (short prompts)")
+    ap.add_argument("--clocks", nargs="+", default=["request", "server"])
+    ap.add_argument("--out", default=None, help="folder for route_clock.json")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT))
+    from tiered_radix.adapters.sglang import backend
+
+    for name in ("_route_due", "_land"):  # the spans whose ops count
+        _wrap(backend.TieredAttnBackend, name, f"X:{name}")
+    if len(args.clocks) == 1:
+        rows = [run(args.clocks[0], args)]
+    else:  # each clock in a fresh process: a second harness in one process runs its steps slower
+        rows = []
+        for clock in args.clocks:
+            one = [a for a in argv if a not in args.clocks and a != "--clocks"]
+            if "--out" in one:
+                k = one.index("--out")
+                del one[k : k + 2]
+            done = subprocess.run([sys.executable, __file__, *one, "--clocks", clock],
+                                  capture_output=True, text=True, check=True)  # fmt: skip
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    for r in rows:
+        print(json.dumps(r))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        res = {"command": "python bench/route_clock_cpu.py " + " ".join(argv), "args": vars(args),
+               "torch": torch.__version__, "rows": rows}  # fmt: skip
+        (Path(args.out) / "route_clock.json").write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

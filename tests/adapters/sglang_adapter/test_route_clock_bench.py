@@ -1,0 +1,27 @@
+"""bench/route_clock_cpu.py: staggered requests route one phase at a time on the request clock,
+together on the server clock (the script's own run, small)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from sglang_sim import require
+
+require("sglang.srt.mem_cache.radix_cache")
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+
+import route_clock_cpu  # noqa: E402
+
+
+def test_the_server_clock_routes_staggered_requests_together(tmp_path):
+    args = ["--batch", "4", "--layers", "2", "--prompt", "128", "--steps", "8", "--every", "4",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert route_clock_cpu.main(args) == 0
+    rows = {r["clock"]: r for r in json.loads((tmp_path / "route_clock.json").read_text())["rows"]}
+    own, server = rows["request"], rows["server"]
+    assert own["requests_routed"] == server["requests_routed"] == 4 * 8 // 4
+    assert own["steps_with_routing"] == 8 and server["steps_with_routing"] == 2
+    assert server["route_ops_per_step"] < own["route_ops_per_step"]
+    assert own["over_budget_routings"] == server["over_budget_routings"] == 0
