@@ -28,6 +28,8 @@ class PendingRoutes:
 
     def __init__(self, stores, plans, reasons, movers, done) -> None:
         self.stores, self.plans, self.reasons = stores, plans, reasons
+        # tokens per layer at the plan: a landing later holds more (TierStore.landing_budget)
+        self.planned = {i: list(stores[i].stack.n_tokens) for i in plans}
         self.movers: list[tuple[list[int], object]] = movers  # (store indices, mover)
         self.done: dict[int, Transitions] = dict(done)
         self.out: list[Transitions] | None = None
@@ -84,7 +86,8 @@ class PendingRoutes:
                     i = idx[0]
                     s = self.stores[i]
                     moves = s.stack.finish(mover, rows[0])
-                    self.done[i] = s.finish_apply(self.plans[i], self.reasons[i], moves)
+                    self.done[i] = s.finish_apply(self.plans[i], self.reasons[i], moves,
+                                                  planned=self.planned[i])  # fmt: skip
             keep = [i for i in range(len(self.stores)) if i not in self.dropped]
             self.out = [self.done[i] for i in keep]
         return self.out
@@ -94,9 +97,11 @@ class PendingRoutes:
         pass."""
         keep = [i not in self.dropped for i in idx]
         moves, used = st.finish(counts, keep), st.nbytes()
-        budgets = to_device([self.stores[i].budget_bytes() for i in idx], used.device)
+        budgets = to_device([self.stores[i].landing_budget(self.planned[i]) for i in idx],
+                            used.device)  # fmt: skip
         over = torch.stack([self.plans[i].over for i in idx]) | (used > budgets)
         for k, (i, m) in enumerate(zip(idx, moves, strict=True)):
             if m is not None:
                 s = self.stores[i]
-                self.done[i] = s.finish_apply(self.plans[i], self.reasons[i], m, used[k], over[k])
+                self.done[i] = s.finish_apply(self.plans[i], self.reasons[i], m, used[k], over[k],
+                                              self.planned[i])  # fmt: skip

@@ -33,7 +33,14 @@ from .decoupled import ChannelK, nbytes_layers
 from .events import EventLog, StepEvents, Transitions
 from .pending import PendingRoutes
 from .planner import Plan, plan_route, plan_routes
-from .routing import EngineConfigError, TierSet, per_layer, spread_shares, total_budget
+from .routing import (
+    EngineConfigError,
+    TierSet,
+    full_token_bytes,
+    per_layer,
+    spread_shares,
+    total_budget,
+)
 from .scores import ScoreEvaluator
 from .shard import HeadShard
 from .signals import TOKEN_SIGNALS, CacheState, Signals
@@ -270,12 +277,15 @@ class TierStore:
         """Move the data to ``plan``'s tiers; record and return the step's transitions."""
         return self.finish_apply(plan, reason, self.stack.apply(plan.tiers))
 
-    def finish_apply(self, plan: Plan, reason: str, m, used=None, over=None) -> Transitions:
+    def finish_apply(
+        self, plan: Plan, reason: str, m, used=None, over=None, planned: list[int] | None = None
+    ) -> Transitions:
         """The rest of :meth:`apply` once the stack moved its units (``m``: its ``Moves``), for
         a routing whose moves were made elsewhere (:mod:`.pending`, stacked over stores);
         ``used`` (int64 0-d) and ``over`` (bool 0-d) where they were computed with other
         stores' (:class:`~.stacked.StackedMoves`, unsharded): this store's bytes and
-        over-budget flag."""
+        over-budget flag. ``planned``: the tokens per layer when it was planned, for a routing
+        that lands later (:meth:`landing_budget`)."""
         ev = self.tier_set.evict
         for li, u in enumerate(plan.units):
             self.stack.routed_units[li] = u
@@ -288,7 +298,7 @@ class TierStore:
             self.tier_set.names, ev, m.index, m.shape, m.src, m.dst, m.wrote
         )
         out.promoted, out.written = m.promoted, m.written
-        budget = self.budget_bytes()
+        budget = self.budget_bytes() if planned is None else self.landing_budget(planned)
         if used is None:
             used = self._bytes()
             if self.shard.world > 1:  # the record is the whole model's, the same on every rank
@@ -442,9 +452,21 @@ class TierStore:
                 total = total + lay.k.nbytes_heads().sum() + lay.k.rows_bytes(kept).sum()
         return total
 
-    def budget_bytes(self) -> int:
-        """The whole model's budget (all ranks' heads when sharded)."""
-        return total_budget(self.budget, self.stack.n_tokens, self.shard.heads_total, self.head_dim)
+    def budget_bytes(self, tokens: list[int] | None = None) -> int:
+        """The whole model's budget (all ranks' heads when sharded), at ``tokens`` per layer
+        (default: those held now)."""
+        tokens = self.stack.n_tokens if tokens is None else tokens
+        return total_budget(self.budget, tokens, self.shard.heads_total, self.head_dim)
+
+    def landing_budget(self, planned: list[int]) -> int:
+        """The bytes a routing planned at ``planned`` tokens per layer may hold when it lands
+        after more were decoded (SGLang's overlap order: a step later): the budget it was
+        planned for, and the tokens since at full precision, which the next routing places (as
+        every token decoded between two routings waits for the next)."""
+        late = sum(self.stack.n_tokens) - sum(planned)
+        return self.budget_bytes(planned) + late * full_token_bytes(
+            self.shard.heads_total, self.head_dim
+        )
 
     def channel_tiers(self, layer: int) -> tuple[Tensor, Tensor]:
         """A decoupled policy's K after the last routing: int64 ``[H, d]`` engine tier per
