@@ -36,7 +36,10 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
+
+from route_host import shape_args  # noqa: E402
 
 DEFERRED = "schedule: after_prefill(defer=true)"
 FUNCS = [  # (module, class or None, attribute): host work listed per function (where present)
@@ -232,9 +235,7 @@ def main() -> None:
     ap.add_argument("--policy", default="rdkv", help="shipped name or policy file")
     ap.add_argument("--variant", nargs="+", default=["chunks", "shipped"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
+    shape_args(ap)
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens per request")
     ap.add_argument("--chunks", type=int, default=4, help="prefill chunks")
     ap.add_argument("--budget", type=int, default=10, help="percent")

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "adapters" / "sglang_adapter"))
 
-from route_host import POLICY, _wrap  # noqa: E402
+from route_host import POLICY, _wrap, shape_args  # noqa: E402
 
 
 def run(clock: str, args) -> dict:
@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
+    shape_args(ap)
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=32, help="decode steps counted")
     ap.add_argument("--every", type=int, default=16, help="decode steps between routings")

@@ -198,12 +198,18 @@ def report(events, syncs: set[str], views: set[str]) -> dict:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+def shape_args(ap: argparse.ArgumentParser) -> None:
+    """``--layers``, ``--heads``, ``--head-dim``: the harness's attention shapes (default
+    Qwen2.5-0.5B's: 24 layers, 2 KV heads, head dim 64)."""
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    shape_args(ap)
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens per request")
     ap.add_argument("--chunks", type=int, default=2, help="prefill chunks (a routing after each)")
     ap.add_argument("--steps", type=int, default=40, help="decode steps")
