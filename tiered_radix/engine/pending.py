@@ -86,8 +86,9 @@ class PendingRoutes:
                     i = idx[0]
                     s = self.stores[i]
                     moves = s.stack.finish(mover, rows[0])
+                    budget = s.landing_budget(self.planned[i])
                     self.done[i] = s.finish_apply(self.plans[i], self.reasons[i], moves,
-                                                  planned=self.planned[i])  # fmt: skip
+                                                  budget=budget)  # fmt: skip
             keep = [i for i in range(len(self.stores)) if i not in self.dropped]
             self.out = [self.done[i] for i in keep]
         return self.out
@@ -97,11 +98,12 @@ class PendingRoutes:
         pass."""
         keep = [i not in self.dropped for i in idx]
         moves, used = st.finish(counts, keep), st.nbytes()
-        budgets = to_device([self.stores[i].landing_budget(self.planned[i]) for i in idx],
-                            used.device)  # fmt: skip
-        over = torch.stack([self.plans[i].over for i in idx]) | (used > budgets)
+        budgets = [self.stores[i].landing_budget(self.planned[i]) for i in idx]
+        over = torch.stack([self.plans[i].over for i in idx]) | (
+            used > to_device(budgets, used.device)
+        )
         for k, (i, m) in enumerate(zip(idx, moves, strict=True)):
             if m is not None:
                 s = self.stores[i]
                 self.done[i] = s.finish_apply(self.plans[i], self.reasons[i], m, used[k], over[k],
-                                              self.planned[i])  # fmt: skip
+                                              budgets[k])  # fmt: skip

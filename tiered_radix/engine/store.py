@@ -278,14 +278,14 @@ class TierStore:
         return self.finish_apply(plan, reason, self.stack.apply(plan.tiers))
 
     def finish_apply(
-        self, plan: Plan, reason: str, m, used=None, over=None, planned: list[int] | None = None
+        self, plan: Plan, reason: str, m, used=None, over=None, budget: int | None = None
     ) -> Transitions:
         """The rest of :meth:`apply` once the stack moved its units (``m``: its ``Moves``), for
         a routing whose moves were made elsewhere (:mod:`.pending`, stacked over stores);
         ``used`` (int64 0-d) and ``over`` (bool 0-d) where they were computed with other
         stores' (:class:`~.stacked.StackedMoves`, unsharded): this store's bytes and
-        over-budget flag. ``planned``: the tokens per layer when it was planned, for a routing
-        that lands later (:meth:`landing_budget`)."""
+        over-budget flag. ``budget``: what it is checked and recorded against (default:
+        :meth:`budget_bytes`; a routing that lands later: :meth:`landing_budget`)."""
         ev = self.tier_set.evict
         for li, u in enumerate(plan.units):
             self.stack.routed_units[li] = u
@@ -298,7 +298,7 @@ class TierStore:
             self.tier_set.names, ev, m.index, m.shape, m.src, m.dst, m.wrote
         )
         out.promoted, out.written = m.promoted, m.written
-        budget = self.budget_bytes() if planned is None else self.landing_budget(planned)
+        budget = self.budget_bytes() if budget is None else budget
         if used is None:
             used = self._bytes()
             if self.shard.world > 1:  # the record is the whole model's, the same on every rank

@@ -24,9 +24,8 @@ future rows of its last window per (layer, head) as rows plus pages, so a batch 
 eagerly (:meth:`GraphDecode.fits`, checked before SGLang picks the graph). ``tokens`` is
 ``--kv-graph-tokens``, at least one context; by default (:func:`auto_tokens`) every captured
 request at full context, within an eighth of the device memory free when the graphs are set up
-and never under :data:`GRAPH_TOKENS`. A fixed 262,144 ran a serving benchmark's batches of 20-29
-conversations of 13-23K tokens eagerly (``cuda graph: False``: ~37 ms a step where 8 replayed
-requests take 6 ms, H100 run 22), while the pool held ten times their tokens.
+and never under :data:`GRAPH_TOKENS`: a tiered pool holds several times a bf16 pool's tokens,
+so its running batches outgrow a fixed capacity (docs/sglang.md, *CUDA graphs*).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from tiered_radix.kernels import decode
 
 from . import trizone, zone_decode
 
-GRAPH_TOKENS = 1 << 18  # the default capacity's floor (the fixed default before run 22)
+GRAPH_TOKENS = 1 << 18  # the default capacity's floor
 GRAPH_MEMORY_SHARE = 8  # the default capacity takes at most 1/8 of the free device memory
 
 

@@ -132,9 +132,9 @@ def check_tensor_parallel(cfg: config.KVConfig, given: dict) -> None:
 # The backend captures decode steps itself (:mod:`.graph`). An extend batch's index tables are
 # built on the host at each step and its routing runs after the last layer, so SGLang's prefill
 # graphs can hold only the layers between attention calls (its breakable graphs, which run each
-# attention call eagerly): --kv-prefill-graphs, off until measured on the GPU. Decode graphs stay
-# as the user has them. The overlap scheduler stays as the user has it unless --no-kv-overlap:
-# decode is faster with it (docs/sglang.md).
+# attention call eagerly): --kv-prefill-graphs, off by default (GPU run 22: faster at 1 x 4K,
+# slower at 32 x 8K; docs/sglang.md). Decode graphs stay as the user has them. The overlap
+# scheduler stays as the user has it unless --no-kv-overlap: decode is faster with it.
 def forced(options: KVOptions) -> dict:
     """ServerArgs fields every tiered launch sets, whatever the user gave."""
     out = {} if options.prefill_graphs else {"disable_prefill_cuda_graph": True}
