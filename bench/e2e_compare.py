@@ -10,8 +10,10 @@ Prints, per policy present in both folders, whether every chat turn's answer and
 answer are the same text (greedy decoding), and the first differing answer otherwise, and the
 server's tier counters (routings, demotions, promotions, evictions) of both runs beside each
 other: equal counters say the tier decisions matched too (reported, not required: the two
-paths' attention sums differ in rounding). Exit status 1 when any answer differs or a folder
-has no results.
+paths' attention sums differ in rounding). ``--policies a,b`` names the policies expected: one
+missing from either folder (its server failed or a timeout cut it: GPU run 23's rdkv) is
+reported as missing. Exit status 1 when any answer differs, an expected policy is missing, or
+a folder has no results.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ def counters(result: dict) -> dict:
     return {k: stats.get(k) for k in COUNTERS}
 
 
-def compare(a: Path, b: Path) -> dict:
-    """Per policy in both folders: ``{"same": bool, "answers": n, "first_diff": ...}``."""
+def compare(a: Path, b: Path, expected: list[str] = ()) -> dict:
+    """Per policy in both folders: ``{"same": bool, "answers": n, "first_diff": ...}``; per
+    ``expected`` policy absent from either: ``{"same": False, "missing": [folder names]}``."""
     left = {p.stem: json.loads(p.read_text()) for p in sorted(a.glob("*.json"))
             if not p.name.endswith(".stats.json")}  # fmt: skip
     right = {p.stem: json.loads(p.read_text()) for p in sorted(b.glob("*.json"))
@@ -49,6 +52,10 @@ def compare(a: Path, b: Path) -> dict:
         out[policy] = {"same": not diff and len(x) == len(y), "answers": len(x),
                        "first_diff": list(diff[0]) if diff else None,
                        "counters": [counters(left[policy]), counters(right[policy])]}  # fmt: skip
+    for policy in expected:
+        missing = [f.name for f, got in ((a, left), (b, right)) if policy not in got]
+        if missing:
+            out[policy] = {"same": False, "missing": missing}
     return out
 
 
@@ -57,9 +64,14 @@ def main() -> int:
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--policies", default="", help="comma separated: the policies both runs "
+                   "should have answered for (missing ones fail)")  # fmt: skip
     args = p.parse_args()
-    result = compare(args.a, args.b)
+    result = compare(args.a, args.b, [x for x in args.policies.split(",") if x])
     for policy, r in result.items():
+        if "missing" in r:
+            print(f"{policy}: MISSING in {', '.join(r['missing'])}")
+            continue
         print(f"{policy}: {r['answers']} answers, {'same' if r['same'] else 'DIFFER'}"
               + (f"; first difference {r['first_diff']}" if r["first_diff"] else ""))  # fmt: skip
         left, right = r["counters"]

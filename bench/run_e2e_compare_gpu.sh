@@ -12,15 +12,18 @@
 # others' tarballs: few files, the machine returns at most 8.
 . bench/gpu_install.sh > /tmp/inst.txt 2>&1 || { tail -5 /tmp/inst.txt; exit 1; }
 export TR_MODEL_PATH=/tmp/models/qwen2.5-0.5b TR_E2E_POLICIES=${POLICIES:-qevict,rdkv} TR_E2E_MEM=0.3
-e2e() {  # NAME PORT [server flags]
-  TR_E2E_OUT=/tmp/e2e/$1 TR_E2E_PORT=$2 TR_E2E_ARGS="$3" timeout 240 \
+n_policies=$(tr ',' '\n' <<< "$TR_E2E_POLICIES" | grep -c .)
+e2e() {  # NAME PORT [server flags]; 240 s a policy (run 23: one policy's server took 140 s, the
+  # second was cut by a 240 s limit for both)
+  TR_E2E_OUT=/tmp/e2e/$1 TR_E2E_PORT=$2 TR_E2E_ARGS="$3" timeout $((240 * n_policies)) \
     python3 -P -m pytest -q -p no:cacheprovider tests/gpu/test_sglang_e2e.py > /tmp/e2e/$1.txt 2>&1
 }
 if [ "${E2E:-1}" != 0 ]; then  # E2E=0: the benchmarks below only
   mkdir -p /tmp/e2e
   e2e kernel 31000 "" & e2e sdpa 31010 "--kv-extend sdpa" & wait
   tail -n 2 /tmp/e2e/kernel.txt /tmp/e2e/sdpa.txt
-  python3 bench/e2e_compare.py /tmp/e2e/kernel /tmp/e2e/sdpa --out "$OUT/e2e-compare.json"
+  python3 bench/e2e_compare.py /tmp/e2e/kernel /tmp/e2e/sdpa --policies "$TR_E2E_POLICIES" \
+    --out "$OUT/e2e-compare.json"
   tar czf "$OUT/e2e.tgz" -C /tmp e2e
 fi
 if [ "${PREFILL_S:-0}" -gt 0 ]; then

@@ -20,6 +20,8 @@ Runs on the GPU machine (``bash bench/run_sglang_gpu.sh``), one ``sglang.Engine`
 - ``tiered_step``: ``tiered`` observing each replayed step's attention on the host
   (``kv_observe="step"``, every run before GPU run 9) instead of summing it on the
   device between routings.
+- ``tiered_server_clock``: ``tiered`` with ``kv_route_clock="server"`` (every running request
+  routes together on the server's step count instead of each on its own).
 
 Tiered runs time each graph replay on the device (``kv_device_times=True``: two CUDA
 events a step), reported per step as ``replay_device`` beside the host phases.
@@ -131,6 +133,8 @@ def run(kind: str, a, vocab: int = 30000) -> dict:
         kw["kv_observe"] = "step" if kind == "tiered_step" else "fold"
         if a.profile:  # a window of decode steps (.profile)
             kw["kv_profile"] = a.profile
+    if kind == "tiered_server_clock":
+        kw["kv_route_clock"] = "server"
     if kind == "tiered_eager":
         kw["disable_cuda_graph"] = True
     if kind == "plain_serial":
@@ -357,7 +361,8 @@ def main() -> None:
             print(kind, "FAILED", repr(e)[:2000], flush=True)
         Path(a.out, "sglang_decode.json").write_text(json.dumps(res, indent=1))
     by = {r["kind"]: r for r in res["runs"] if "rows" in r}
-    for kind in ("tiered", "tiered_serial", "tiered_overlap", "tiered_step", "tiered_eager"):
+    for kind in ("tiered", "tiered_serial", "tiered_overlap", "tiered_step", "tiered_eager",
+                 "tiered_server_clock"):
         if {"plain", kind} <= by.keys():
             for pr, tr in zip(by["plain"]["rows"], by[kind]["rows"], strict=False):
                 tr["ratio_vs_plain"] = tr["decode_ms_per_token"] / pr["decode_ms_per_token"]

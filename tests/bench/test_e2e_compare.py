@@ -51,3 +51,16 @@ def test_all_same_exits_0_and_nothing_to_compare_exits_1(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     monkeypatch.setattr(sys, "argv", ["e2e_compare.py", str(a), str(tmp_path / "empty")])
     assert e2e_compare.main() == 1
+
+
+def test_an_expected_policy_missing_from_a_run_fails(tmp_path, capsys, monkeypatch):
+    a, b = tmp_path / "kernel", tmp_path / "sdpa"
+    _write(a, "qevict", ["Hi."], "tangerine", 1)
+    _write(b, "qevict", ["Hi."], "tangerine", 1)
+    _write(b, "rdkv", ["Hi."], "tangerine", 1)  # the kernel run's rdkv server never answered
+    out = e2e_compare.compare(a, b, ["qevict", "rdkv"])
+    assert out["qevict"]["same"] and out["rdkv"] == {"same": False, "missing": ["kernel"]}
+    argv = ["e2e_compare.py", str(a), str(b), "--policies", "qevict,rdkv"]
+    monkeypatch.setattr(sys, "argv", argv)
+    assert e2e_compare.main() == 1
+    assert "rdkv: MISSING in kernel" in capsys.readouterr().out
