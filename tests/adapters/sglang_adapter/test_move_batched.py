@@ -12,6 +12,7 @@ from sglang_sim import Sim, require
 
 require("sglang.srt.mem_cache.memory_pool")
 
+from tiered_radix.adapters.sglang import pool as pool_module  # noqa: E402
 from tiered_radix.adapters.sglang.reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Q, R  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
 from tiered_radix.formats.layout import pack_uniform_pages  # noqa: E402
@@ -137,8 +138,12 @@ def same(a, b) -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("quant", [200, 9])  # plenty of ledger blocks, and short of them
-def test_batched_move_equals_the_per_layer_move(seed: int, quant: int):
+@pytest.mark.parametrize("slice_pairs", [None, 3])  # made at once, or 3 pairs a slice
+def test_batched_move_equals_the_per_layer_move(seed: int, quant: int, slice_pairs, monkeypatch):
     new_pool, old_pool = pools(seed, quant)
+    if slice_pairs:  # the bound on a make's float32 K/V bytes, down to 3 pairs' worth
+        pair_bytes = 2 * 4 * new_pool.layout.window * new_pool.head_dim
+        monkeypatch.setattr(pool_module, "_MAKE_BYTES", slice_pairs * pair_bytes)
     ref = Reference(old_pool)
     g = torch.Generator().manual_seed(100 + seed)
     for _ in range(4):

@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 # float32 K/V bytes one Zone A pack reads at once (repack): the layers of a request are packed
 # together (one pass, not one a layer) up to this, so a long request stays in a bounded copy
 _PACK_BYTES = 1 << 30
+# float32 K/V bytes one slice of a move's new representations reads at once (``_make``): a
+# routing that demotes a whole batch's prompts (64 x 30K tokens: 20.75 GiB in one piece, GPU
+# run 23's out-of-memory) is made in slices of this many bytes instead
+_MAKE_BYTES = 256 << 20
 
 
 def _check(ok: Tensor, what: str) -> None:
@@ -666,23 +670,37 @@ class TieredKVPool(MHATokenToKVPool):
               got: Tensor) -> None:  # fmt: skip
         """Write representation ``kind`` of the pairs with ``got`` into their new ``block``
         (int64 ``[m]``). Every pair is computed, those without a block write zeros or NaN into
-        block 0 (the traps: zeros and NaN already), so the work needs no host sync."""
+        block 0 (the traps: zeros and NaN already), so the work needs no host sync. The pairs
+        go in slices of at most :data:`_MAKE_BYTES` of float32 K/V (a slice count from ``m``,
+        known on the host): the temporaries stay bounded however many pairs a routing moves."""
         if kind == Q:  # a pair without its ledger copy reads rows: FULL, or R (restored)
             blk = self.block_all[ly, :, h, w].long()
-            b = torch.where(src == S_R, blk[:, R], blk[:, FULL])
-            k, v = self.rows_k_all[ly, b].float(), self.rows_v_all[ly, b].float()
+            src_block = torch.where(src == S_R, blk[:, R], blk[:, FULL])
+        else:  # R: dequantize(Q), which the holder has or is about to acquire
+            src_block = self.block_all[ly, Q, h, w]
+            _check(((src_block > 0) | ~got).all(), "restoring a window without a ledger copy")
+            self.tally.t[0] += got.sum()
+        step = max(1, _MAKE_BYTES // (2 * 4 * self.layout.window * self.head_dim))
+        for s in range(0, ly.numel(), step):
+            cut = slice(s, s + step)
+            self._make_slice(kind, ly[cut], src_block[cut], block[cut], got[cut])
+        cur = self.block_all[ly, kind, h, w]
+        self.block_all[ly, kind, h, w] = torch.where(got, block.to(cur.dtype), cur)
+
+    def _make_slice(self, kind: int, ly: Tensor, src_block: Tensor, block: Tensor,
+                    got: Tensor) -> None:  # fmt: skip
+        """:meth:`_make`'s data movement for one slice of pairs: ``kind`` ``Q`` packs the rows
+        in ``src_block`` into ledger pages ``block``, ``R`` dequantizes the ledger pages in
+        ``src_block`` into row blocks ``block`` (all int ``[n]``, layers ``ly [n]``)."""
+        if kind == Q:
+            k, v = self.rows_k_all[ly, src_block].float(), self.rows_v_all[ly, src_block].float()
             bits, g = self.layout.quant.bits, self.v_group
             self.pages_all[ly, block] = torch.where(got[:, None], pack_pages(k, v, bits, g), 0)
-        else:  # R: dequantize(Q), which the holder has or is about to acquire
-            qb = self.block_all[ly, Q, h, w]
-            _check(((qb > 0) | ~got).all(), "restoring a window without a ledger copy")
-            k, v = self._unpage(ly, qb)
+        else:
+            k, v = self._unpage(ly, src_block)
             keep = got[:, None, None]
             self.rows_k_all[ly, block] = torch.where(keep, k, torch.nan).to(self.dtype)
             self.rows_v_all[ly, block] = torch.where(keep, v, torch.nan).to(self.dtype)
-            self.tally.t[0] += got.sum()
-        cur = self.block_all[ly, kind, h, w]
-        self.block_all[ly, kind, h, w] = torch.where(got, block.to(cur.dtype), cur)
 
     # -- decoupled policies: repacking (.zones) -------------------------------------------------
     def read_request(self, rid: str, layer_id: int, windows: Tensor, n_tokens: int):
