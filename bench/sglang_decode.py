@@ -361,8 +361,9 @@ def main() -> None:
             print(kind, "FAILED", repr(e)[:2000], flush=True)
         Path(a.out, "sglang_decode.json").write_text(json.dumps(res, indent=1))
     by = {r["kind"]: r for r in res["runs"] if "rows" in r}
-    for kind in ("tiered", "tiered_serial", "tiered_overlap", "tiered_step", "tiered_eager",
-                 "tiered_server_clock"):
+    tiered_kinds = ("tiered", "tiered_serial", "tiered_overlap", "tiered_step", "tiered_eager",
+                    "tiered_server_clock")  # fmt: skip
+    for kind in tiered_kinds:
         if {"plain", kind} <= by.keys():
             for pr, tr in zip(by["plain"]["rows"], by[kind]["rows"], strict=False):
                 tr["ratio_vs_plain"] = tr["decode_ms_per_token"] / pr["decode_ms_per_token"]
