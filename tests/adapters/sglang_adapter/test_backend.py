@@ -819,6 +819,39 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy, obse
     assert [len(f) for f in sim.pool.free_rows] == free0
 
 
+def test_a_new_window_in_the_same_batch_carries_the_side_output_on_without_a_fold(monkeypatch):
+    """Lists are rebuilt when a request opens a window, but while the batch stays the same each
+    (request, head, window) keeps its place in the side output: the replays sum on and fold
+    once, at the end, and the engines hold the scores eager decode (one observation a step)
+    reaches. Before, every new window folded (2 here)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    policy = KERNEL_POLICY.replace("every(3)", "every(100)")  # no decode routing in the run
+    kw = dict(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
+    eager, graphed = Harness(**kw), Harness(**kw)
+    graphed.backend.init_cuda_graph_state(2, 2)
+    graphed.capture(2)
+    reqs = {}
+    for name, h in (("eager", eager), ("graphed", graphed)):
+        a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
+        h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
+        reqs[name] = a, b
+    for t in range(14):  # a opens its window at token 81, b at 49
+        new = [[60 + t], [80 + t]]
+        eager.step(list(reqs["eager"]), new, extend=False)
+        graphed.replay(list(reqs["graphed"]), new, 2)
+    stats = graphed.backend.stats()["host_s"]
+    assert stats["steady_steps"] <= 14 - 3  # the first step, and each new window, rebuilt
+    assert stats.get("folds", 0) == 0
+    graphed.backend.fold_pending()
+    assert graphed.backend.stats()["host_s"]["folds"] == 1
+    for r in "ab":
+        want, got = (h.backend.sessions[r].store.scores._state for h in (eager, graphed))
+        assert want.keys() == got.keys() and len(want) > 0
+        for key, x in want.items():
+            torch.testing.assert_close(got[key], x, atol=1e-3, rtol=1e-3)
+
+
 def test_overlapped_decode_leaves_the_other_requests_as_serial_decode_does(monkeypatch):
     """The overlap scheduler's order (decode after decode): step t+1 is prepared and launched
     before step t's tokens are processed, so request c, whose last token came at step 5, runs

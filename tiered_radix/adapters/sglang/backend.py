@@ -486,9 +486,9 @@ class TieredAttnBackend(AttentionBackend):
             seqs = fb.seq_lens_cpu[:raw].tolist()
             prev = [s - 1 for s in seqs]  # each request's length before its new token
             W = self.pool.layout.window
-            # the same requests, one token more each, none of them in a new window
-            steady = self.graph_last == (bs, pools, prev) and all(p % W for p in prev)
-            self._graph_step(bs, steady)
+            same = self.graph_last == (bs, pools, prev)  # the same requests, a token more each
+            steady = same and all(p % W for p in prev)  # and none of them in a new window
+            self._graph_step(bs, steady, same)
             starts = [] if steady else window_starts(prev, [1] * raw, W)
             self._make_rows(rids, len(starts))
             self._admit(rids, pools, seqs, prev, [1] * raw)
@@ -506,17 +506,19 @@ class TieredAttnBackend(AttentionBackend):
                     ls = zone_decode.lists(self.pool, rids, views, seqs, g.n_max, ahead=True)
                 else:
                     ls = trizone.candidates(self.pool, views, seqs, g.n_max, ahead=True)
-                g.load(bs, ls)
+                g.load(bs, ls, carry=same)
         self.graph_last = (bs, pools, seqs)
         self.pending = True
         self.timer.count("decode_steps")
         self.timer.count("graph_steps")
         self.timer.replay_starts()  # SGLang launches the replay after this
 
-    def _graph_step(self, bs: int, steady: bool) -> None:
+    def _graph_step(self, bs: int, steady: bool, same: bool = False) -> None:
         """A step of captured batch size ``bs`` begins (no requests yet). Unless ``steady``, the
-        lists change: the summed side output goes to the engines first."""
-        if not steady:
+        lists change; unless the batch stays the ``same`` (a window opened: every unit keeps its
+        place in the side output, which sums on), the summed side output goes to the engines
+        first."""
+        if not same:
             self.fold_pending()
         self.batch, self.extend, self.graph_bs, self.ebatch = [], False, bs, None
         self.dbatch = self.graph.batches.get(bs)  # made by the capture's first layer (q heads)
@@ -550,12 +552,13 @@ class TieredAttnBackend(AttentionBackend):
 
     def fold_pending(self) -> None:
         """The side output summed over replayed steps (:class:`~.graph.GraphDecode` with a
-        decay) into each request's engine, in one fold: before routing, and before the batch's
-        lists change (a new window, another batch, an eager forward)."""
+        decay) into each request's engine, in one fold: before routing, and before the batch
+        changes (other requests, or an eager forward). Counted as ``folds``."""
         g = self.graph
         db = g.pending() if g is not None else None
         if db is None:
             return
+        self.timer.count("folds")
         with self._timed("observe"):
             attn = trizone.window_attn(db, self._unit_tokens())
             for b, r in enumerate(self.batch):

@@ -14,9 +14,10 @@ capacity (:class:`GraphDecode`), and each step only overwrites their contents:
   padding tokens to the pool's scratch row block;
 - ``mass [L, bs, H * N]``: the side output, ``N`` windows per request (the context length's).
   With ``decay`` (the policy's :meth:`~tiered_radix.engine.store.TierStore.attn_decay`) it sums
-  the steps since the last :meth:`GraphDecode.load` as ``mass = decay * mass + step``
-  (``steps`` of them), so the engines take them in one fold before routing instead of one
-  observation per step.
+  the steps since the last fold as ``mass = decay * mass + step`` (``steps`` of them), so the
+  engines take them in one fold before routing (or when the batch changes) instead of one
+  observation per step. A request's units keep their places while the batch stays the same
+  (unit ``h * N + j`` of its row), so lists rebuilt for a new window carry the sum on.
 
 Capacity is in tokens of the batch: a request lists at most its ``seq`` tokens and the ``W - 1``
 future rows of its last window per (layer, head) as rows plus pages, so a batch whose
@@ -234,22 +235,37 @@ class GraphDecode:
         self._zero_mass(bs)
         self.steps = 0
 
-    def load(self, bs: int, ls) -> None:
+    def load(self, bs: int, ls, carry: bool = False) -> None:
         """Take one step's lists (``len(ls.n) <= bs`` requests, units numbered with ``n_max``,
         built with ``ahead``: each list ends in its last window's future rows) into the buffers
         of batch size ``bs``; the rest of ``bs`` lists nothing. ``ls``: a coupled pool's
         :class:`~.trizone.Candidates` (scattered into place: no host sync) or a decoupled one's
-        :class:`~.zone_decode.ZoneLists`."""
+        :class:`~.zone_decode.ZoneLists`. ``carry``: the same requests in the same order as the
+        last step (a window opened), so the side output not folded yet stays and this step's
+        adds to it (:meth:`_start_mass`)."""
         assert ls.n_max == self.n_max and len(ls.n) <= bs and ls.ahead is not None
         lists, self.bs = len(ls.n) * self.pool.head_num, bs
         if not self.decoupled:
             self._scatter(bs, ls, lists)
+            self._start_mass(bs, carry)
             return
         local, at = self._place(ls.full_ptr, lists, self.rows, ls.slots.numel())
         self.slots.view(-1).index_copy_(0, at, ls.slots)
         self.units.view(-1).index_copy_(0, at, ls.units)
         self._row_ends(bs, local, ls.ahead)
         self._load_pages(bs, ls, lists)
+        self._start_mass(bs, carry)
+
+    def _start_mass(self, bs: int, carry: bool) -> None:
+        """The side output before a step with new lists: summed on (``carry`` and a decayed sum
+        pending: ``mass = decay * mass``, as :meth:`advance`) or from 0."""
+        if carry and self.decay is not None and self.steps:
+            if self.decay != 1.0:
+                self.mass[:, :bs] *= self.decay
+            self.steps += 1
+            return
+        self._zero_mass(bs)
+        self.steps = 1
 
     def _row_ends(self, bs: int, local: Tensor, ahead: Tensor) -> None:
         """The row lists' pointers of batch size ``bs`` from each layer's ``local`` ones (``[L,
@@ -284,8 +300,6 @@ class GraphDecode:
         self.page_unit.view(-1).index_copy_(0, at, unit)
         self.page_units.view(-1, W).index_copy_(0, at, unit[:, None].expand(-1, W))
         _pad(self.page_ptr, plocal, bs * H * 4 + 1)
-        self._zero_mass(bs)
-        self.steps = 1
 
     def _load_pages(self, bs: int, ls: zone_decode.ZoneLists, lists: int) -> None:
         """:meth:`load`'s zone A over a decoupled pool: every layer's pages, K sections and
@@ -299,8 +313,6 @@ class GraphDecode:
         _pad(self.page_ptr, local, bs * self.pool.head_num * 4 + 1)
         self.k_table[:, : lists * 4] = ls.k_table
         self.perm[:, :lists] = ls.perm
-        self._zero_mass(bs)
-        self.steps = 1
 
     def nbytes(self) -> int:
         """Device bytes of the buffers."""
