@@ -16,6 +16,7 @@ from sglang_sim import POLICY, Sim, require
 
 require("sglang.srt.mem_cache.radix_cache")
 
+from tiered_radix.adapters.sglang import backend as backend_module  # noqa: E402
 from tiered_radix.adapters.sglang import plugin  # noqa: E402
 from tiered_radix.adapters.sglang.backend import TieredAttnBackend, window_starts  # noqa: E402
 from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa: E402
@@ -848,6 +849,62 @@ def test_a_new_window_in_the_same_batch_carries_the_side_output_on_without_a_fol
     for r in "ab":
         want, got = (h.backend.sessions[r].store.scores._state for h in (eager, graphed))
         assert want.keys() == got.keys() and len(want) > 0
+        for key, x in want.items():
+            torch.testing.assert_close(got[key], x, atol=1e-3, rtol=1e-3)
+
+
+def test_a_routing_folds_the_routed_requests_side_output_only(monkeypatch):
+    """Requests a step apart fall due for routing at different steps (the request clock): each
+    routing folds the summed side output of the requests it routes, while the others' rows keep
+    summing, and the engines end with the tiers and scores of eager decode."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kw = dict(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
+    eager, graphed = Harness(**kw), Harness(**kw)
+    graphed.backend.init_cuda_graph_state(2, 2)
+    graphed.capture(2)
+    reqs = {}
+    for name, h in (("eager", eager), ("graphed", graphed)):
+        a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
+        h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
+        reqs[name] = a, b
+    folded, due_sizes = [], []
+    fold, due = TierStore.fold_attn, backend_module.due_routings
+
+    def count_fold(store, acc, steps):
+        folded.append(store)
+        return fold(store, acc, steps)
+
+    def count_due(*args, **kw):
+        out = due(*args, **kw)
+        due_sizes.append(len(out))
+        return out
+
+    monkeypatch.setattr(TierStore, "fold_attn", count_fold)
+    monkeypatch.setattr(backend_module, "due_routings", count_due)
+    for name, h in (("eager", eager), ("graphed", graphed)):
+        folded.clear()
+        due_sizes.clear()
+        a, b = reqs[name]
+        for t in range(13):  # a decodes one step alone first: a and b route at other steps
+            batch = [a] if t == 0 else [a, b]
+            new = [[60 + t], [80 + t]][: len(batch)]
+            if name == "eager":
+                h.step(batch, new, extend=False)
+            else:
+                h.replay(batch, new, 2)
+    graphed.backend.flush()
+    graphed.backend.fold_pending()
+    graph_folds = len(folded)
+    routing_steps = sum(1 for n in due_sizes if n)
+    assert routing_steps >= 6 and max(due_sizes) == 1  # a and b never due together
+    # one fold a routed request, plus the batch change (a's row) and the last fold (two rows)
+    assert graph_folds <= routing_steps + 3 < 2 * routing_steps  # before: both rows each time
+    for r in "ab":
+        for li in range(graphed.sim.L):
+            x = eager.backend.sessions[r].store.tiers(li)
+            assert torch.equal(x, graphed.backend.sessions[r].store.tiers(li)), (r, li)
+        want, got = (h.backend.sessions[r].store.scores._state for h in (eager, graphed))
         for key, x in want.items():
             torch.testing.assert_close(got[key], x, atol=1e-3, rtol=1e-3)
 

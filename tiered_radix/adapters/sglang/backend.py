@@ -285,6 +285,8 @@ class TieredAttnBackend(AttentionBackend):
         self.replay_rids: list[str] | None = None  # the next replay's, from the plugin's hook
         self.noted: tuple | None = None  # (rids, slots) of the next forward: note_slots
         self.graph_last: tuple | None = None  # the last replay's (bs, pools, seqs)
+        self.relist = False  # blocks moved since the last replay's lists: rebuild them
+        self.mass_rows: list[_Req] = []  # whose engines the graphs' side output rows are for
         timing = options.device_times and torch.device(pool.device).type == "cuda"
         self.timer = StepTimer(timing, options.profile)  # host/device times, see stats()
         self._timed = self.timer.phase
@@ -470,7 +472,7 @@ class TieredAttnBackend(AttentionBackend):
         bs, g, H = fb.batch_size, self.graph, self.pool.head_num
         if in_capture:
             self._graph_step(bs, steady=False)
-            self.graph_last = None
+            self.graph_last, self.mass_rows = None, []
             g.clear(bs)
             self.pool.graph_write(fb.out_cache_loc[:0], g.dest[:, : bs * H])
             return
@@ -487,7 +489,8 @@ class TieredAttnBackend(AttentionBackend):
             prev = [s - 1 for s in seqs]  # each request's length before its new token
             W = self.pool.layout.window
             same = self.graph_last == (bs, pools, prev)  # the same requests, a token more each
-            steady = same and all(p % W for p in prev)  # and none of them in a new window
+            # and neither a routing's moves nor a new window since: the lists stand
+            steady = same and not self.relist and all(p % W for p in prev)
             self._graph_step(bs, steady, same)
             starts = [] if steady else window_starts(prev, [1] * raw, W)
             self._make_rows(rids, len(starts))
@@ -507,7 +510,8 @@ class TieredAttnBackend(AttentionBackend):
                 else:
                     ls = trizone.candidates(self.pool, views, seqs, g.n_max, ahead=True)
                 g.load(bs, ls, carry=same)
-        self.graph_last = (bs, pools, seqs)
+                self.relist = False
+        self.graph_last, self.mass_rows = (bs, pools, seqs), self.batch
         self.pending = True
         self.timer.count("decode_steps")
         self.timer.count("graph_steps")
@@ -536,7 +540,7 @@ class TieredAttnBackend(AttentionBackend):
         before_close`, with their ids as ``closing``): routing happens before anything reads
         its result, as in eager mode."""
         if self._land():  # blocks moved: the next step rebuilds its lists
-            self.graph_last = None
+            self.relist = True
         if not self.pending:
             return
         self.pending = False
@@ -548,22 +552,31 @@ class TieredAttnBackend(AttentionBackend):
                 self._observe_decode()
         with self._timed("route"):
             if self._route_due(closing):  # blocks moved: the next step rebuilds its lists
-                self.graph_last = None
+                self.relist = True
 
-    def fold_pending(self) -> None:
+    def fold_pending(self, only: list[_Req] | None = None) -> None:
         """The side output summed over replayed steps (:class:`~.graph.GraphDecode` with a
-        decay) into each request's engine, in one fold: before routing, and before the batch
-        changes (other requests, or an eager forward). Counted as ``folds``."""
+        decay) into each request's engine, in one fold: before the batch changes (other
+        requests, or an eager forward) every request's, before a routing ``only`` the routed
+        requests' (the others' rows keep summing: a request clock routes one or two of a
+        large batch at a step). Counted as ``folds``."""
         g = self.graph
         db = g.pending() if g is not None else None
         if db is None:
             return
+        reqs = self.mass_rows  # the replayed batch (this step's is not admitted yet)
+        picked = None if only is None else {id(r) for r in only}
+        rows = None if picked is None else [b for b, r in enumerate(reqs) if id(r) in picked]
+        todo = [b for b in (range(len(reqs)) if rows is None else rows) if g.row_steps[b]]
+        if not todo:
+            return
         self.timer.count("folds")
         with self._timed("observe"):
             attn = trizone.window_attn(db, self._unit_tokens())
-            for b, r in enumerate(self.batch):
-                r.session.store.fold_attn(attn[:, b, :, : r.seq], g.steps)
-            g.folded()
+            for b in todo:
+                r = reqs[b]
+                r.session.store.fold_attn(attn[:, b, :, : r.seq], g.row_steps[b])
+            g.folded(rows)
 
     def _open(self, tree, req, prefix_len: int, n_tokens: int) -> Session:
         """Borrow the matched prefix; the store's tiers start at the borrowed states. The
@@ -756,8 +769,8 @@ class TieredAttnBackend(AttentionBackend):
         due = due_routings(self.batch, self.extend, clock)
         if self.late_landing and closing:
             due = [(r, why) for r, why in due if r.rid not in closing]
-        if due:
-            self.fold_pending()  # scores up to date (replayed steps summed their attention)
+        if due:  # their scores up to date (replayed steps summed their attention)
+            self.fold_pending([r for r, _ in due])
         # planned together (one pass over their stacked layers), then one pool move for all
         stores = [r.session.store for r, _ in due]
         pending = TierStore.begin_routes(stores, [why for _, why in due], prefill=self.extend)

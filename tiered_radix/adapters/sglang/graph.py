@@ -101,7 +101,9 @@ class GraphDecode:
         self.pool, self.max_bs, self.tokens, self.side_output = pool, max_bs, tokens, side_output
         self.splits = splits
         self.decay = decay if side_output else None
-        self.steps = 0  # steps summed in mass (with decay) since load() or folded()
+        # per request row of the batch: steps summed in its mass (with decay) since it was
+        # last folded (:meth:`folded`) or the lists changed without a carry
+        self.row_steps: list[int] = []
         self.bs = 0  # the batch size of the last load() or clear()
         self.context_len = context_len
         # a decoupled pool's requests read Zone A pages of their own, per layer (.zone_decode):
@@ -233,7 +235,12 @@ class GraphDecode:
         self.full_end[:, : bs * H] = 0
         self.page_ptr[:, : bs * H * 4 + 1] = 0
         self._zero_mass(bs)
-        self.steps = 0
+        self.row_steps = [0] * bs
+
+    @property
+    def steps(self) -> int:
+        """The most steps any row's side output sums, not folded yet (0: nothing to fold)."""
+        return max(self.row_steps, default=0)
 
     def load(self, bs: int, ls, carry: bool = False) -> None:
         """Take one step's lists (``len(ls.n) <= bs`` requests, units numbered with ``n_max``,
@@ -262,10 +269,10 @@ class GraphDecode:
         if carry and self.decay is not None and self.steps:
             if self.decay != 1.0:
                 self.mass[:, :bs] *= self.decay
-            self.steps += 1
+            self.row_steps = [n + 1 for n in self.row_steps]
             return
         self._zero_mass(bs)
-        self.steps = 1
+        self.row_steps = [1] * bs
 
     def _row_ends(self, bs: int, local: Tensor, ahead: Tensor) -> None:
         """The row lists' pointers of batch size ``bs`` from each layer's ``local`` ones (``[L,
@@ -333,17 +340,24 @@ class GraphDecode:
             self._zero_mass(self.bs)
         elif self.decay != 1.0:
             self.mass[:, : self.bs] *= self.decay
-        self.steps += 1
+        self.row_steps = [n + 1 for n in self.row_steps]
 
     def pending(self) -> trizone.DecodeBatch | None:
         """The batch whose ``mass`` holds steps not folded into the engines yet (``steps`` of
         them, summed with ``decay``), or None."""
         return self.batches.get(self.bs) if self.decay is not None and self.steps else None
 
-    def folded(self) -> None:
-        """The engines took the summed steps: start again from 0."""
-        self._zero_mass(self.bs)
-        self.steps = 0
+    def folded(self, rows: list[int] | None = None) -> None:
+        """The engines of batch ``rows`` (default: all) took their summed steps: those rows
+        start again from 0 (a device op each), the others keep summing."""
+        if rows is None or len(rows) >= len(self.row_steps):
+            self._zero_mass(self.bs)
+            self.row_steps = [0] * self.bs
+            return
+        for b in rows:
+            if self.mass is not None:
+                self.mass[:, b].zero_()
+            self.row_steps[b] = 0
 
     def _zero_mass(self, bs: int) -> None:
         """The side output accumulates (+=): each step of batch size ``bs`` starts from 0."""
