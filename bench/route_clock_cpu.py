@@ -12,7 +12,14 @@ out, as ``route_host.py`` counts them) and host syncs in ``_route_due`` and ``_l
 plans and the landings), per step. On the GPU every launching op costs the host ~40 us
 (``routing_notes.md``); this CPU's wall ms also carry the ops' own work.
 
+``--graphs``: the counted steps are decode graph replays (capture at ``--batch``, the way
+SGLang's graph runner drives the backend; the joins stay eager), where the side output is
+summed on the device and folded into the engines (``fold_pending``): then also the ops of
+the step's metadata and lists (``init_forward_metadata_out_graph``, the folds it runs
+included) and the rows folded (``fold_attn`` calls), per step.
+
     python bench/route_clock_cpu.py --batch 8 --out bench/results/route-clock-cpu
+    python bench/route_clock_cpu.py --batch 16 --graphs --clocks request --out DIR
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ def run(clock: str, args) -> dict:
     from tiered_radix.adapters.sglang import backend
     from tiered_radix.adapters.sglang.options import KVOptions
     from tiered_radix.adapters.sglang.sizing import PoolBlocks
+    from tiered_radix.engine.store import TierStore
 
     gen = torch.Generator().manual_seed(args.batch)
 
@@ -71,14 +79,25 @@ def run(clock: str, args) -> dict:
     stores = [h.backend.sessions[r.rid].store for r in running]
     routed0 = [len(s.events.steps) for s in stores]
     steps_with_routing = 0
+    if args.graphs:  # SGLang captures its batch sizes after the pool is set up
+        h.backend.init_cuda_graph_state(B, B)
+        h.capture(B)
+    folds = []
+    fold = TierStore.fold_attn
+    TierStore.fold_attn = lambda store, acc, steps: (folds.append(1), fold(store, acc, steps))[1]
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for t in range(args.steps):
             before = sum(len(s.events.steps) for s in stores)
-            h.step(running, [[60 + t % 30]] * B, extend=False)
+            if args.graphs:
+                h.replay(running, [[60 + t % 30]] * B, B, rids=True)
+            else:
+                h.step(running, [[60 + t % 30]] * B, extend=False)
             steps_with_routing += sum(len(s.events.steps) for s in stores) > before
     wall = time.perf_counter() - t0
+    TierStore.fold_attn = fold
     events = prof.events()
+    meta = [e.time_range for e in events if e.name == "X:init_forward_metadata_out_graph"]
     spans = [e.time_range for e in events if e.name in ("X:_route_due", "X:_land")]
     aten = [e for e in events if e.name.startswith("aten::")]
     top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
@@ -92,6 +111,13 @@ def run(clock: str, args) -> dict:
     ops = sum(1 for e in top if e.name not in VIEWS and inside(e))
     syncs = sum(1 for e in events if e.name in SYNCS and inside(e))
     routed = sum(len(s.events.steps) for s in stores) - sum(routed0)
+    graphs = {}
+    if args.graphs:  # the step's metadata and lists (a fold there included), rows folded
+        in_meta = [e for e in top if e.name not in VIEWS and any(
+            s.start <= e.time_range.start and e.time_range.end <= s.end for s in meta)]  # fmt: skip
+        graphs = {"metadata_ops_per_step": round(len(in_meta) / args.steps, 1),
+                  "rows_folded_per_step": round(len(folds) / args.steps, 2),
+                  "steady_steps": int(h.backend.stats()["host_s"].get("steady_steps", 0))}  # fmt: skip
     return {
         "clock": clock, "batch": B, "steps": args.steps, "joined_gap_steps": gap,
         "steps_with_routing": steps_with_routing, "requests_routed": routed,
@@ -99,7 +125,7 @@ def run(clock: str, args) -> dict:
         "route_syncs_per_step": round(syncs / args.steps, 2),
         "route_ms_per_step": round(route_us / 1e3 / args.steps, 2),
         "wall_ms_per_step": round(1e3 * wall / args.steps, 2),
-        "over_budget_routings": h.backend.stats()["over_budget_routings"],
+        "over_budget_routings": h.backend.stats()["over_budget_routings"], **graphs,
     }  # fmt: skip
 
 
@@ -113,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=16, help="decode steps between routings")
     ap.add_argument("--budget", type=int, default=40, help="percent (short prompts)")
     ap.add_argument("--clocks", nargs="+", default=["request", "server"])
+    ap.add_argument("--graphs", action="store_true", help="count decode graph replays")
     ap.add_argument("--out", default=None, help="folder for route_clock.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -120,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from tiered_radix.adapters.sglang import backend
 
-    for name in ("_route_due", "_land"):  # the spans whose ops count
+    for name in ("_route_due", "_land", "init_forward_metadata_out_graph"):  # counted spans
         _wrap(backend.TieredAttnBackend, name, f"X:{name}")
     if len(args.clocks) == 1:
         rows = [run(args.clocks[0], args)]
