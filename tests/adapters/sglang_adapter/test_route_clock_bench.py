@@ -25,3 +25,16 @@ def test_the_server_clock_routes_staggered_requests_together(tmp_path):
     assert own["steps_with_routing"] == 8 and server["steps_with_routing"] == 2
     assert server["route_ops_per_step"] < own["route_ops_per_step"]
     assert own["over_budget_routings"] == server["over_budget_routings"] == 0
+
+
+def test_graph_replays_fold_only_the_routed_rows(tmp_path):
+    """--graphs: on the request clock each routing folds the one request it routes; the rows
+    folded per step stay at the routings', not the batch's."""
+    args = ["--batch", "4", "--layers", "2", "--prompt", "128", "--steps", "8", "--every", "4",
+            "--graphs", "--clocks", "request", "--out", str(tmp_path)]  # fmt: skip
+    assert route_clock_cpu.main(args) == 0
+    (row,) = json.loads((tmp_path / "route_clock.json").read_text())["rows"]
+    # one or two requests a routing (a replay's is planned at the next step's flush)
+    assert row["requests_routed"] >= 7 and row["steps_with_routing"] >= 6
+    assert row["rows_folded_per_step"] <= 1.0  # before the partial folds: ~4 (the batch)
+    assert row["metadata_ops_per_step"] > row["route_ops_per_step"] > 0
