@@ -115,9 +115,10 @@ def run(clock: str, args) -> dict:
     if args.graphs:  # the step's metadata and lists (a fold there included), rows folded
         in_meta = [e for e in top if e.name not in VIEWS and any(
             s.start <= e.time_range.start and e.time_range.end <= s.end for s in meta)]  # fmt: skip
+        steady = h.backend.stats()["host_s"].get("steady_steps", 0)
         graphs = {"metadata_ops_per_step": round(len(in_meta) / args.steps, 1),
                   "rows_folded_per_step": round(len(folds) / args.steps, 2),
-                  "steady_steps": int(h.backend.stats()["host_s"].get("steady_steps", 0))}  # fmt: skip
+                  "steady_steps": int(steady)}  # fmt: skip
     return {
         "clock": clock, "batch": B, "steps": args.steps, "joined_gap_steps": gap,
         "steps_with_routing": steps_with_routing, "requests_routed": routed,
