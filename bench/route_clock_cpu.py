@@ -84,7 +84,7 @@ def run(clock: str, args) -> dict:
         h.capture(B)
     folds = []
     fold = TierStore.fold_attn
-    TierStore.fold_attn = lambda store, acc, steps: (folds.append(1), fold(store, acc, steps))[1]
+    TierStore.fold_attn = lambda store, *a: (folds.append(1), fold(store, *a))[1]
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for t in range(args.steps):

@@ -228,6 +228,28 @@ def test_attn_decay_says_when_decode_attention_can_be_folded(score, decay):
     assert ScoreEvaluator(policy(score), 1, H).attn_decay() == decay
 
 
+@pytest.mark.parametrize("units", ["window(size=4)", "token"])
+def test_a_fold_per_window_equals_the_fold_of_its_tokens(units):
+    """A decode kernel's side output is a mass per window of 4 tokens: folded per window
+    (``unit=4``) it leaves every state where the per-token tensor with each window's mass at
+    its first token leaves it, whether the state is kept per window (window units: the mass is
+    added as it is) or per token (token units)."""
+    pol = policy("cumulative(attn, decay=0.9)", units)
+    L, t, W = 2, 14, 4  # the last window holds 2 tokens
+    g = torch.Generator().manual_seed(4)
+    mass = torch.rand(L, H, -(-t // W), generator=g)
+    tokens = torch.zeros(L, H, t)
+    tokens[..., ::W] = mass
+    per_window, per_token = ScoreEvaluator(pol, L, H), ScoreEvaluator(pol, L, H)
+    for sc in (per_window, per_token):
+        sc.update_attn(torch.rand(L, H, t, generator=torch.Generator().manual_seed(5)))
+    per_window.fold_attn(mass, 3, unit=W, n_tokens=t)
+    per_token.fold_attn(tokens, 3)
+    assert per_window._state.keys() == per_token._state.keys() and per_window._state
+    for key, x in per_token._state.items():
+        assert torch.equal(per_window._state[key], x), key
+
+
 def test_fold_attn_equals_one_update_per_step():
     """k steps of attention summed as acc = g * acc + attn and folded at once leave the state
     (and so every score) where k update_attn calls leave it."""

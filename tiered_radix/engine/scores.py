@@ -348,18 +348,32 @@ class ScoreEvaluator:
         decays = {_const(n.kwarg("decay", Num(1.0))) for n in folded}
         return decays.pop() if reads and reads == len(folded) and len(decays) == 1 else None
 
-    def fold_attn(self, acc: Tensor, steps: int) -> None:
+    def fold_attn(self, acc: Tensor, steps: int, unit: int = 1, n_tokens: int = 0) -> None:
         """``steps`` decode steps of attention at once: ``acc [L, H, T]`` float32 is
         ``sum_i g^(steps-i) attn_i`` over them (``g`` = :meth:`attn_decay`, which must not be
-        None): each ``cumulative(attn)`` state becomes ``g^steps * state + acc``."""
+        None): each ``cumulative(attn)`` state becomes ``g^steps * state + acc``.
+
+        ``unit > 1``: ``acc [L, H, n]`` is the mass of each span of ``unit`` tokens of the
+        ``n_tokens`` (a decode kernel's side output per window), taken as all at the span's
+        first token: a state kept per policy unit of that size adds it as it is (no per-token
+        tensor), one kept per token gets it at each span's first token."""
         decay = self.attn_decay()
         if decay is None:
             raise SignalError("this policy's decode attention cannot be folded (attn_decay)")
         L, H, t = acc.shape
         assert (L, H) == (self.n_layers, self.n_heads), (acc.shape, self.n_layers)
+        acc, tokens = acc.float(), None
         for node in self._cumulative:
-            if node.args[0] == Name("attn"):
-                self._accumulate(node, slice(None), acc.float(), decay**steps)
+            if node.args[0] != Name("attn"):
+                continue
+            if unit > 1 and self._grain[node] > 1 and self._unit.size == unit:  # per unit
+                n = acc.shape[-1]
+                _advance(self._buffer(node, n, acc.device)[:, :, :n], decay**steps, acc)
+                continue
+            if unit > 1 and tokens is None:  # each span's mass at its first token
+                tokens = acc.new_zeros(L, H, n_tokens)
+                tokens[..., ::unit] = acc
+            self._accumulate(node, slice(None), acc if unit == 1 else tokens, decay**steps)
 
     def evaluate(
         self, layer: int, expr: Expr, part: UnitLayout, *, cache: CacheState | None = None

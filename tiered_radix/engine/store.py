@@ -229,12 +229,22 @@ class TierStore:
         steps' attention may be summed elsewhere and folded in with :meth:`fold_attn`."""
         return self.scores.attn_decay()
 
-    def fold_attn(self, acc: Tensor, steps: int) -> None:
+    def fold_attn(self, acc: Tensor, steps: int, unit: int = 1) -> None:
         """``steps`` decode steps of :meth:`observe_attn` at once: ``acc [L, H, T]`` float32,
         each step's attention summed as ``acc = decay * acc + attn`` (the last step's ``T``
-        tokens)."""
-        self._check_all_layers("fold_attn", acc)
-        self.scores.fold_attn(acc, steps)
+        tokens); ``unit > 1``: ``acc [L, H, ceil(T / unit)]`` per span of ``unit`` tokens, as
+        a decode kernel sums it per window (:meth:`~.scores.ScoreEvaluator.fold_attn`)."""
+        if unit == 1:
+            self._check_all_layers("fold_attn", acc)
+            self.scores.fold_attn(acc, steps)
+            return
+        t = self.stack.n_tokens
+        if len(set(t)) != 1 or acc.shape[2] != -(-t[0] // unit):
+            raise ValueError(
+                f"fold_attn per {unit} tokens needs [L, H, {-(-t[0] // unit)}] over equal "
+                f"layers of {t[0]} tokens, got {list(acc.shape)}"
+            )
+        self.scores.fold_attn(acc, steps, unit, t[0])
 
     def _check_all_layers(self, what: str, x: Tensor) -> None:
         """``x`` is ``[L, H, T]`` over layers that all hold ``T`` tokens."""

@@ -871,9 +871,9 @@ def test_a_routing_folds_the_routed_requests_side_output_only(monkeypatch):
     folded, due_sizes = [], []
     fold, due = TierStore.fold_attn, backend_module.due_routings
 
-    def count_fold(store, acc, steps):
+    def count_fold(store, acc, steps, unit=1):
         folded.append(store)
-        return fold(store, acc, steps)
+        return fold(store, acc, steps, unit)
 
     def count_due(*args, **kw):
         out = due(*args, **kw)

@@ -572,10 +572,12 @@ class TieredAttnBackend(AttentionBackend):
             return
         self.timer.count("folds")
         with self._timed("observe"):
-            attn = trizone.window_attn(db, self._unit_tokens())
+            W = self._unit_tokens()  # the side output is per window (per token: decoupled)
+            L, bs, HN = db.mass.shape
+            mass = db.mass.view(L, bs, HN // db.n_max, db.n_max)
             for b in todo:
                 r = reqs[b]
-                r.session.store.fold_attn(attn[:, b, :, : r.seq], g.row_steps[b])
+                r.session.store.fold_attn(mass[:, b, :, : -(-r.seq // W)], g.row_steps[b], W)
             g.folded(rows)
 
     def _open(self, tree, req, prefix_len: int, n_tokens: int) -> Session:
