@@ -820,14 +820,12 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy, obse
     assert [len(f) for f in sim.pool.free_rows] == free0
 
 
-def test_a_new_window_in_the_same_batch_carries_the_side_output_on_without_a_fold(monkeypatch):
-    """Lists are rebuilt when a request opens a window, but while the batch stays the same each
-    (request, head, window) keeps its place in the side output: the replays sum on and fold
-    once, at the end, and the engines hold the scores eager decode (one observation a step)
-    reaches. Before, every new window folded (2 here)."""
+def _eager_and_graphed(monkeypatch, policy: str):
+    """Two harnesses of ``policy`` (eager decode, and decode graphs captured at batch 2, the
+    kernels under the Triton interpreter), each with requests a (70 tokens) and b (36)
+    prefilled: the harnesses and ``{"eager": (a, b), "graphed": (a, b)}``."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    policy = KERNEL_POLICY.replace("every(3)", "every(100)")  # no decode routing in the run
     kw = dict(policy=policy, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
     eager, graphed = Harness(**kw), Harness(**kw)
     graphed.backend.init_cuda_graph_state(2, 2)
@@ -837,6 +835,16 @@ def test_a_new_window_in_the_same_batch_carries_the_side_output_on_without_a_fol
         a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
         h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
         reqs[name] = a, b
+    return eager, graphed, reqs
+
+
+def test_a_new_window_in_the_same_batch_carries_the_side_output_on_without_a_fold(monkeypatch):
+    """Lists are rebuilt when a request opens a window, but while the batch stays the same each
+    (request, head, window) keeps its place in the side output: the replays sum on and fold
+    once, at the end, and the engines hold the scores eager decode (one observation a step)
+    reaches. Before, every new window folded (2 here)."""
+    policy = KERNEL_POLICY.replace("every(3)", "every(100)")  # no decode routing in the run
+    eager, graphed, reqs = _eager_and_graphed(monkeypatch, policy)
     for t in range(14):  # a opens its window at token 81, b at 49
         new = [[60 + t], [80 + t]]
         eager.step(list(reqs["eager"]), new, extend=False)
@@ -857,17 +865,7 @@ def test_a_routing_folds_the_routed_requests_side_output_only(monkeypatch):
     """Requests a step apart fall due for routing at different steps (the request clock): each
     routing folds the summed side output of the requests it routes, while the others' rows keep
     summing, and the engines end with the tiers and scores of eager decode."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kw = dict(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64))
-    eager, graphed = Harness(**kw), Harness(**kw)
-    graphed.backend.init_cuda_graph_state(2, 2)
-    graphed.capture(2)
-    reqs = {}
-    for name, h in (("eager", eager), ("graphed", graphed)):
-        a, b = h.start("a", list(range(1, 71))), h.start("b", list(range(20, 56)))
-        h.step([a, b], [a.origin_input_ids, b.origin_input_ids], extend=True)
-        reqs[name] = a, b
+    eager, graphed, reqs = _eager_and_graphed(monkeypatch, KERNEL_POLICY)
     folded, due_sizes = [], []
     fold, due = TierStore.fold_attn, backend_module.due_routings
 
