@@ -43,6 +43,19 @@ from route_host import POLICY, _wrap, shape_args  # noqa: E402
 
 
 def run(clock: str, args) -> dict:
+    """One clock's row, in this process: the decode kernel stays stubbed and ``fold_attn``
+    counted for the run only (a test calling :func:`main` runs on with the real ones)."""
+    from tiered_radix.adapters.sglang import backend
+    from tiered_radix.engine.store import TierStore
+
+    kernel, fold = backend.decode.run, TierStore.fold_attn
+    try:
+        return _run(clock, args)
+    finally:
+        backend.decode.run, TierStore.fold_attn = kernel, fold
+
+
+def _run(clock: str, args) -> dict:
     from backend_host_ops import SYNCS, VIEWS
     from test_backend import Harness
 
@@ -95,7 +108,6 @@ def run(clock: str, args) -> dict:
                 h.step(running, [[60 + t % 30]] * B, extend=False)
             steps_with_routing += sum(len(s.events.steps) for s in stores) > before
     wall = time.perf_counter() - t0
-    TierStore.fold_attn = fold
     events = prof.events()
     meta = [e.time_range for e in events if e.name == "X:init_forward_metadata_out_graph"]
     spans = [e.time_range for e in events if e.name in ("X:_route_due", "X:_land")]
