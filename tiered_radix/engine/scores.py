@@ -367,8 +367,7 @@ class ScoreEvaluator:
             if node.args[0] != Name("attn"):
                 continue
             if unit > 1 and self._grain[node] > 1 and self._unit.size == unit:  # per unit
-                n = acc.shape[-1]
-                _advance(self._buffer(node, n, acc.device)[:, :, :n], decay**steps, acc)
+                self._accumulate(node, slice(None), acc, decay**steps, summed=True)
                 continue
             if unit > 1 and tokens is None:  # each span's mass at its first token
                 tokens = acc.new_zeros(L, H, n_tokens)
@@ -422,11 +421,14 @@ class ScoreEvaluator:
         return self._observed[layer].get(name)
 
     # -- evaluation ------------------------------------------------------------------------
-    def _accumulate(self, node: Call, layers, x: Tensor, decay: float | None = None) -> None:
+    def _accumulate(
+        self, node: Call, layers, x: Tensor, decay: float | None = None, summed: bool = False
+    ) -> None:
         """``state = decay * state + x`` for ``node`` at ``layers`` (an index or a slice),
         ``x [..., H, T]`` per token (per channel), summed per unit first where the node's
-        state is kept per unit. ``decay``: the node's own unless given."""
-        if self._grain[node] > 1:  # kept per unit: the policy's windows
+        state is kept per unit (``summed``: ``x`` is per unit already). ``decay``: the node's
+        own unless given."""
+        if self._grain[node] > 1 and not summed:  # kept per unit: the policy's windows
             x = self._unit.aggregate(x)
         n = x.shape[-1]
         if decay is None:

@@ -234,24 +234,18 @@ class TierStore:
         each step's attention summed as ``acc = decay * acc + attn`` (the last step's ``T``
         tokens); ``unit > 1``: ``acc [L, H, ceil(T / unit)]`` per span of ``unit`` tokens, as
         a decode kernel sums it per window (:meth:`~.scores.ScoreEvaluator.fold_attn`)."""
-        if unit == 1:
-            self._check_all_layers("fold_attn", acc)
-            self.scores.fold_attn(acc, steps)
-            return
-        t = self.stack.n_tokens
-        if len(set(t)) != 1 or acc.shape[2] != -(-t[0] // unit):
-            raise ValueError(
-                f"fold_attn per {unit} tokens needs [L, H, {-(-t[0] // unit)}] over equal "
-                f"layers of {t[0]} tokens, got {list(acc.shape)}"
-            )
-        self.scores.fold_attn(acc, steps, unit, t[0])
+        self._check_all_layers("fold_attn", acc, unit)
+        self.scores.fold_attn(acc, steps, unit, self.stack.n_tokens[0])
 
-    def _check_all_layers(self, what: str, x: Tensor) -> None:
-        """``x`` is ``[L, H, T]`` over layers that all hold ``T`` tokens."""
+    def _check_all_layers(self, what: str, x: Tensor, unit: int = 1) -> None:
+        """``x`` is ``[L, H, T]`` over layers that all hold ``T`` tokens (``unit > 1``: ``[L,
+        H, ceil(T / unit)]``, one entry per span of ``unit`` tokens)."""
         t = self.stack.n_tokens
-        if len(set(t)) != 1 or x.shape[2] != t[0]:
+        n = -(-t[0] // unit)
+        if len(set(t)) != 1 or x.shape[2] != n:
+            per = "" if unit == 1 else f" per {unit} tokens of {t[0]}"
             raise ValueError(
-                f"{what} needs [L, H, T={t[0]}] over equal layers, got {list(x.shape)}"
+                f"{what} needs [L, H, T={n}]{per} over equal layers, got {list(x.shape)}"
             )
 
     def schedule_due(self, decode_step: int) -> bool:

@@ -471,7 +471,7 @@ class TieredAttnBackend(AttentionBackend):
         self.flush()
         bs, g, H = fb.batch_size, self.graph, self.pool.head_num
         if in_capture:
-            self._graph_step(bs, steady=False)
+            self._graph_step(bs, same=False)
             self.graph_last, self.mass_rows = None, []
             g.clear(bs)
             self.pool.graph_write(fb.out_cache_loc[:0], g.dest[:, : bs * H])
@@ -491,7 +491,7 @@ class TieredAttnBackend(AttentionBackend):
             same = self.graph_last == (bs, pools, prev)  # the same requests, a token more each
             # and neither a routing's moves nor a new window since: the lists stand
             steady = same and not self.relist and all(p % W for p in prev)
-            self._graph_step(bs, steady, same)
+            self._graph_step(bs, same)
             starts = [] if steady else window_starts(prev, [1] * raw, W)
             self._make_rows(rids, len(starts))
             self._admit(rids, pools, seqs, prev, [1] * raw)
@@ -517,11 +517,10 @@ class TieredAttnBackend(AttentionBackend):
         self.timer.count("graph_steps")
         self.timer.replay_starts()  # SGLang launches the replay after this
 
-    def _graph_step(self, bs: int, steady: bool, same: bool = False) -> None:
-        """A step of captured batch size ``bs`` begins (no requests yet). Unless ``steady``, the
-        lists change; unless the batch stays the ``same`` (a window opened: every unit keeps its
-        place in the side output, which sums on), the summed side output goes to the engines
-        first."""
+    def _graph_step(self, bs: int, same: bool) -> None:
+        """A step of captured batch size ``bs`` begins (no requests yet). Unless the batch stays
+        the ``same`` (every unit keeps its place in the side output, which sums on), the summed
+        side output goes to the engines first."""
         if not same:
             self.fold_pending()
         self.batch, self.extend, self.graph_bs, self.ebatch = [], False, bs, None

@@ -267,12 +267,19 @@ class GraphDecode:
         """The side output before a step with new lists: summed on (``carry`` and a decayed sum
         pending: ``mass = decay * mass``, as :meth:`advance`) or from 0."""
         if carry and self.decay is not None and self.steps:
-            if self.decay != 1.0:
-                self.mass[:, :bs] *= self.decay
-            self.row_steps = [n + 1 for n in self.row_steps]
+            self._next_mass(bs)
             return
         self._zero_mass(bs)
         self.row_steps = [1] * bs
+
+    def _next_mass(self, bs: int) -> None:
+        """One step more in the side output of batch size ``bs``: summed on with ``decay``
+        (``mass = decay * mass``, the kernel adds the step), or from 0 where nothing folds."""
+        if self.decay is None:
+            self._zero_mass(bs)
+        elif self.decay != 1.0:
+            self.mass[:, :bs] *= self.decay
+        self.row_steps = [n + 1 for n in self.row_steps]
 
     def _row_ends(self, bs: int, local: Tensor, ahead: Tensor) -> None:
         """The row lists' pointers of batch size ``bs`` from each layer's ``local`` ones (``[L,
@@ -336,11 +343,7 @@ class GraphDecode:
         lists = raw * self.pool.head_num
         self.dest[:, :lists] += 1
         self.full_end[:, :lists] += 1
-        if self.decay is None:
-            self._zero_mass(self.bs)
-        elif self.decay != 1.0:
-            self.mass[:, : self.bs] *= self.decay
-        self.row_steps = [n + 1 for n in self.row_steps]
+        self._next_mass(self.bs)
 
     def pending(self) -> trizone.DecodeBatch | None:
         """The batch whose ``mass`` holds steps not folded into the engines yet (``steps`` of
