@@ -19,8 +19,11 @@ size; ``$TR_E2E_ARGS`` more server flags. Texts and counters go to ``$TR_E2E_OUT
 
 Where a kernel's reduction order depends on the batch (GEMMs of another M, decode graphs of
 another batch size), outputs may differ in the last bits; plain SGLang's row shows whether the
-model's own path is batch invariant on this GPU. The tiered policies must match it: identical
-texts, and identical transition counters (routes, demotions, promotions, evictions).
+model's own path is batch invariant on this GPU. On the H100 of GPU run 24 it is not (2 of 8
+texts changed: SGLang cuts a batch's chunks elsewhere than a lone request's): its case is then an
+``xfail`` naming the prompts, its texts in the JSON. The tiered policies must hold regardless:
+identical texts, and identical transition counters (routes, demotions, promotions, evictions)
+counted from after the server's own warm-up request.
 """
 
 from __future__ import annotations
@@ -114,6 +117,10 @@ def test_texts_are_the_same_in_a_batch_and_alone(policy):
     proc = launch(policy, log)
     try:
         e2e.wait_healthy(proc, log)
+        # SGLang's own warm-up request (before the server reports ready) routed too: count
+        # from here (GPU run 24 compared the batch's counters, warm-up included, with the lone
+        # requests')
+        before = counters(stats)
         t0 = time.time()
         together = generate(texts)
         time.sleep(1)  # the stats file is rewritten after each routing
@@ -125,15 +132,18 @@ def test_texts_are_the_same_in_a_batch_and_alone(policy):
         elapsed = time.time() - t0
     finally:
         e2e.stop(proc)
+    batch_counts = {k: after_batch[k] - before[k] for k in COUNTERS}
     alone_counts = {k: after_alone[k] - after_batch[k] for k in COUNTERS}
     differ = [i for i, (a, b) in enumerate(zip(together, alone, strict=True)) if a != b]
     result = {
         "policy": policy, "budget": BUDGET, "chunk": int(CHUNK), "n": N, "differ": differ,
-        "together": together, "alone": alone, "counters_together": after_batch,
+        "together": together, "alone": alone, "counters_together": batch_counts,
         "counters_alone": alone_counts, "seconds": elapsed,
     }  # fmt: skip
     (e2e.OUT / f"batch-{policy}.json").write_text(json.dumps(result, indent=1))
+    if policy == "none" and differ:  # the reference: SGLang cuts a batch's chunks elsewhere
+        pytest.xfail(f"plain SGLang's texts change with the batch: {differ} of {N} differ")
     assert not differ, [(i, together[i], alone[i]) for i in differ]
     if policy != "none":
-        assert after_batch["routes"] > 0, "the policy never routed"
-        assert after_batch == alone_counts, (after_batch, alone_counts)
+        assert batch_counts["routes"] > 0, "the policy never routed"
+        assert batch_counts == alone_counts, (batch_counts, alone_counts)
