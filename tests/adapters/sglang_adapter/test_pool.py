@@ -15,6 +15,8 @@ from tiered_radix.adapters.sglang.reps import (  # noqa: E402
     S_Q,
     S_R,
     PoolConfigError,
+    Q,
+    R,
 )
 from tiered_radix.adapters.sglang.sizing import PoolBlocks, plan_blocks  # noqa: E402
 from tiered_radix.formats import codecs  # noqa: E402
@@ -221,6 +223,33 @@ def test_out_of_row_blocks_is_a_pool_full_error():
     sim = Sim(blocks=PoolBlocks(full=10, quant=4))  # 2 heads: five windows' worth
     with pytest.raises(PoolFullError, match="row blocks needed"):
         sim.start("a", list(range(1, 25)))  # six windows written at once
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_rows_held_for_a_forwards_windows_are_not_taken_by_promotions(held):
+    """Two windows' rows are free in every layer, as SGLang's decode check counted them; then
+    the step lands a routing that promotes a window before its two new windows open. Unheld
+    (GPU run 24, batch 64), the promotion takes a row and the windows do not fit:
+    ``PoolFullError`` out of the forward. Held for the forward (``rows_held``), the promotion
+    stays quantized (a degraded move, as a short pool's) and the windows open."""
+    sim = Sim(blocks=PoolBlocks(full=10, quant=4))
+    _, w, _ = written(sim, list(range(1, 13)))  # 3 windows x 2 heads: 6 of 10 row blocks
+    pool, li, h = sim.pool, 0, torch.zeros(1, dtype=torch.long)
+    got = pool.move(li, h, w[:1], torch.tensor([S_FULL]), torch.tensor([S_Q]))
+    pool.owner[li][h, w[:1]] = got.to(torch.int8)
+    pool.free_rows[li].pop()  # layer 0 back to 4 free rows, as every other layer
+    assert pool.windows_free() == 2 and pool.degraded == 0
+    with pool.rows_held(2 if held else 0):
+        assert pool.short_possible({Q: 0, R: 1}) == held
+        back = pool.move(li, h, w[:1], torch.tensor([S_Q]), torch.tensor([S_R]))
+        assert back.tolist() == ([S_Q] if held else [S_R])
+        assert pool.degraded == int(held)
+        if not held:
+            with pytest.raises(PoolFullError, match="row blocks needed in layer 0"):
+                sim.start("b", list(range(40, 48)))  # the step's two new windows
+            return
+        sim.start("b", list(range(40, 48)))
+    assert pool.windows_free() == 0 and sim.cache.views["b"].windows.numel() == 2
 
 
 def test_rows_that_cannot_hold_what_the_scheduler_never_lets_go_are_refused_at_launch():

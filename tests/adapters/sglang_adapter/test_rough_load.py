@@ -17,6 +17,7 @@ Locally, more seeds: ``RoughLoad(harness(name, late), sessions(seed, n=24)).run(
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -324,6 +325,51 @@ def test_a_replayed_decode_step_short_of_rows_routes_first(monkeypatch):
     reasons = [e.reason for e in h.backend.sessions["a"].store.events.steps]
     assert reasons[0] == "rows short" and h.backend.stats()["rows_routings"] == 1
     assert h.sim.pool.windows_free() > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_decode_steps_new_windows_are_held_while_it_lands_a_routing(monkeypatch, graphs):
+    """What SGLang's decode check counted free stays free until the step's windows open: the
+    step lands the routing planned at the step before (``flush``) and may route for rows, both
+    while the rows of the windows it opens are held from moves (``pool.rows_held``), eagerly and
+    as a graph replay. Two requests, one of whose next token opens a window: held for 1."""
+    from tiered_radix.adapters.sglang import backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backend.decode, "run", lambda q, layout, plan, **kw: torch.zeros_like(q))
+    h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=40, context=256)
+    W, pool = h.sim.W, h.sim.pool
+    if graphs:
+        h.backend.init_cuda_graph_state(2, 2)
+        h.capture(2)
+    reqs = [h.start("a", [(5 * j) % 97 + 1 for j in range(2 * W)]),  # next token: a new window
+            h.start("b", [(3 * j) % 89 + 1 for j in range(2 * W + 3)])]  # fmt: skip
+    h.step(reqs, [r.origin_input_ids for r in reqs], extend=True)
+    events, flush, rows_held, open_windows = [], h.backend.flush, pool.rows_held, pool.open_windows
+
+    @contextlib.contextmanager
+    def spy_held(windows):
+        events.append(("hold", windows))
+        with rows_held(windows):
+            yield
+        events.append("release")
+
+    def spy(name, fn):
+        def call(*a, **k):
+            events.append(name)
+            return fn(*a, **k)
+
+        return call
+
+    monkeypatch.setattr(pool, "rows_held", spy_held)
+    monkeypatch.setattr(pool, "open_windows", spy("open", open_windows))
+    monkeypatch.setattr(h.backend, "flush", spy("flush", flush))
+    if graphs:
+        h.replay(reqs, [[60], [61]], 2)
+    else:
+        h.step(reqs, [[60], [61]], extend=False)
+    assert events == [("hold", 1), "flush", "open", "release"]
+    assert h.sim.cache.views["a"].windows.numel() == 3  # the new window opened
 
 
 def test_a_rough_load_of_per_request_budgets_and_policies(monkeypatch):

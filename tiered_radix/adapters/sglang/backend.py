@@ -328,14 +328,29 @@ class TieredAttnBackend(AttentionBackend):
             self.timer.decode_step()
         elif fb.forward_mode.is_extend():
             self.timer.extend_batch()
-        self.flush()
-        self.fold_pending()  # an eager forward may open windows, route or change the batch
-        self.graph_last = None  # an eager forward may open windows or route: lists rebuild
-        extend = fb.forward_mode.is_extend()
-        with self._timed("metadata_extend" if extend else "metadata"):
-            self._metadata(fb)
+        # the rows of the windows this forward opens, which SGLang's checks counted free, stay
+        # free of the moves a landing or a rows-short routing makes before they open
+        with self.pool.rows_held(self._opens(fb)):
+            self.flush()
+            self.fold_pending()  # an eager forward may open windows, route or change the batch
+            self.graph_last = None  # an eager forward may open windows or route: lists rebuild
+            extend = fb.forward_mode.is_extend()
+            with self._timed("metadata_extend" if extend else "metadata"):
+                self._metadata(fb)
         if self.batch:
             self.timer.count("extend_batches" if self.extend else "decode_steps")
+
+    def _opens(self, fb) -> int:
+        """How many windows the eager forward ``fb`` opens (its tokens at a window's first
+        position; host ints): 0 for a batch without request ids (a graph capture's) or one
+        :meth:`_metadata` refuses."""
+        if fb.rids is None or fb.forward_mode.is_idle():
+            return 0
+        try:
+            _, prefix, new = batch_rows(fb)
+        except NotImplementedError:
+            return 0  # _metadata raises it, after the flush as before
+        return len(window_starts(prefix, new, self.pool.layout.window))
 
     def _metadata(self, fb) -> None:
         self.batch, self.dbatch, self.graph_bs, self.ebatch = [], None, None, None
@@ -465,9 +480,20 @@ class TieredAttnBackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False) -> None:
         """Before capturing batch size ``fb.batch_size`` (every request padding) and before
         each replay (the first ``bs - num_padding`` requests are real): the step's views, engines,
-        write rows and index lists, into the graph's buffers."""
-        if not in_capture:
-            self.timer.decode_step()
+        write rows and index lists, into the graph's buffers. The rows of the windows the step
+        opens are held from moves until they open (as in :meth:`init_forward_metadata`)."""
+        if in_capture:
+            return self._graph_metadata(fb, in_capture)
+        self.timer.decode_step()
+        raw = fb.batch_size - (getattr(fb, "num_padding", 0) or 0)
+        W = self.pool.layout.window  # a request's new token opens a window after W * k tokens
+        opens = sum(1 for s in fb.seq_lens_cpu[:raw].tolist() if (s - 1) % W == 0)
+        with self.pool.rows_held(opens):
+            self._graph_metadata(fb, in_capture)
+
+    def _graph_metadata(self, fb, in_capture: bool) -> None:
+        """:meth:`init_forward_metadata_out_graph`'s work: the last step's routing, then this
+        step's views, rows and lists."""
         self.flush()
         bs, g, H = fb.batch_size, self.graph, self.pool.head_num
         if in_capture:

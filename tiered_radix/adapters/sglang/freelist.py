@@ -100,16 +100,18 @@ class FreeStacks:
         return min(self._floor)
 
     # -- device side: masks over pairs, no host sync -------------------------------------------
-    def take(self, ly: Tensor, want: Tensor, bound: int | None = None) -> tuple[Tensor, Tensor]:
+    def take(self, ly: Tensor, want: Tensor, bound: int | None = None,
+             keep: int = 0) -> tuple[Tensor, Tensor]:  # fmt: skip
         """One block for each pair with ``want`` (bool ``[m]``; ``ly`` int64 ``[m]`` layers), in
-        pair order within a layer, while the layer has some: ``got`` bool ``[m]`` and the block
-        ids (int64 ``[m]``, 0 where not ``got``). ``bound``: a host bound of the pairs with
-        ``want`` (default ``m``), for :meth:`floor`."""
+        pair order within a layer, while the layer has more than ``keep`` (blocks held for
+        another use): ``got`` bool ``[m]`` and the block ids (int64 ``[m]``, 0 where not
+        ``got``). ``bound``: a host bound of the pairs with ``want`` (default ``m``), for
+        :meth:`floor`."""
         bound = ly.numel() if bound is None else bound
         self._floor = [max(0, f - bound) for f in self._floor]
         rank = rank_in_group(ly, want, self.n_layers)
         avail = self.top.t[ly]
-        got = want & (rank < avail)
+        got = want & (rank < avail - keep)
         pos = (avail - 1 - rank).clamp(min=0)
         block = torch.where(got, self.ids[ly, pos], 0)
         self.top.t.sub_(per_group(ly, got, self.n_layers))

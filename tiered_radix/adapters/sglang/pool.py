@@ -29,7 +29,9 @@ fail: :meth:`TieredKVPool.move` degrades it (see there) and returns the states i
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -114,6 +116,7 @@ class TieredKVPool(MHATokenToKVPool):
         self.blocks = blocks or plan_blocks(size, head_num, head_dim, itemsize, policy, self.budget)
         check_rows(self.blocks, head_num, policy)  # what the scheduler never lets go must fit
         self._warned_short = False  # the first degraded move is logged (see degraded)
+        self._rows_held = 0  # row blocks per layer that moves leave free (rows_held)
         # rows reclaimed from the radix cache (_reclaim_rows): windows demoted, tokens evicted
         self._reclaimed = {
             "cached_windows_demoted": 0, "cached_tokens_evicted": 0, "archived_copies_dropped": 0
@@ -339,6 +342,20 @@ class TieredKVPool(MHATokenToKVPool):
         evicting radix-cached windows that no running request holds if rows are short."""
         self._reclaim_rows(n * self.head_num, list(range(self.layer_num)))
         return self.windows_free() >= n
+
+    @contextlib.contextmanager
+    def rows_held(self, windows: int) -> Iterator[None]:
+        """While a forward is prepared: the row blocks of the ``windows`` it opens (``H`` each,
+        every layer) are held from :meth:`move`. SGLang's checks count them free before the
+        forward (:meth:`holds_decode_tokens`, the admission's); the routing a step lands first,
+        or one that the step runs because rows are short, would otherwise let promotions take
+        them before :meth:`open_windows` does (GPU run 24: ``PoolFullError`` at batch 64). A
+        promotion that finds only held blocks stays quantized, a degraded move."""
+        self._rows_held = windows * self.head_num
+        try:
+            yield
+        finally:
+            self._rows_held = 0
 
     def holds_decode_tokens(self, n: int) -> bool:
         """Whether a decode step's ``n`` new tokens find row blocks for the windows they open
@@ -622,6 +639,7 @@ class TieredKVPool(MHATokenToKVPool):
         pairs (in order) and degrades the rest instead of failing (a ``Q`` that finds no ledger
         block goes to the next tier down, evicted, or stays where the layout has no evicted
         tier; an ``R`` that finds no row block stays quantized), counted in :attr:`degraded`.
+        Row blocks held for the forward being prepared (:meth:`rows_held`) are not taken.
         Returns the states reached (int64 ``[m]``: ``new`` unless degraded), which the caller
         records as the holder's. ``make[kind]``: a host bound of the pairs that need a new
         representation of that kind (``Q``, ``R``); none is looked for where it is 0."""
@@ -633,7 +651,8 @@ class TieredKVPool(MHATokenToKVPool):
             if not bound:
                 continue
             need = self._holds[new, kind] & (self.block_all[ly, kind, h, w] == 0)
-            got, block = (self.q_stacks if kind == Q else self.row_stacks).take(ly, need, bound)
+            stacks, keep = (self.q_stacks, 0) if kind == Q else (self.row_stacks, self._rows_held)
+            got, block = stacks.take(ly, need, bound, keep)
             short = need & ~got
             evicts = kind == Q and self.layout.evict_index is not None
             new = torch.where(short, S_EVICT if evicts else old, new)
@@ -664,7 +683,8 @@ class TieredKVPool(MHATokenToKVPool):
         those planned, and nobody needs to compare them."""
         if self.layout.quant is None:
             return False
-        return self.q_stacks.floor() < make[Q] or self.row_stacks.floor() < make[R]
+        return (self.q_stacks.floor() < make[Q]
+                or self.row_stacks.floor() < make[R] + self._rows_held)  # fmt: skip
 
     def _make(self, kind: int, ly: Tensor, h: Tensor, w: Tensor, src: Tensor, block: Tensor,
               got: Tensor) -> None:  # fmt: skip
