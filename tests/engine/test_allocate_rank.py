@@ -230,7 +230,7 @@ def test_batched_fixed_rounds_match_sequential_loop_per_row(seed):
     score, cost, budget, protected, previous = random_batch(seed, n_values=n_values)
     shares, h = (0.4, 0.3, 0.2), 0.3 * (seed % 2)
     kw = dict(shares=shares, protected=protected, previous=previous, hysteresis=h)
-    fixed = rank_allocate(score, cost, budget, rounds=n_values + 1, validate=False, **kw)
+    fixed = rank_allocate(score, cost, budget, rounds=n_values, validate=False, **kw)
     until_done = rank_allocate(score, cost, budget, **kw)
     assert fixed.shape == score.shape and fixed.dtype == torch.int8
     assert torch.equal(fixed, until_done)

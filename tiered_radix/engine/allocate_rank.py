@@ -18,8 +18,9 @@ Semantics (what :func:`rank_allocate` computes, exactly):
 
 The visit in step 2 is vectorised over a batch of rows: one sort and a cumulative sum per tier
 take the longest prefix that fits; units costing more than the room left are then dropped and the
-prefix is repeated. A round that stops early retires every cost value >= the unit it stopped at,
-so a tier needs at most ``V + 1`` rounds when its cost column holds ``V`` distinct positive values
+prefix is repeated. Units costing 0 always fit, wherever they fall in the order: they are taken
+before the rounds. A round that stops early retires every cost value >= the unit it stopped at,
+so a tier needs at most ``V`` rounds when its cost column holds ``V`` distinct positive values
 (one round when a tier's cost is equal across units). ``rounds=None`` repeats until done (one
 host sync per round); ``rounds=R`` runs exactly ``R`` rounds per tier with no host sync (extra
 rounds are no-ops), equal to the sequential loop whenever ``R`` is that large. When there is no
@@ -106,7 +107,7 @@ def rank_allocate(
     (one per row); shares: ``n_tiers - 1`` fractions of ``budget``; protected: bool ``[..., n]``;
     previous: integer ``[..., n]`` tiers of the last routing. rounds: None (exact for any costs,
     syncs once per round) or a fixed count (no host sync; exact when each tier's cost column
-    holds at most ``rounds - 1`` distinct positive values per row). validate=False skips the
+    holds at most ``rounds`` distinct positive values per row). validate=False skips the
     argument checks and the :class:`BudgetError` check, which read tensors on the host.
     Returns int8 ``[..., n]`` tier per unit, on ``score.device``. Row bytes <= its budget.
 
@@ -152,11 +153,12 @@ def _fill(
     c: Tensor, free: Tensor, cap: Tensor, used: Tensor, rounds: int | None
 ) -> tuple[Tensor, Tensor]:
     """Sequential 'take if it fits' along the last dim of ``c`` (sorted), vectorised in rounds.
-    Returns the taken mask and the updated bytes per row. Costs are >= 0, so the running sum
-    never decreases and the units before the first overflow are those whose running sum fits
-    (exactly so for integer byte costs; on a parallel-scan device other costs may differ by
-    the rounding of that sum)."""
-    rest, room = free, cap - used
+    Returns the taken mask and the updated bytes per row. Units costing 0 fit whatever the room
+    (it never goes below 0): taken at once, so the rounds are left with positive costs only.
+    Costs are >= 0, so the running sum never decreases and the units before the first overflow
+    are those whose running sum fits (exactly so for integer byte costs; on a parallel-scan
+    device other costs may differ by the rounding of that sum)."""
+    rest, room = free & (c != 0), cap - used
     r = 0
     while rounds is None or r < rounds:
         live = rest & (c <= room[..., None])  # costing more than the room: never fits

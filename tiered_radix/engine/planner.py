@@ -396,10 +396,11 @@ def _rank_tensors(store, score, tier, c: Constraints, cost_p, routed: list[int])
 
 def _allocate(pol, ts, score: Tensor, cost: Tensor, budgets: Tensor, prev: Tensor) -> Tensor:
     a: RankAllocation = pol.allocate
-    # the allocator is exact with rounds > distinct positive costs per tier column: a unit's
-    # cost is its tier's bytes plus the copies it keeps, one of 2**Q values with Q quantized
-    # tiers under a write-once ledger, a single value otherwise (forced units cost 0)
-    rounds = (2 ** len(ts.quantized) if pol.ledger.write_once else 1) + 1
+    # the allocator is exact with as many rounds as distinct positive costs per tier column: a
+    # unit's cost is its tier's bytes plus the copies it keeps, one of 2**Q values with Q
+    # quantized tiers under a write-once ledger, a single value otherwise (forced units cost 0
+    # and take no round)
+    rounds = 2 ** len(ts.quantized) if pol.ledger.write_once else 1
     return rank_heads(
         score, cost, budgets, shares=a.shares, previous=prev, hysteresis=a.hysteresis,
         has_evict=ts.evict is not None, rounds=rounds,

@@ -26,6 +26,7 @@ from .metrics import TierMetrics, from_server_args
 log = logging.getLogger("tiered_radix.adapters.sglang.backend")
 LOG_EVERY_S = 30.0
 COUNTS = (*KINDS, "ledger_writes", "over_budget_routings", "borrowed_quantized")  # on the device
+COUNT_EVERY = 64  # routings counted together: ~17 device ops per count, not per routing
 
 
 @dataclass
@@ -56,6 +57,8 @@ class BackendStats:
     rank: int | None = None  # under --tp: the stats file is per rank (``name.rank{r}.json``)
     counts: Tensor | None = None  # int64 [len(COUNTS)] on the device
     path: str | None = None  # --kv-stats: the JSON file rewritten after every routing
+    # routings not yet counted: (transitions with moves, routed steps, device) each
+    uncounted: list = field(default_factory=list)
 
     def forward_done(self, pool, tokens: int) -> None:
         self.tokens_held = tokens
@@ -72,21 +75,34 @@ class BackendStats:
         """Count a routing's transitions (one ``Transitions`` per routed request) on ``device``,
         and the routed ``stores`` (``TierStore``, after any settling) whose last routing ended
         over budget without its forced content explaining it, without a host sync: :meth:`moved`
-        reads them. A store whose routing was deferred is not counted."""
+        reads them. A store whose routing was deferred is not counted. The device work is done
+        for :data:`COUNT_EVERY` routings at once, or when :meth:`moved` reads the counts."""
         self.routes += len(moves)
         steps = [s.events.steps[-1] for s in stores if not s.deferred and s.events.steps]
         parts = [m for m in moves if len(m)]
-        if not (parts or steps):
+        if parts or steps:
+            self.uncounted.append((parts, steps, device))
+            if len(self.uncounted) >= COUNT_EVERY:
+                self._count()
+
+    def _count(self) -> None:
+        """The uncounted routings' transitions per kind, ledger copies and unforced
+        over-budget steps, added to :attr:`counts` in one pass (a ``kinds_of`` per evict tier
+        index: stores of several policies may route together)."""
+        if not self.uncounted:
             return
+        device = self.uncounted[-1][2]
+        parts = [m for p, _, _ in self.uncounted for m in p]
+        steps = [s for _, st, _ in self.uncounted for s in st]
+        self.uncounted = []
         add = torch.zeros(len(COUNTS), dtype=torch.long, device=device)
         if steps:
             add[COUNTS.index("over_budget_routings")] = StepEvents.count_unforced(steps, device)
-        if parts:
-            cols = [m.on(device, "src", "dst", "ledger_write") for m in parts]
+        for ev in dict.fromkeys(m.evict_index for m in parts):
+            cols = [m.on(device, "src", "dst", "ledger_write") for m in parts
+                    if m.evict_index == ev]  # fmt: skip
             src, dst, wrote = (torch.cat([c[i] for c in cols]) for i in range(3))
-            add[: len(KINDS)] += torch.bincount(
-                kinds_of(src, dst, parts[0].evict_index), minlength=len(KINDS)
-            )
+            add[: len(KINDS)] += torch.bincount(kinds_of(src, dst, ev), minlength=len(KINDS))
             add[len(KINDS)] += wrote.sum()
         self._add(add)
 
@@ -100,6 +116,7 @@ class BackendStats:
     def moved(self) -> dict[str, int]:
         """Transitions so far per kind, ledger copies written, over-budget routings and
         borrowed quantized units (one host sync)."""
+        self._count()
         c = [0] * len(COUNTS) if self.counts is None else self.counts.tolist()
         return dict(zip(COUNTS, c, strict=True))
 
