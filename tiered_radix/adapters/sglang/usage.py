@@ -27,15 +27,31 @@ def moves_of(old: Tensor, new: Tensor) -> Tensor:
     return move_flags(old, new).sum(0)
 
 
-def move_flags(old: Tensor, new: Tensor) -> Tensor:
-    """int64 ``[m, 3]``: which of :func:`moves_of`'s kinds each move ``old -> new`` is (a
-    batch of requests' moves summed per request by slices)."""
-    old, new = old.long(), new.long()
+def _flag_rule(old: Tensor, new: Tensor) -> Tensor:
+    """The rule :func:`move_flags` looks up: int64 ``[m, 3]`` demotion (full or restored to
+    quantized), promotion (quantized to full or restored), eviction (to evicted or archived)."""
     rows = (old == S_FULL) | (old == S_R)
     demote = rows & (new == S_Q)
     promote = (old == S_Q) & ((new == S_FULL) | (new == S_R))
-    evict = reads(old) & ~reads(new)  # to evicted or archived
+    evict = reads(old) & ~reads(new)
     return torch.stack([demote, promote, evict], 1).long()
+
+
+_ALL = torch.tensor(STATES)
+_FLAGS = _flag_rule(_ALL.repeat_interleave(len(STATES)), _ALL.repeat(len(STATES))).view(
+    len(STATES), len(STATES), len(MOVES)
+)  # [old, new, kind]: every pair of holder states, computed once
+_FLAGS_ON: dict[torch.device, Tensor] = {}
+
+
+def move_flags(old: Tensor, new: Tensor) -> Tensor:
+    """int64 ``[m, 3]``: which of :func:`moves_of`'s kinds each move ``old -> new`` is (a
+    batch of requests' moves summed per request by slices): one lookup in the table of every
+    state pair (:func:`_flag_rule`'s), not a dozen device ops a routing."""
+    table = _FLAGS_ON.get(old.device)
+    if table is None:
+        table = _FLAGS_ON[old.device] = _FLAGS.to(old.device)
+    return table[old.long(), new.long()]
 
 
 def state_bytes(pool) -> list[int]:
