@@ -486,9 +486,9 @@ class TieredAttnBackend(AttentionBackend):
             return self._graph_metadata(fb, in_capture)
         self.timer.decode_step()
         raw = fb.batch_size - (getattr(fb, "num_padding", 0) or 0)
-        W = self.pool.layout.window  # a request's new token opens a window after W * k tokens
-        opens = sum(1 for s in fb.seq_lens_cpu[:raw].tolist() if (s - 1) % W == 0)
-        with self.pool.rows_held(opens):
+        prev = [s - 1 for s in fb.seq_lens_cpu[:raw].tolist()]  # before each new token
+        opens = window_starts(prev, [1] * raw, self.pool.layout.window)
+        with self.pool.rows_held(len(opens)):
             self._graph_metadata(fb, in_capture)
 
     def _graph_metadata(self, fb, in_capture: bool) -> None:
