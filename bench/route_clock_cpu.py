@@ -20,6 +20,10 @@ included) and the rows folded (``fold_attn`` calls), per step.
 
     python bench/route_clock_cpu.py --batch 8 --out bench/results/route-clock-cpu
     python bench/route_clock_cpu.py --batch 16 --graphs --clocks request --out DIR
+
+``--rank-kernel``: the rank allocation runs as the Triton kernel (``kernels/rank.py``, under the
+interpreter here; on CUDA ``rank_allocate`` picks it by itself), each launch counted as one op
+and the interpreter's own tensor copies inside it not at all.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ def _run(clock: str, args) -> dict:
         return torch.zeros_like(q)
 
     backend.decode.run = stub
+    if args.rank_kernel:
+        _use_rank_kernel()
     policy = POLICY.replace("EVERY", str(args.every)).replace("BUDGET", str(args.budget))
     W, B = 32, args.batch
     gap = max(1, args.every // B)
@@ -111,7 +117,9 @@ def _run(clock: str, args) -> dict:
     events = prof.events()
     meta = [e.time_range for e in events if e.name == "X:init_forward_metadata_out_graph"]
     spans = [e.time_range for e in events if e.name in ("X:_route_due", "X:_land")]
-    aten = [e for e in events if e.name.startswith("aten::")]
+    launches = [e.time_range for e in events if e.name == "K:rank_allocate"]
+    aten = [e for e in events if e.name.startswith("aten::") and not any(
+        k.start <= e.time_range.start and e.time_range.end <= k.end for k in launches)]  # fmt: skip
     top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
 
     def inside(e) -> bool:
@@ -121,6 +129,7 @@ def _run(clock: str, args) -> dict:
                                          for o in spans)]  # fmt: skip
     route_us = sum(s.end - s.start for s in outer)
     ops = sum(1 for e in top if e.name not in VIEWS and inside(e))
+    ops += sum(1 for k in launches if any(s.start <= k.start and k.end <= s.end for s in spans))
     syncs = sum(1 for e in events if e.name in SYNCS and inside(e))
     routed = sum(len(s.events.steps) for s in stores) - sum(routed0)
     graphs = {}
@@ -142,6 +151,31 @@ def _run(clock: str, args) -> dict:
     }  # fmt: skip
 
 
+def _use_rank_kernel() -> None:
+    """Route with the Triton rank allocation where it applies (for the run only), each launch
+    inside a ``K:rank_allocate`` span."""
+    from tiered_radix.kernels import rank
+    from torch.autograd.profiler import record_function
+
+    from tiered_radix.engine import allocate_rank
+
+    kernel, twin = rank._rank_allocate_kernel, allocate_rank.rank_allocate
+
+    class Counted:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                with record_function("K:rank_allocate"):
+                    return kernel[grid](*a, **kw)
+
+            return launch
+
+    def forced(score, cost, budget, **kw):
+        fits = rank.fits(score, cost, kw.get("rounds"))
+        return twin(score, cost, budget, **kw, impl="triton" if fits else "torch")
+
+    rank._rank_allocate_kernel, allocate_rank.rank_allocate = Counted(), forced
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -153,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=40, help="percent (short prompts)")
     ap.add_argument("--clocks", nargs="+", default=["request", "server"])
     ap.add_argument("--graphs", action="store_true", help="count decode graph replays")
+    ap.add_argument("--rank-kernel", action="store_true", help="Triton rank allocation")
     ap.add_argument("--out", default=None, help="folder for route_clock.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -47,10 +48,10 @@ def tier_by_tier(score, cost, budget, shares, protected, previous=None, hysteres
     placed = [bool(protected[u]) or score[u] == -float("inf") for u in range(n)]
     for k in range(t - 1):
 
-        def eff(u, k=k):
-            s = float(score[u])
-            boost = previous is not None and int(previous[u]) <= k and s > -float("inf")
-            return s + hysteresis * abs(s) if boost else s
+        def eff(u, k=k):  # in float32, the scores' dtype, as the rule says
+            s = np.float32(score[u])
+            boost = previous is not None and int(previous[u]) <= k and s > -np.inf
+            return float(s + np.float32(hysteresis) * abs(s)) if boost else float(s)
 
         for u in sorted(range(n), key=lambda u: (-eff(u), u)):
             if not placed[u] and used + c[u][k] <= caps[k]:

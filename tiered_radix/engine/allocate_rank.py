@@ -11,7 +11,8 @@ Semantics (what :func:`rank_allocate` computes, exactly):
    ``max(C_k, P)``, so the total never exceeds ``max(budget * sum(shares), P) <= budget``.
 2. Tiers are filled in order ``k = 0, 1, ...``: the unplaced units are visited by descending
    effective score ``score + hysteresis * |score|`` if the unit's ``previous`` tier is ``<= k``
-   (it already holds tier k or better, so routing does not flap), else ``score``; each unit that
+   (it already holds tier k or better, so routing does not flap), else ``score``, computed in the
+   score's dtype (float32 scores, the planner's, rank in float32); each unit that
    still fits ``C_k`` takes tier ``k``, one that does not is left for the next tier.
 3. Units left after the last quantized tier are evicted; so are units with score ``-inf`` or NaN
    (callers use ``-inf`` for units whose data is gone).
@@ -97,6 +98,7 @@ def rank_allocate(
     hysteresis: float = 0.0,
     rounds: int | None = None,
     validate: bool = True,
+    impl: str = "auto",
 ) -> Tensor:
     """Route ``n`` units into tiers, independently per batch row (see the module docstring).
 
@@ -109,14 +111,28 @@ def rank_allocate(
     syncs once per round) or a fixed count (no host sync; exact when each tier's cost column
     holds at most ``rounds`` distinct positive values per row). validate=False skips the
     argument checks and the :class:`BudgetError` check, which read tensors on the host.
+    impl: ``"auto"`` runs the Triton kernel (``tiered_radix.kernels.rank``, one launch, equal
+    bit for bit) for float32 scores on CUDA with a fixed ``rounds`` and at most
+    ``kernels.rank.MAX_UNITS`` units a row, this PyTorch code otherwise; ``"torch"`` always
+    this code; ``"triton"`` always the kernel (CUDA, or CPU under ``TRITON_INTERPRET=1``).
     Returns int8 ``[..., n]`` tier per unit, on ``score.device``. Row bytes <= its budget.
 
     Raises:
         BudgetError: the protected units of a row alone exceed its budget.
         ValueError: inconsistent shapes, shares, costs or hysteresis.
     """
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     if validate:
         _check(score, cost, shares, previous, protected, hysteresis)
+        _check_paid(cost, budget, protected)
+    if impl == "triton" or (impl == "auto" and score.is_cuda and _kernel_fits(score, cost, rounds)):
+        from tiered_radix.kernels.rank import rank_allocate_rows
+
+        return rank_allocate_rows(
+            score, cost, budget, shares=shares, protected=protected, previous=previous,
+            hysteresis=hysteresis, rounds=rounds,
+        )  # fmt: skip
     n_tiers, dev = cost.shape[-1], score.device
     per_tier = score.dim() == cost.dim()
     rows = score.shape[:-2] if per_tier else score.shape[:-1]
@@ -125,11 +141,8 @@ def rank_allocate(
     if protected is None:
         protected = torch.zeros(cost.shape[:-1], dtype=torch.bool, device=dev)
     paid = torch.where(protected, cost[..., 0], 0.0).sum(-1)
-    if validate and bool((paid > budget).any()):
-        r = int((paid - budget).flatten().argmax())
-        raise BudgetError(float(paid.flatten()[r]), float(budget.flatten()[r]))
     tier = torch.where(protected, 0, n_tiers - 1).to(torch.int8)
-    score = score.double()
+    score = score if score.dtype in (torch.float32, torch.float64) else score.float()
     placeable = score > -torch.inf  # NaN compares False: never placed
     free = ~protected if per_tier else ~protected & placeable
     used, cum = paid, 0.0  # cumulative shares on the host: no host-to-device copy
@@ -139,7 +152,7 @@ def rank_allocate(
         cum += shares[k]
         cap = torch.minimum(torch.maximum(budget * cum, paid), budget)
         if bonus is not None:
-            s = s + (bonus[..., k] if per_tier else bonus) * (previous <= k)
+            s = torch.where(previous <= k, s + (bonus[..., k] if per_tier else bonus), s)
         order = torch.sort(torch.where(ok, s, -torch.inf), dim=-1, descending=True, stable=True)
         order = order.indices
         take, used = _fill(cost[..., k].gather(-1, order), ok.gather(-1, order), cap, used, rounds)
@@ -147,6 +160,22 @@ def rank_allocate(
         tier = torch.where(take, k, tier)
         free = free & ~take
     return tier
+
+
+def _kernel_fits(score: Tensor, cost: Tensor, rounds: int | None) -> bool:
+    from tiered_radix.kernels.rank import fits
+
+    return fits(score, cost, rounds)
+
+
+def _check_paid(cost: Tensor, budget: float | Tensor, protected: Tensor | None) -> None:
+    if protected is None:
+        return
+    paid = torch.where(protected, cost[..., 0].double(), 0.0).sum(-1)
+    budget = torch.as_tensor(budget, dtype=torch.float64, device=paid.device).expand_as(paid)
+    if bool((paid > budget).any()):
+        r = int((paid - budget).flatten().argmax())
+        raise BudgetError(float(paid.flatten()[r]), float(budget.flatten()[r]))
 
 
 def _fill(
