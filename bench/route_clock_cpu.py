@@ -22,8 +22,9 @@ included) and the rows folded (``fold_attn`` calls), per step.
     python bench/route_clock_cpu.py --batch 16 --graphs --clocks request --out DIR
 
 ``--rank-kernel``: the rank allocation runs as the Triton kernel (``kernels/rank.py``, under the
-interpreter here; on CUDA ``rank_allocate`` picks it by itself), each launch counted as one op
-and the interpreter's own tensor copies inside it not at all.
+interpreter here; on CUDA ``rank_allocate`` picks it by itself); ``--stack-kernels``: the pool's
+free stacks take and give blocks with ``kernels/stacks.py`` (on CUDA by default). Each launch
+counts as one op, the interpreter's own tensor copies inside it not at all.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def _run(clock: str, args) -> dict:
     backend.decode.run = stub
     if args.rank_kernel:
         _use_rank_kernel()
+    if args.stack_kernels:
+        _use_stack_kernels()
     policy = POLICY.replace("EVERY", str(args.every)).replace("BUDGET", str(args.budget))
     W, B = 32, args.batch
     gap = max(1, args.every // B)
@@ -105,7 +108,7 @@ def _run(clock: str, args) -> dict:
     fold = TierStore.fold_attn
     TierStore.fold_attn = lambda store, *a: (folds.append(1), fold(store, *a))[1]
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_stack=args.by_function) as prof:
         for t in range(args.steps):
             before = sum(len(s.events.steps) for s in stores)
             if args.graphs:
@@ -117,7 +120,7 @@ def _run(clock: str, args) -> dict:
     events = prof.events()
     meta = [e.time_range for e in events if e.name == "X:init_forward_metadata_out_graph"]
     spans = [e.time_range for e in events if e.name in ("X:_route_due", "X:_land")]
-    launches = [e.time_range for e in events if e.name == "K:rank_allocate"]
+    launches = [e.time_range for e in events if e.name.startswith("K:")]
     aten = [e for e in events if e.name.startswith("aten::") and not any(
         k.start <= e.time_range.start and e.time_range.end <= k.end for k in launches)]  # fmt: skip
     top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
@@ -128,8 +131,10 @@ def _run(clock: str, args) -> dict:
     outer = [s for s in spans if not any(o is not s and o.start <= s.start and s.end <= o.end
                                          for o in spans)]  # fmt: skip
     route_us = sum(s.end - s.start for s in outer)
-    ops = sum(1 for e in top if e.name not in VIEWS and inside(e))
-    ops += sum(1 for k in launches if any(s.start <= k.start and k.end <= s.end for s in spans))
+    counted = [e for e in top if e.name not in VIEWS and inside(e)]
+    ops = len(counted)
+    kernels = [e for e in events if e.name.startswith("K:") and inside(e)]
+    ops += len(kernels)
     syncs = sum(1 for e in events if e.name in SYNCS and inside(e))
     routed = sum(len(s.events.steps) for s in stores) - sum(routed0)
     graphs = {}
@@ -148,32 +153,68 @@ def _run(clock: str, args) -> dict:
         "route_ms_per_step": round(route_us / 1e3 / args.steps, 2),
         "wall_ms_per_step": round(1e3 * wall / args.steps, 2),
         "over_budget_routings": h.backend.stats()["over_budget_routings"], **graphs,
+        **({"route_ops_by_function": _by_function(counted, kernels, args.steps)}
+           if args.by_function else {}),
     }  # fmt: skip
 
 
-def _use_rank_kernel() -> None:
-    """Route with the Triton rank allocation where it applies (for the run only), each launch
-    inside a ``K:rank_allocate`` span."""
-    from tiered_radix.kernels import rank
+def _by_function(events, kernels, steps: int) -> dict[str, float]:
+    """Ops a step per innermost ``tiered_radix`` / ``kernels`` function on the op's stack, and
+    the Triton launches (``K:<kernel>``)."""
+    out: dict[str, int] = {}
+    for e in kernels:
+        out[e.name] = out.get(e.name, 0) + 1
+    for e in events:
+        frame = next((f for f in e.stack if "tiered_radix" in f or "/kernels/" in f), "?")
+        name = frame.rsplit(": ", 1)[-1]
+        where = frame.split("(")[0].rsplit("/", 1)[-1].removesuffix(".py")
+        key = f"{where}.{name}"
+        out[key] = out.get(key, 0) + 1
+    ranked = sorted(out.items(), key=lambda kv: -kv[1])
+    return {k: round(v / steps, 1) for k, v in ranked if v / steps >= 1}
+
+
+def _counted(kernel, name: str):
+    """``kernel[grid](...)`` run inside a ``K:<name>`` span (one launch on a GPU)."""
     from torch.autograd.profiler import record_function
-
-    from tiered_radix.engine import allocate_rank
-
-    kernel, twin = rank._rank_allocate_kernel, allocate_rank.rank_allocate
 
     class Counted:
         def __getitem__(self, grid):
             def launch(*a, **kw):
-                with record_function("K:rank_allocate"):
+                with record_function(f"K:{name}"):
                     return kernel[grid](*a, **kw)
 
             return launch
+
+    return Counted()
+
+
+def _use_rank_kernel() -> None:
+    """Route with the Triton rank allocation where it applies (for the run only)."""
+    from tiered_radix.kernels import rank
+
+    from tiered_radix.engine import allocate_rank
+
+    twin = allocate_rank.rank_allocate
 
     def forced(score, cost, budget, **kw):
         fits = rank.fits(score, cost, kw.get("rounds"))
         return twin(score, cost, budget, **kw, impl="triton" if fits else "torch")
 
-    rank._rank_allocate_kernel, allocate_rank.rank_allocate = Counted(), forced
+    rank._rank_allocate_kernel = _counted(rank._rank_allocate_kernel, "rank_allocate")
+    allocate_rank.rank_allocate = forced
+
+
+def _use_stack_kernels() -> None:
+    """The pool's free stacks take and give with the Triton kernels (for the run only)."""
+    from tiered_radix.kernels import stacks
+
+    from tiered_radix.adapters.sglang import freelist
+
+    stacks._stack_take_kernel = _counted(stacks._stack_take_kernel, "stack_take")
+    stacks._stack_give_kernel = _counted(stacks._stack_give_kernel, "stack_give")
+    init = freelist.FreeStacks.__init__
+    freelist.FreeStacks.__init__ = lambda self, *a, **kw: init(self, *a, **kw, kernel=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clocks", nargs="+", default=["request", "server"])
     ap.add_argument("--graphs", action="store_true", help="count decode graph replays")
     ap.add_argument("--rank-kernel", action="store_true", help="Triton rank allocation")
+    ap.add_argument("--stack-kernels", action="store_true", help="Triton free-stack take/give")
+    ap.add_argument(
+        "--by-function",
+        action="store_true",
+        help="routing ops a step by innermost tiered_radix function (slower)",
+    )
     ap.add_argument("--out", default=None, help="folder for route_clock.json")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")

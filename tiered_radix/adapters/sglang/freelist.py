@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from tiered_radix.engine.routing import to_device
+from tiered_radix.kernels.stacks import stack_give, stack_take
 
 
 class DeviceCounts:
@@ -74,10 +75,13 @@ def per_group(group: Tensor, mask: Tensor, n_groups: int) -> Tensor:
 class FreeStacks:
     """The free ids ``1..n`` of one kind of block in each of ``n_layers`` layers (initially
     popped in the order ``1, 2, ...``). ``layer(l)`` is a list-like view of one layer for host
-    code (``len``, ``pop``, ``append``)."""
+    code (``len``, ``pop``, ``append``). ``kernel``: :meth:`take` and :meth:`give` run as one
+    Triton launch each (``tiered_radix.kernels.stacks``, the same results as the PyTorch ops
+    here); default on CUDA."""
 
-    def __init__(self, n_layers: int, n: int, device) -> None:
+    def __init__(self, n_layers: int, n: int, device, *, kernel: bool | None = None) -> None:
         self.n_layers, self.n = n_layers, n
+        self.kernel = torch.device(device).type == "cuda" if kernel is None else kernel
         ids = torch.arange(n, 0, -1, dtype=torch.long, device=device)
         self.ids = torch.cat([ids, ids.new_zeros(1)]).repeat(n_layers, 1)  # [L, n + 1]
         self.top = DeviceCounts([n] * n_layers, device)
@@ -109,21 +113,27 @@ class FreeStacks:
         :meth:`floor`."""
         bound = ly.numel() if bound is None else bound
         self._floor = [max(0, f - bound) for f in self._floor]
-        rank = rank_in_group(ly, want, self.n_layers)
-        avail = self.top.t[ly]
-        got = want & (rank < avail - keep)
-        pos = (avail - 1 - rank).clamp(min=0)
-        block = torch.where(got, self.ids[ly, pos], 0)
-        self.top.t.sub_(per_group(ly, got, self.n_layers))
+        if self.kernel:
+            got, block = stack_take(self.ids, self.top.t, ly, want, keep)
+        else:
+            rank = rank_in_group(ly, want, self.n_layers)
+            avail = self.top.t[ly]
+            got = want & (rank < avail - keep)
+            pos = (avail - 1 - rank).clamp(min=0)
+            block = torch.where(got, self.ids[ly, pos], 0)
+            self.top.t.sub_(per_group(ly, got, self.n_layers))
         self.top.changed()
         return got, block
 
     def give(self, ly: Tensor, block: Tensor, mask: Tensor) -> None:
         """Push ``block`` (int64 ``[m]``) of layers ``ly`` where ``mask``, in order."""
-        rank = rank_in_group(ly, mask, self.n_layers)
-        pos = torch.where(mask, self.top.t[ly] + rank, self.n)  # the dump column when masked
-        self.ids.index_put_((ly, pos), torch.where(mask, block, 0))
-        self.top.t.add_(per_group(ly, mask, self.n_layers))
+        if self.kernel:
+            stack_give(self.ids, self.top.t, ly, block, mask)
+        else:
+            rank = rank_in_group(ly, mask, self.n_layers)
+            pos = torch.where(mask, self.top.t[ly] + rank, self.n)  # the dump column when masked
+            self.ids.index_put_((ly, pos), torch.where(mask, block, 0))
+            self.top.t.add_(per_group(ly, mask, self.n_layers))
         self.top.changed()
 
     # -- host-known counts ------------------------------------------------------------------
