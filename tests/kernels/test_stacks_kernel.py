@@ -65,8 +65,11 @@ def test_a_layer_short_of_blocks_takes_what_it_has_in_pair_order():
 
 
 def test_bad_arguments_are_refused():
-    ids, top = torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    def zeros(n, dtype=torch.long):
+        return torch.zeros(n, dtype=dtype, device=DEVICE)
+
+    ids, top, want = zeros((2, 5)), zeros(2), torch.ones(3, dtype=torch.bool, device=DEVICE)
     with pytest.raises(ValueError, match="int64"):
-        stack_take(ids, top, torch.zeros(3, dtype=torch.int32), torch.ones(3, dtype=torch.bool))
+        stack_take(ids, top, zeros(3, torch.int32), want)
     with pytest.raises(ValueError, match=r"want must be \[m\]"):
-        stack_take(ids, top, torch.zeros(3, dtype=torch.long), torch.ones(4, dtype=torch.bool))
+        stack_take(ids, top, zeros(3), torch.ones(4, dtype=torch.bool, device=DEVICE))
