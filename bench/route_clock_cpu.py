@@ -233,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--by-function",
         action="store_true",
-        help="routing ops a step by innermost tiered_radix function (slower)",
+        help="routing ops a step by innermost tiered_radix function (slower; PyTorch paths only)",
     )
     ap.add_argument("--out", default=None, help="folder for route_clock.json")
     args = ap.parse_args(argv)
+    if args.by_function and (args.rank_kernel or args.stack_kernels):
+        # the profiler records the Triton interpreter's ops with their Python stacks: 24 GiB
+        # were not enough even at 6 steps
+        ap.error("--by-function counts the PyTorch paths only: drop --rank-kernel/--stack-kernels")
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))

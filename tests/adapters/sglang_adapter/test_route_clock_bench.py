@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from sglang_sim import require
 
 require("sglang.srt.mem_cache.radix_cache")
@@ -41,3 +42,11 @@ def test_graph_replays_fold_only_the_routed_rows(tmp_path):
     assert row["requests_routed"] >= 7 and row["steps_with_routing"] >= 6
     assert row["rows_folded_per_step"] <= 1.0  # before the partial folds: ~4 (the batch)
     assert row["metadata_ops_per_step"] > row["route_ops_per_step"] > 0
+
+
+def test_by_function_refuses_the_interpreted_kernels(capsys):
+    """The profiler's stacks over the Triton interpreter outgrow a CPU machine's memory."""
+    with pytest.raises(SystemExit) as exit_:
+        route_clock_cpu.main(["--by-function", "--stack-kernels"])
+    assert exit_.value.code == 2
+    assert "PyTorch paths only" in capsys.readouterr().err
