@@ -12,13 +12,12 @@ along tokens, KIVI per-channel) or V rows ``[tokens, d]`` (groups along d, per-t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
 from tiered_radix.formats.codecs import CodecError, QuantizedTensor
 
+from ._device import triton_runs_on
 from ._quant_kernels import _dequantize_unpack_kernel, _quantize_pack_kernel
 
 _BITS = (2, 4, 8)
@@ -27,8 +26,7 @@ _TILE_ELEMS = 4096  # elements per program: enough bytes in flight, few register
 
 
 def _check_device(t: torch.Tensor, name: str) -> None:
-    # TRITON_INTERPRET=1 runs the kernels on CPU tensors (tests); otherwise Triton needs CUDA.
-    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not triton_runs_on(t):
         raise ValueError(
             f"{name} is on {t.device}; the Triton kernels need a CUDA tensor. On CPU use "
             "tiered_radix.formats.codecs.quantize/dequantize (same results)."

@@ -16,12 +16,12 @@ Shapes: ``R`` rows (any leading shape, flattened), ``U <= MAX_UNITS`` units a ro
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 
+from ._device import triton_runs_on
 from ._rank_kernels import _rank_allocate_kernel
 
 MAX_UNITS = 4096  # one program sorts a row in registers; longer rows take the twin
@@ -68,8 +68,7 @@ def rank_allocate_rows(
 
     No argument checks beyond shapes: the twin's ``validate`` does those.
     """
-    on_device = score.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if not (on_device and fits(score, cost, rounds)):
+    if not (triton_runs_on(score) and fits(score, cost, rounds)):
         raise ValueError(
             f"rank_allocate_rows takes float32 scores with 1..{MAX_UNITS} units on CUDA (CPU "
             f"under TRITON_INTERPRET=1) and a fixed round count; got {score.dtype} with "

@@ -13,18 +13,17 @@ block a pair gets).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
+from ._device import triton_runs_on
 from ._stack_kernels import _stack_give_kernel, _stack_take_kernel
 
 _BLOCK = 1024  # pairs a program scans per iteration
 
 
 def _check(ids: torch.Tensor, top: torch.Tensor, ly: torch.Tensor, **masks: torch.Tensor) -> None:
-    if ids.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not triton_runs_on(ids):
         raise ValueError(
             f"ids is on {ids.device}; the stack kernels need CUDA (CPU under TRITON_INTERPRET=1)."
             " Use FreeStacks.take/give's PyTorch path there."
