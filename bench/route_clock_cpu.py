@@ -120,7 +120,8 @@ def _run(clock: str, args) -> dict:
     events = prof.events()
     meta = [e.time_range for e in events if e.name == "X:init_forward_metadata_out_graph"]
     spans = [e.time_range for e in events if e.name in ("X:_route_due", "X:_land")]
-    launches = [e.time_range for e in events if e.name.startswith("K:")]
+    kernel_events = [e for e in events if e.name.startswith("K:")]  # one launch each
+    launches = [e.time_range for e in kernel_events]
     aten = [e for e in events if e.name.startswith("aten::") and not any(
         k.start <= e.time_range.start and e.time_range.end <= k.end for k in launches)]  # fmt: skip
     top = [e for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
@@ -133,7 +134,7 @@ def _run(clock: str, args) -> dict:
     route_us = sum(s.end - s.start for s in outer)
     counted = [e for e in top if e.name not in VIEWS and inside(e)]
     ops = len(counted)
-    kernels = [e for e in events if e.name.startswith("K:") and inside(e)]
+    kernels = [e for e in kernel_events if inside(e)]
     ops += len(kernels)
     syncs = sum(1 for e in events if e.name in SYNCS and inside(e))
     routed = sum(len(s.events.steps) for s in stores) - sum(routed0)
