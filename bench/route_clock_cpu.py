@@ -23,7 +23,8 @@ included) and the rows folded (``fold_attn`` calls), per step.
 
 ``--rank-kernel``: the rank allocation runs as the Triton kernel (``kernels/rank.py``, under the
 interpreter here; on CUDA ``rank_allocate`` picks it by itself); ``--stack-kernels``: the pool's
-free stacks take and give blocks with ``kernels/stacks.py`` (on CUDA by default). Each launch
+free stacks take and give blocks with ``kernels/stacks.py``; ``--move-kernels``: the pool's moves
+keep their block tables with ``kernels/moves.py`` too (both on CUDA by default). Each launch
 counts as one op, the interpreter's own tensor copies inside it not at all.
 """
 
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,8 +81,10 @@ def _run(clock: str, args) -> dict:
     backend.decode.run = stub
     if args.rank_kernel:
         _use_rank_kernel()
-    if args.stack_kernels:
+    if args.stack_kernels or args.move_kernels:
         _use_stack_kernels()
+    if args.move_kernels:
+        _count_move_kernels()
     policy = POLICY.replace("EVERY", str(args.every)).replace("BUDGET", str(args.budget))
     W, B = 32, args.batch
     gap = max(1, args.every // B)
@@ -89,7 +93,7 @@ def _run(clock: str, args) -> dict:
     h = Harness(policy=policy, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                 pages=pages, blocks=PoolBlocks(pages * args.heads + 16, pages * args.heads + 16),
                 context=args.prompt + total + 64, requests=max(16, B),
-                options=KVOptions(overlap=True, route_clock=clock),
+                options=KVOptions(overlap=True, route_clock=clock), kernels=args.move_kernels,
                 overlap_schedule=True)  # fmt: skip
     running = []
     for i in range(B):  # request i joins after gap * i decode steps of the others
@@ -108,7 +112,9 @@ def _run(clock: str, args) -> dict:
     fold = TierStore.fold_attn
     TierStore.fold_attn = lambda store, *a: (folds.append(1), fold(store, *a))[1]
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], with_stack=args.by_function) as prof:
+    # Python stacks on the ops need the verbose experimental config since torch 2.13
+    stacks = {"experimental_config": _ExperimentalConfig(verbose=True)} if args.by_function else {}
+    with profile(activities=[ProfilerActivity.CPU], with_stack=args.by_function, **stacks) as prof:
         for t in range(args.steps):
             before = sum(len(s.events.steps) for s in stores)
             if args.graphs:
@@ -215,7 +221,15 @@ def _use_stack_kernels() -> None:
     stacks._stack_take_kernel = _counted(stacks._stack_take_kernel, "stack_take")
     stacks._stack_give_kernel = _counted(stacks._stack_give_kernel, "stack_give")
     init = freelist.FreeStacks.__init__
-    freelist.FreeStacks.__init__ = lambda self, *a, **kw: init(self, *a, **kw, kernel=True)
+    freelist.FreeStacks.__init__ = lambda self, *a, **kw: init(self, *a, **(kw | {"kernel": True}))
+
+
+def _count_move_kernels() -> None:
+    """Count the move kernels' launches as ops (the pool runs them with ``kernels=True``)."""
+    from tiered_radix.kernels import moves
+
+    moves._move_claim_kernel = _counted(moves._move_claim_kernel, "move_claim")
+    moves._move_refs_kernel = _counted(moves._move_refs_kernel, "move_refs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", action="store_true", help="count decode graph replays")
     ap.add_argument("--rank-kernel", action="store_true", help="Triton rank allocation")
     ap.add_argument("--stack-kernels", action="store_true", help="Triton free-stack take/give")
+    ap.add_argument("--move-kernels", action="store_true", help="pool moves: kernels/moves.py")
     ap.add_argument(
         "--by-function",
         action="store_true",
@@ -238,10 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default=None, help="folder for route_clock.json")
     args = ap.parse_args(argv)
-    if args.by_function and (args.rank_kernel or args.stack_kernels):
+    if args.by_function and (args.rank_kernel or args.stack_kernels or args.move_kernels):
         # the profiler records the Triton interpreter's ops with their Python stacks: 24 GiB
         # were not enough even at 6 steps
-        ap.error("--by-function counts the PyTorch paths only: drop --rank-kernel/--stack-kernels")
+        ap.error("--by-function counts the PyTorch paths only: drop the kernel flags")
     os.environ.setdefault("TRITON_INTERPRET", "1")
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT))

@@ -30,6 +30,11 @@ def require(module: str) -> ModuleType:
     return pytest.importorskip(module, reason=SKIP_REASON)
 
 
+# The pool's bookkeeping paths a Sim (CPU tensors) can run: PyTorch, and the Triton kernels where
+# they run under the interpreter (tests/conftest.py picks it on machines without CUDA; on a CUDA
+# machine the kernels are tested on CUDA tensors instead).
+POOL_KERNELS = (False, True) if os.environ.get("TRITON_INTERPRET") == "1" else (False,)
+
 # qevict's shape at test size: windows of 4 tokens, INT2 in groups of 4, write-once ledger.
 POLICY = """
 policy: tiny-qevict
@@ -66,6 +71,7 @@ class Sim:
         options=None,
         kv=None,
         requests: int = 16,  # request slots (ReqToTokenPool)
+        kernels: bool | None = None,  # the pool's Triton bookkeeping (default: CUDA only)
     ):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -93,6 +99,7 @@ class Sim:
             policy=self.policy,
             blocks=blocks,
             options=options,
+            kernels=kernels,
         )
         self.alloc = PagedTokenToKVPoolAllocator(
             size, self.W, torch.bfloat16, "cpu", self.pool, need_sort=False

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang_sim import Sim, require
+from sglang_sim import POOL_KERNELS, Sim, require
 
 require("sglang.srt.mem_cache.memory_pool")
 
@@ -103,11 +103,12 @@ NEXT = {S_FULL: (S_FULL, S_Q, S_EVICT), S_Q: (S_Q, S_R, S_EVICT), S_R: (S_R, S_Q
         S_EVICT: (S_EVICT,)}  # fmt: skip
 
 
-def pools(seed: int, quant: int):
-    """Two equal pools (same writes), every window of 3 requests opened in every layer."""
+def pools(seed: int, quant: int, kernels: bool = False):
+    """Two equal pools (same writes), every window of 3 requests opened in every layer; the
+    first keeps its tables with the move kernels where ``kernels``."""
     out = []
-    for _ in range(2):
-        sim = Sim(layers=3, blocks=PoolBlocks(full=70, quant=quant))
+    for k in (kernels, False):
+        sim = Sim(layers=3, blocks=PoolBlocks(full=70, quant=quant), kernels=k)
         g = torch.Generator().manual_seed(seed)
         for r in range(3):
             sim.start(f"r{r}", torch.randint(1, 99, (21,), generator=g).tolist())
@@ -130,7 +131,8 @@ def random_move(pool, g: torch.Generator):
 
 def same(a, b) -> None:
     for name in ("block_all", "ref_all", "owner_all", "pages_all"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None and y is None) or torch.equal(x, y), name  # no pages: no ledger
     for name in ("rows_k_all", "rows_v_all"):
         x, y = getattr(a, name), getattr(b, name)
         assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
@@ -139,8 +141,10 @@ def same(a, b) -> None:
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("quant", [200, 9])  # plenty of ledger blocks, and short of them
 @pytest.mark.parametrize("slice_pairs", [None, 3])  # made at once, or 3 pairs a slice
-def test_batched_move_equals_the_per_layer_move(seed: int, quant: int, slice_pairs, monkeypatch):
-    new_pool, old_pool = pools(seed, quant)
+@pytest.mark.parametrize("kernels", POOL_KERNELS, ids=["torch", "kernels"][: len(POOL_KERNELS)])
+def test_batched_move_equals_the_per_layer_move(seed: int, quant: int, slice_pairs, kernels,
+                                                monkeypatch):  # fmt: skip
+    new_pool, old_pool = pools(seed, quant, kernels)
     if slice_pairs:  # the bound on a make's float32 K/V bytes, down to 3 pairs' worth
         pair_bytes = 2 * 4 * new_pool.layout.window * new_pool.head_dim
         monkeypatch.setattr(pool_module, "_MAKE_BYTES", slice_pairs * pair_bytes)
@@ -161,3 +165,110 @@ def test_batched_move_equals_the_per_layer_move(seed: int, quant: int, slice_pai
     if quant == 9:
         assert ref.degraded > 0  # the short case was exercised
     assert new_pool.blocks_in_use()[FULL] >= 0
+
+
+EVICT_ONLY = """
+policy: tiny-evict
+budget: 50%
+units: window(size=4)
+protect: {sinks: 0, recent: 4}
+scores:
+  score: cumulative(attn, decay=0.99)
+tiers:
+  full: keep(bf16)
+  evicted: evict
+allocate: {method: rank, by: score, shares: {full: 50%}}
+schedule: after_prefill
+"""
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("policy", ["qevict", "evict-only"])
+def test_move_kernels_release_like_the_pytorch_pool(seed: int, policy: str):
+    """Moves, then releases of the holders (a request's windows going back), through the move
+    kernels and through PyTorch: the same tables, rows, free stacks and counters; an
+    eviction-only layout (one representation kind) included."""
+    if True not in POOL_KERNELS:
+        pytest.skip("CPU tables on a CUDA machine: test_move_kernels_on_the_device runs there")
+    kw = {} if policy == "qevict" else {"policy": EVICT_ONLY}
+    sims = [Sim(layers=3, blocks=PoolBlocks(full=70, quant=20), kernels=k, **kw)
+            for k in (True, False)]  # fmt: skip
+    for sim in sims:
+        g = torch.Generator().manual_seed(seed)
+        for r in range(3):
+            sim.start(f"r{r}", torch.randint(1, 99, (21,), generator=g).tolist())
+    fast, twin = (s.pool for s in sims)
+    g = torch.Generator().manual_seed(10 + seed)
+    for _ in range(3):
+        ly, h, w, old, new = random_move(fast, g)
+        if policy != "qevict":
+            new = torch.where(new == S_EVICT, S_EVICT, old)  # FULL or evicted only
+        got = [p.move(ly, h, w, old, new) for p in (fast, twin)]
+        assert torch.equal(*got)
+        for p in (fast, twin):
+            p.owner_all[ly, h, w] = got[0].to(torch.int8)
+    ly, h, w, *_ = random_move(fast, g)
+    state = fast.owner_all[ly, h, w].long()
+    for p in (fast, twin):
+        p.release(ly, h, w, state)
+        p.owner_all[ly, h, w] = -1
+    same(fast, twin)
+    for kind in ("row_stacks", "q_stacks"):
+        a, b = getattr(fast, kind), getattr(twin, kind)
+        assert a.counts() == b.counts()
+        assert [a.ids[li, :n].tolist() for li, n in enumerate(a.counts())] == [
+            b.ids[li, :n].tolist() for li, n in enumerate(b.counts())
+        ]
+    assert fast.tally.host() == twin.tally.host()
+    assert fast.bytes_used() == twin.bytes_used()
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_pools(seed: int, quant: int) -> list:
+    """Pools on :data:`DEVICE` (CUDA where there is one: the kernels compiled; else the
+    interpreter), with and without the move kernels: windows 1-15 opened and written alike."""
+    from sglang_sim import POLICY
+
+    from tiered_radix.adapters.sglang.pool import TieredKVPool
+    from tiered_radix.policy import compile_text
+
+    policy, out = compile_text(POLICY), []
+    W, H, d, L, size = 4, 2, 8, 3, 64 * 4
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(L, 15 * W, H, d, generator=g).to(DEVICE, torch.bfloat16)
+    v = torch.randn(L, 15 * W, H, d, generator=g).to(DEVICE, torch.bfloat16)
+    for kernels in (True, False):
+        pool = TieredKVPool(size, W, torch.bfloat16, H, d, L, DEVICE, policy=policy,
+                            blocks=PoolBlocks(full=70, quant=quant), kernels=kernels)  # fmt: skip
+        pool.open_windows(torch.arange(1, 16, device=DEVICE))
+        loc = torch.arange(W, 16 * W, device=DEVICE)
+        for li in range(L):
+            pool.set_kv_buffer(None, loc, k[li], v[li], layer_id_override=li)
+        out.append(pool)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("quant", [200, 9])
+def test_move_kernels_on_the_device(seed: int, quant: int):
+    """The move kernels where the server runs them (CUDA; the interpreter on a CPU machine):
+    the same states, tables, rows, pages, stacks and counters as the PyTorch pool."""
+    fast, twin = device_pools(seed, quant)
+    g = torch.Generator().manual_seed(20 + seed)
+    for _ in range(4):
+        ly, h, w, old, new = (t.to(DEVICE) for t in random_move(fast, g))
+        got = [p.move(ly, h, w, old, new) for p in (fast, twin)]
+        assert torch.equal(*got)
+        for p in (fast, twin):
+            p.owner_all[ly, h, w] = got[0].to(torch.int8)
+    same(fast, twin)
+    for kind in ("row_stacks", "q_stacks"):
+        a, b = getattr(fast, kind), getattr(twin, kind)
+        assert [a.ids[li, :n].tolist() for li, n in enumerate(a.counts())] == [
+            b.ids[li, :n].tolist() for li, n in enumerate(b.counts())
+        ]
+    assert fast.tally.host() == twin.tally.host()
+    if quant == 9:
+        assert twin.tally.host()[1] > 0  # some moves were short of ledger blocks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sglang_sim import POLICY, Sim, require
+from sglang_sim import POLICY, POOL_KERNELS, Sim, require
 
 require("sglang.srt.mem_cache.radix_cache")
 
@@ -196,13 +196,14 @@ OPS = st.lists(
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS, st.booleans())
-def test_accounting_returns_to_the_start(ops, archive):
+@given(OPS, st.booleans(), st.sampled_from(POOL_KERNELS))
+def test_accounting_returns_to_the_start(ops, archive, kernels):
     """(``archive``: the policy archives what it evicts, ``S_A``; small ledger, so routings
-    reclaim archived copies too.)"""
+    reclaim archived copies too. ``kernels``: the pool keeps its tables with the move kernels,
+    run by Triton's interpreter here.)"""
     policy = POLICY.replace("evicted: evict", "evicted: evict(archive=int2)") if archive else POLICY
     quant = 3 if archive else 240
-    sim = Sim(pages=30, blocks=PoolBlocks(full=240, quant=quant), policy=policy)
+    sim = Sim(pages=30, blocks=PoolBlocks(full=240, quant=quant), policy=policy, kernels=kernels)
     start_pages, start_rows = sim.alloc.available_size(), [len(f) for f in sim.pool.free_rows]
     prompts = [PROMPT, PROMPT + [20, 21, 22], PROMPT[:8] + [25, 26], [30, 31, 32, 33, 34]]
     live: list[str] = []

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from tiered_radix.engine.routing import to_device
+from tiered_radix.kernels.moves import Stack
 from tiered_radix.kernels.stacks import stack_give, stack_take
 
 
@@ -134,6 +135,17 @@ class FreeStacks:
             pos = torch.where(mask, self.top.t[ly] + rank, self.n)  # the dump column when masked
             self.ids.index_put_((ly, pos), torch.where(mask, block, 0))
             self.top.t.add_(per_group(ly, mask, self.n_layers))
+        self.top.changed()
+
+    # -- kernels that take and give themselves (kernels/moves.py) ---------------------------
+    def stack(self) -> Stack:
+        """The device stacks as a kernel takes from and gives to them; :meth:`changed` after."""
+        return Stack(self.ids, self.top.t)
+
+    def changed(self, taken: int = 0) -> None:
+        """A kernel changed the stacks, taking at most ``taken`` blocks a layer (a host bound,
+        for :meth:`floor`): queue the counts' host copy."""
+        self._floor = [max(0, f - taken) for f in self._floor]
         self.top.changed()
 
     # -- host-known counts ------------------------------------------------------------------

@@ -43,6 +43,7 @@ from tiered_radix.formats.layout import (
     uniform_page_nbytes,
     unpack_uniform_pages,
 )
+from tiered_radix.kernels import moves
 from tiered_radix.policy.model import Budget, Policy
 
 from . import reps
@@ -95,10 +96,14 @@ class TieredKVPool(MHATokenToKVPool):
         budget: Budget | None = None,
         blocks: PoolBlocks | None = None,
         options: KVOptions | None = None,
+        kernels: bool | None = None,
         enable_memory_saver: bool = False,
         **kwargs,
     ) -> None:
         self.layout = Layout.of(policy)
+        # moves keep their block tables with kernels/moves.py (two launches) instead of ~90
+        # PyTorch ops, and the free stacks take and give with kernels/stacks.py; default on CUDA
+        self._kernels = torch.device(device).type == "cuda" if kernels is None else kernels
         if page_size != self.layout.window:
             raise PoolConfigError(
                 f"the tiered pool needs --page-size {self.layout.window} (the policy's window), "
@@ -181,7 +186,8 @@ class TieredKVPool(MHATokenToKVPool):
         self.ref = list(self.ref_all.unbind(0))
         self.owner_all = torch.full((L, H, self.n_windows), -1, dtype=torch.int8, device=dev)
         self.owner = list(self.owner_all.unbind(0))
-        self.row_stacks, self.q_stacks = FreeStacks(L, F, dev), FreeStacks(L, Qn, dev)
+        self.row_stacks = FreeStacks(L, F, dev, kernel=self._kernels)
+        self.q_stacks = FreeStacks(L, Qn, dev, kernel=self._kernels)
         self.free_rows, self.free_q = self.row_stacks.views, self.q_stacks.views  # list-like
         # row blocks holding an R (the others taken hold a FULL), and pairs a move could not
         # bring to their planned state (see move)
@@ -191,6 +197,13 @@ class TieredKVPool(MHATokenToKVPool):
         s = torch.tensor([[k in self.layout.reps(st) for k in kinds] for st in reps.STATES])
         self._holds = s.to(dev)  # bool [state, kind]
         self._kinds = torch.tensor(kinds, device=dev)
+        quant = self.layout.quant is not None
+        self._codes = moves.Codes(
+            s.to(dev, torch.uint8), FULL, Q if quant else -1, R if quant else -1, S_R, S_EVICT
+        )  # fmt: skip
+        # invariant breaks the move kernels counted (moves.move_claim / move_refs), checked on the
+        # device after each move (fatal: they stay counted)
+        self._broken = torch.zeros(4, dtype=torch.long, device=dev)
 
     def _clear_buffers(self) -> None:
         del self.rows_k, self.rows_v, self.pages, self.rows_k_all, self.rows_v_all, self.pages_all
@@ -610,6 +623,9 @@ class TieredKVPool(MHATokenToKVPool):
     def release(self, li: int | Tensor, h: Tensor, w: Tensor, state: Tensor) -> None:
         """One holder fewer; representations nobody holds are freed (rows NaN-poisoned) and
         their blocks go back to the free stacks, in (pair, kind) order. No host sync."""
+        if self._kernels:
+            self._refs(self._layer_ids(li, h), h, w, state.long(), None)
+            return
         idx, hold = self._per_kind(li, h, w, state)
         self.ref_all.index_put_(idx, -hold.int(), accumulate=True)
         ref = self.ref_all[idx]
@@ -645,6 +661,8 @@ class TieredKVPool(MHATokenToKVPool):
         representation of that kind (``Q``, ``R``); none is looked for where it is 0."""
         ly = self._layer_ids(li, h)
         old, new = old.long(), new.long()
+        if self._kernels:
+            return self._move_kernels(ly, h.long(), w.long(), old, new, make)
         _check(((old != S_EVICT) | (new == S_EVICT)).all(), "an evicted window cannot come back")
         for kind in (Q, R) if self.layout.quant is not None else ():  # Q first: R is from Q
             bound = ly.numel() if make is None else min(make.get(kind, ly.numel()), ly.numel())
@@ -662,6 +680,55 @@ class TieredKVPool(MHATokenToKVPool):
         self.acquire(ly, h, w, new)
         self.release(ly, h, w, old)
         return new
+
+    def _move_kernels(self, ly: Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor,
+                      make: dict[int, int] | None) -> Tensor:  # fmt: skip
+        """:meth:`move` with the block bookkeeping in two launches (:mod:`tiered_radix.kernels.
+        moves`): blocks claimed (the same ones, in the same order, as the PyTorch path takes),
+        the new representations' data made, then the references moved."""
+        m, quant = ly.numel(), self.layout.quant is not None
+        bound = {k: m if make is None else min(make.get(k, m), m) for k in (Q, R)}
+        q, rows = (self.q_stacks.stack() if quant else None), self.row_stacks.stack()
+        c = moves.move_claim(
+            self.block_all, self._codes, q, rows, ly, h, w, old, new,
+            make_q=quant and bound[Q] > 0, make_r=quant and bound[R] > 0,
+            keep_rows=self._rows_held, evicts=self.layout.evict_index is not None,
+            tally=self.tally.t, err=self._broken,
+        )  # fmt: skip
+        if quant:
+            self.q_stacks.changed(taken=bound[Q])
+            self.row_stacks.changed(taken=bound[R])
+            for kind, src, blk, got in ((Q, c.src_q, c.blk_q, c.got_q),
+                                        (R, c.src_r, c.blk_r, c.got_r)):  # fmt: skip
+                if bound[kind]:
+                    for cut in self._make_slices(m):
+                        self._make_slice(kind, ly[cut], src[cut], blk[cut], got[cut])
+        self._refs(ly, h, w, old, c.reached)
+        return c.reached
+
+    def _refs(self, ly: Tensor, h: Tensor, w: Tensor, old: Tensor, new: Tensor | None) -> None:
+        """The kernel path's reference moves (:func:`tiered_radix.kernels.moves.move_refs`;
+        ``new=None``: a release): freed rows NaN-poisoned, the stacks' and counters' host copies
+        queued, the invariants checked on the device."""
+        quant = self.layout.quant is not None
+        row = moves.move_refs(
+            self.block_all, self.ref_all, self._codes, self.q_stacks.stack() if quant else None,
+            self.row_stacks.stack(), ly, h, w, old, new, tally=self.tally.t, err=self._broken,
+        )  # fmt: skip
+        self.rows_k_all[ly, row] = torch.nan
+        self.rows_v_all[ly, row] = torch.nan
+        self.row_stacks.changed()
+        if quant:
+            self.q_stacks.changed()
+        self.tally.changed()
+        _check(self._broken.eq(0).all(), "pool move invariant broken: counts of references to "
+               "missing blocks or below zero, evicted windows planned back, restores without a "
+               "ledger copy")  # fmt: skip
+
+    def _make_slices(self, m: int) -> list[slice]:
+        """Slices of a move's ``m`` pairs whose float32 K/V fit :data:`_MAKE_BYTES` each."""
+        step = max(1, _MAKE_BYTES // (2 * 4 * self.layout.window * self.head_dim))
+        return [slice(s, s + step) for s in range(0, m, step)]
 
     @property
     def degraded(self) -> int:
@@ -700,9 +767,7 @@ class TieredKVPool(MHATokenToKVPool):
             src_block = self.block_all[ly, Q, h, w]
             _check(((src_block > 0) | ~got).all(), "restoring a window without a ledger copy")
             self.tally.t[0] += got.sum()
-        step = max(1, _MAKE_BYTES // (2 * 4 * self.layout.window * self.head_dim))
-        for s in range(0, ly.numel(), step):
-            cut = slice(s, s + step)
+        for cut in self._make_slices(ly.numel()):
             self._make_slice(kind, ly[cut], src_block[cut], block[cut], got[cut])
         cur = self.block_all[ly, kind, h, w]
         self.block_all[ly, kind, h, w] = torch.where(got, block.to(cur.dtype), cur)
