@@ -152,6 +152,9 @@ def _run(clock: str, args) -> dict:
         graphs = {"metadata_ops_per_step": round(len(in_meta) / args.steps, 1),
                   "rows_folded_per_step": round(len(folds) / args.steps, 2),
                   "steady_steps": int(steady)}  # fmt: skip
+        if args.by_function:  # the metadata's own ops, the routing's left out
+            rest = [e for e in in_meta if not inside(e)]
+            graphs["metadata_ops_by_function"] = _by_function(rest, [], args.steps)
     return {
         "clock": clock, "batch": B, "steps": args.steps, "joined_gap_steps": gap,
         "steps_with_routing": steps_with_routing, "requests_routed": routed,

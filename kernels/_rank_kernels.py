@@ -68,8 +68,9 @@ def _rank_allocate_kernel(
         free = tl.load(tier_ptr + row * U + offs, mask=inside, other=0) == T - 1
         ok = inside & free & (s > float("-inf"))  # NaN compares false: never placed
         eff = s
-        if HAS_PREV:
-            eff = tl.where(prev <= k, s + hysteresis * tl.abs(s), s)
+        if HAS_PREV:  # the bonus on placeable units only: -inf + inf would be NaN elsewhere
+            real = tl.where(ok, s, 0.0)
+            eff = tl.where(prev <= k, real + hysteresis * tl.abs(real), s)
         key = _descending_key(tl.where(ok, eff, float("-inf")), offs)
         key = tl.where(inside, key, _PAD_KEY)
         key = tl.sort(key, 0, descending=True)

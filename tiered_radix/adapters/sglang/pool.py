@@ -77,6 +77,9 @@ class PoolFullError(RuntimeError):
 class TieredKVPool(MHATokenToKVPool):
     """The tiered pool. Holders (see :mod:`.reps`) move between states with :meth:`move`;
     :meth:`read` is the reference for what the tiered attention backend must gather.
+    ``kernels`` (default: on CUDA): moves and releases keep the block tables and free stacks
+    with Triton launches (:mod:`tiered_radix.kernels.moves`, :mod:`~tiered_radix.kernels.
+    stacks`), else with PyTorch ops, their twin.
 
     Raises:
         PoolConfigError: the policy's layout is not storable, or ``page_size != W``.
@@ -624,7 +627,7 @@ class TieredKVPool(MHATokenToKVPool):
         """One holder fewer; representations nobody holds are freed (rows NaN-poisoned) and
         their blocks go back to the free stacks, in (pair, kind) order. No host sync."""
         if self._kernels:
-            self._refs(self._layer_ids(li, h), h, w, state.long(), None)
+            self._refs(self._layer_ids(li, h), h.long(), w.long(), state.long(), None)
             return
         idx, hold = self._per_kind(li, h, w, state)
         self.ref_all.index_put_(idx, -hold.int(), accumulate=True)
@@ -695,14 +698,13 @@ class TieredKVPool(MHATokenToKVPool):
             keep_rows=self._rows_held, evicts=self.layout.evict_index is not None,
             tally=self.tally.t, err=self._broken,
         )  # fmt: skip
-        if quant:
-            self.q_stacks.changed(taken=bound[Q])
-            self.row_stacks.changed(taken=bound[R])
-            for kind, src, blk, got in ((Q, c.src_q, c.blk_q, c.got_q),
-                                        (R, c.src_r, c.blk_r, c.got_r)):  # fmt: skip
-                if bound[kind]:
-                    for cut in self._make_slices(m):
-                        self._make_slice(kind, ly[cut], src[cut], blk[cut], got[cut])
+        made = ((Q, self.q_stacks, c.src_q, c.blk_q, c.got_q),
+                (R, self.row_stacks, c.src_r, c.blk_r, c.got_r))  # fmt: skip
+        for kind, stacks, src, blk, got in made if quant else ():  # Q first: R is from Q
+            if bound[kind]:
+                stacks.changed(taken=bound[kind])
+                for cut in self._make_slices(m):
+                    self._make_slice(kind, ly[cut], src[cut], blk[cut], got[cut])
         self._refs(ly, h, w, old, c.reached)
         return c.reached
 
