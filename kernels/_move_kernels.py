@@ -22,6 +22,17 @@ def _entry(layer, kind, h, w, K: tl.constexpr, H, NW):
 
 
 @triton.jit
+def _layer_pairs(ly_ptr, h_ptr, w_ptr, old_ptr, offs, m, layer):
+    """Which of pairs ``offs`` are this ``layer``'s (the others masked), and their head, window
+    and old state (0 where masked)."""
+    mine = (offs < m) & (tl.load(ly_ptr + offs, mask=offs < m, other=-1) == layer)
+    h = tl.load(h_ptr + offs, mask=mine, other=0)
+    w = tl.load(w_ptr + offs, mask=mine, other=0)
+    old = tl.load(old_ptr + offs, mask=mine, other=0)
+    return mine, h, w, old
+
+
+@triton.jit
 def _move_claim_kernel(
     ly_ptr,  # int64 [m] layer of each pair
     h_ptr,  # int64 [m] head
@@ -74,10 +85,7 @@ def _move_claim_kernel(
     bad = tl.zeros([], dtype=tl.int64)
     for start in range(0, m, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mine = (offs < m) & (tl.load(ly_ptr + offs, mask=offs < m, other=-1) == layer)
-        h = tl.load(h_ptr + offs, mask=mine, other=0)
-        w = tl.load(w_ptr + offs, mask=mine, other=0)
-        old = tl.load(old_ptr + offs, mask=mine, other=0)
+        mine, h, w, old = _layer_pairs(ly_ptr, h_ptr, w_ptr, old_ptr, offs, m, layer)
         new = tl.load(new_ptr + offs, mask=mine, other=0)
         bad += tl.sum((mine & (old == S_EVICT) & (new != S_EVICT)).to(tl.int64), 0)
         got_q = offs < 0
@@ -178,10 +186,7 @@ def _move_refs_kernel(
     bad = tl.zeros([], dtype=tl.int64)
     for start in range(0, m, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mine = (offs < m) & (tl.load(ly_ptr + offs, mask=offs < m, other=-1) == layer)
-        h = tl.load(h_ptr + offs, mask=mine, other=0)
-        w = tl.load(w_ptr + offs, mask=mine, other=0)
-        old = tl.load(old_ptr + offs, mask=mine, other=0)
+        mine, h, w, old = _layer_pairs(ly_ptr, h_ptr, w_ptr, old_ptr, offs, m, layer)
         new = old
         if ACQUIRE:
             new = tl.load(new_ptr + offs, mask=mine, other=0)
