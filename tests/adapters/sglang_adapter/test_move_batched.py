@@ -129,6 +129,18 @@ def random_move(pool, g: torch.Generator):
     return ly, h, w, old, new
 
 
+def free_ids(stacks) -> list[list[int]]:
+    """Each layer's free block ids, bottom of the stack first."""
+    return [stacks.ids[li, :n].tolist() for li, n in enumerate(stacks.counts())]
+
+
+def same_stacks(a, b) -> None:
+    """Pools ``a`` and ``b`` hold the same free stacks (order included) and counters."""
+    for kind in ("row_stacks", "q_stacks"):
+        assert free_ids(getattr(a, kind)) == free_ids(getattr(b, kind)), kind
+    assert a.tally.host() == b.tally.host()
+
+
 def same(a, b) -> None:
     for name in ("block_all", "ref_all", "owner_all", "pages_all"):
         x, y = getattr(a, name), getattr(b, name)
@@ -158,9 +170,8 @@ def test_batched_move_equals_the_per_layer_move(seed: int, quant: int, slice_pai
         for p, s in ((new_pool, got), (old_pool, want)):
             p.owner_all[ly, h, w] = s.to(torch.int8)
         same(new_pool, old_pool)
-        rows, q = new_pool.row_stacks, new_pool.q_stacks
-        assert [rows.ids[li, :n].tolist() for li, n in enumerate(rows.counts())] == ref.rows
-        assert [q.ids[li, :n].tolist() for li, n in enumerate(q.counts())] == ref.q
+        assert free_ids(new_pool.row_stacks) == ref.rows
+        assert free_ids(new_pool.q_stacks) == ref.q
         assert new_pool.tally.host() == [ref.restored, ref.degraded]
     if quant == 9:
         assert ref.degraded > 0  # the short case was exercised
@@ -207,13 +218,7 @@ def test_move_kernels_release_like_the_pytorch_pool(seed: int, policy: str):
         p.release(ly, h, w, state)
         p.owner_all[ly, h, w] = -1
     same(fast, twin)
-    for kind in ("row_stacks", "q_stacks"):
-        a, b = getattr(fast, kind), getattr(twin, kind)
-        assert a.counts() == b.counts()
-        assert [a.ids[li, :n].tolist() for li, n in enumerate(a.counts())] == [
-            b.ids[li, :n].tolist() for li, n in enumerate(b.counts())
-        ]
-    assert fast.tally.host() == twin.tally.host()
+    same_stacks(fast, twin)
     assert fast.bytes_used() == twin.bytes_used()
 
 
@@ -256,11 +261,6 @@ def test_move_kernels_on_the_device(seed: int, quant: int):
         for p in (fast, twin):
             p.owner_all[ly, h, w] = got[0].to(torch.int8)
     same(fast, twin)
-    for kind in ("row_stacks", "q_stacks"):
-        a, b = getattr(fast, kind), getattr(twin, kind)
-        assert [a.ids[li, :n].tolist() for li, n in enumerate(a.counts())] == [
-            b.ids[li, :n].tolist() for li, n in enumerate(b.counts())
-        ]
-    assert fast.tally.host() == twin.tally.host()
+    same_stacks(fast, twin)
     if quant == 9:
         assert twin.tally.host()[1] > 0  # some moves were short of ledger blocks

@@ -112,8 +112,6 @@ class FreeStacks:
         another use): ``got`` bool ``[m]`` and the block ids (int64 ``[m]``, 0 where not
         ``got``). ``bound``: a host bound of the pairs with ``want`` (default ``m``), for
         :meth:`floor`."""
-        bound = ly.numel() if bound is None else bound
-        self._floor = [max(0, f - bound) for f in self._floor]
         if self.kernel:
             got, block = stack_take(self.ids, self.top.t, ly, want, keep)
         else:
@@ -123,7 +121,7 @@ class FreeStacks:
             pos = (avail - 1 - rank).clamp(min=0)
             block = torch.where(got, self.ids[ly, pos], 0)
             self.top.t.sub_(per_group(ly, got, self.n_layers))
-        self.top.changed()
+        self.changed(taken=ly.numel() if bound is None else bound)
         return got, block
 
     def give(self, ly: Tensor, block: Tensor, mask: Tensor) -> None:
@@ -135,7 +133,7 @@ class FreeStacks:
             pos = torch.where(mask, self.top.t[ly] + rank, self.n)  # the dump column when masked
             self.ids.index_put_((ly, pos), torch.where(mask, block, 0))
             self.top.t.add_(per_group(ly, mask, self.n_layers))
-        self.top.changed()
+        self.changed()
 
     # -- kernels that take and give themselves (kernels/moves.py) ---------------------------
     def stack(self) -> Stack:
@@ -143,8 +141,9 @@ class FreeStacks:
         return Stack(self.ids, self.top.t)
 
     def changed(self, taken: int = 0) -> None:
-        """A kernel changed the stacks, taking at most ``taken`` blocks a layer (a host bound,
-        for :meth:`floor`): queue the counts' host copy."""
+        """The device stacks changed (:meth:`take`, :meth:`give`, or a kernel), at most
+        ``taken`` blocks a layer taken (a host bound, for :meth:`floor`): queue the counts' host
+        copy."""
         self._floor = [max(0, f - taken) for f in self._floor]
         self.top.changed()
 

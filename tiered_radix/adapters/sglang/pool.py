@@ -104,8 +104,6 @@ class TieredKVPool(MHATokenToKVPool):
         **kwargs,
     ) -> None:
         self.layout = Layout.of(policy)
-        # moves keep their block tables with kernels/moves.py (two launches) instead of ~90
-        # PyTorch ops, and the free stacks take and give with kernels/stacks.py; default on CUDA
         self._kernels = torch.device(device).type == "cuda" if kernels is None else kernels
         if page_size != self.layout.window:
             raise PoolConfigError(
