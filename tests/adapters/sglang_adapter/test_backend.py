@@ -572,6 +572,9 @@ def test_stats_file_waits_for_a_deferred_routing_and_flush_cache_rewrites_it(tmp
     h.step([req], [[50]], extend=False)  # the deferred routing
     got = json.loads(path.read_text())
     assert got["routes"] == 2 and got["demote"] + got["evict"] > 0
+    # of the two, the prefill's was put off; one request ran one decode step
+    assert got["deferred_routings"] == 1 and got["request_decode_steps"] == 1
+    assert got["dropped_routings"] == 0  # routings land at once without the overlap scheduler
     h.finish(req)
     path.unlink()
     h.sim.cache.reset()

@@ -81,6 +81,9 @@ def expected(h: Harness, moves: Counter) -> dict[tuple[str, tuple], float]:
         (P + "requests", ()): len(h.backend.sessions),
         (P + "routes_total", ()): moves["routes"],
         (P + "rows_routings_total", ()): moves["rows"],
+        (P + "deferred_routings_total", ()): moves["deferred"],
+        (P + "dropped_routings_total", ()): 0,  # routings land at once here (no overlap)
+        (P + "request_decode_steps_total", ()): moves["decode_steps"],
         (P + "promotions_total", ()): moves["promote"],
         (P + "demotions_total", ()): moves["demote"],
         (P + "evictions_total", ()): moves["evict"],
@@ -123,6 +126,9 @@ def record(h: Harness) -> Counter:
                 moves[t.kind] += 1
                 moves["ledger"] += t.ledger_write
             store = h.backend.sessions[rid].store
+            if store.deferred:  # a prefill chunk's routing put off: no step recorded
+                moves["deferred"] += 1
+                continue
             step = store.events.steps[-1]
             moves["over"] += bool(store.bytes_used() > step.budget and not step.forced)
             moves["rows"] += step.reason == "rows short"
@@ -133,7 +139,12 @@ def record(h: Harness) -> Counter:
         moves["borrowed"] += int((view.state == S_Q).sum())
         return view
 
+    def stepped(reqs, tokens, extend):
+        moves["decode_steps"] += 0 if extend else len(reqs)
+        return step(reqs, tokens, extend=extend)
+
     cache.route_many, cache.open_view = routed, opened
+    step, h.step = h.step, stepped
     return moves
 
 

@@ -794,6 +794,8 @@ class TieredAttnBackend(AttentionBackend):
         if not self.extend and self.options.route_clock == "server":
             clock, self.decode_clock = self.decode_clock, self.decode_clock + 1
         due = due_routings(self.batch, self.extend, clock)
+        if not self.extend:
+            self.counters.request_decode_steps += len(self.batch)
         if self.late_landing and closing:
             due = [(r, why) for r, why in due if r.rid not in closing]
         if due:  # their scores up to date (replayed steps summed their attention)
@@ -851,6 +853,7 @@ class TieredAttnBackend(AttentionBackend):
         live = [self._live(r) for r, _ in due]
         for i in (i for i, ok in enumerate(live) if not ok):
             pending.drop(i)
+        self.counters.dropped_routings += live.count(False)
         due = [d for d, ok in zip(due, live, strict=True) if ok]
         with self._timed("route"):
             return self._moved(due, pending)
@@ -877,6 +880,7 @@ class TieredAttnBackend(AttentionBackend):
             for r, why in due:
                 self.tp.add(r.rid, why, r.session.store)
         self.counters.routed(moves, self.pool.device, [r.session.store for r, _ in due])
+        self.counters.deferred_routings += sum(r.session.store.deferred for r, _ in due)
         # the stats file after a routing that planned: a deferred one (a prefill chunk under
         # after_prefill(defer=true)) moved nothing, and its snapshot's host sync would wait for
         # the chunk's forward

@@ -35,6 +35,18 @@ COUNTERS = {  # snapshot running total -> (metric name, help); exported with a _
         "rows_routings",
         "Routings run early because a forward's new windows lacked full-precision rows.",
     ),
+    "deferred_routings": (
+        "deferred_routings",
+        "Prefill chunks' routings put off to the first decode step (counted in routes).",
+    ),
+    "dropped_routings": (
+        "dropped_routings",
+        "Requests' parts of a one-step-late routing dropped because their view had closed.",
+    ),
+    "request_decode_steps": (
+        "request_decode_steps",
+        "Decode steps summed over the requests that ran them (a batch of 8 counts 8).",
+    ),
     "promote": ("promotions", "Units moved to a more precise tier."),
     "demote": ("demotions", "Units moved to a less precise tier (not evictions)."),
     "evict": ("evictions", "Units evicted."),

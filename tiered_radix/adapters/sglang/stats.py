@@ -45,8 +45,11 @@ class BackendStats:
     borrowed from the radix cache at a quantized state: its engine may promote those without
     having demoted them, so ``promote <= demote + borrowed_quantized`` over all requests."""
 
-    routes: int = 0  # requests routed
+    routes: int = 0  # requests routed, deferred prefill routings included
+    deferred_routings: int = 0  # of those, prefill chunks' under after_prefill(defer=true)
+    dropped_routings: int = 0  # requests' parts of a late landing dropped: their view closed
     rows_routings: int = 0  # requests routed because a batch's new windows lacked rows
+    request_decode_steps: int = 0  # decode steps summed over the requests that ran them
     peak_bytes: int = 0
     peak_tokens: int = 0
     kernel_steps: int = 0  # decode steps run by the TriZone kernel
@@ -139,7 +142,10 @@ class BackendStats:
             "row_blocks_free": rows_free,
             "ledger_blocks_free": ledger_free,
             "routes": self.routes,
+            "deferred_routings": self.deferred_routings,
+            "dropped_routings": self.dropped_routings,
             "rows_routings": self.rows_routings,
+            "request_decode_steps": self.request_decode_steps,
             **self.moved(),
             "degraded_moves": getattr(pool, "degraded", 0),  # moves short of blocks (pool.move)
             "zone_full_routings": getattr(pool, "zone_full", 0),  # repacks with no room (rdkv)
