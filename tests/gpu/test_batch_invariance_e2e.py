@@ -76,15 +76,25 @@ def prompts(n: int) -> list[str]:
     return out
 
 
-def generate(texts: list[str], max_tokens: int = 32) -> list[str]:
-    """Greedy completions through SGLang's native ``/generate`` (a list is one batch)."""
+def generate(texts: list[str], max_tokens: int = 32) -> list[dict]:
+    """Greedy completions through SGLang's native ``/generate`` (a list is one batch): each
+    output's text, tokens and the request's KV usage report (``meta_info["kv_usage"]``: its
+    units per state at its end, its transitions and routings; None under plain SGLang)."""
     body = {"text": texts, "sampling_params": {"temperature": 0, "max_new_tokens": max_tokens}}
     req = urllib.request.Request(
         f"http://127.0.0.1:{e2e.PORT}/generate", json.dumps(body).encode(),
         {"Content-Type": "application/json"},
     )  # fmt: skip
     with urllib.request.urlopen(req, timeout=600) as r:
-        return [x["text"] for x in json.loads(r.read())]
+        out = json.loads(r.read())
+    return [{"text": x["text"], "tokens": x["meta_info"].get("completion_tokens"),
+             "kv": x["meta_info"].get("kv_usage")} for x in out]  # fmt: skip
+
+
+def usage_differs(a: dict | None, b: dict | None) -> dict:
+    """The fields of two requests' KV usage reports that differ: ``{field: (a, b)}``."""
+    a, b = a or {}, b or {}
+    return {k: (a.get(k), b.get(k)) for k in sorted({*a, *b}) if a.get(k) != b.get(k)}
 
 
 def flush() -> None:
@@ -130,11 +140,12 @@ def test_texts_are_the_same_in_a_batch_and_alone(policy):
         before = counters(stats)
         t0 = time.time()
         together = generate(texts)
-        time.sleep(1)  # the stats file is rewritten after each routing
-        after_batch = counters(stats)
+        # the stats file is rewritten after each routing that planned and at flush_cache (so
+        # counters that move between routings, e.g. request_decode_steps, are read current)
         flush()
+        after_batch = counters(stats)
         alone = [generate([t])[0] for t in texts]
-        time.sleep(1)
+        flush()
         after_alone = counters(stats)
         elapsed = time.time() - t0
     finally:
@@ -142,17 +153,23 @@ def test_texts_are_the_same_in_a_batch_and_alone(policy):
     batch_all = {k: after_batch[k] - before[k] for k in after_batch}
     alone_all = {k: after_alone[k] - after_batch[k] for k in after_alone}
     batch_counts, alone_counts = ({k: c[k] for k in COUNTERS} for c in (batch_all, alone_all))
-    differ = [i for i, (a, b) in enumerate(zip(together, alone, strict=True)) if a != b]
+    pairs = list(zip(together, alone, strict=True))
+    differ = [i for i, (a, b) in enumerate(pairs) if a["text"] != b["text"]]
+    # each request's tiers at its end, its transitions and routings: the same both ways
+    kv_differ = {i: d for i, (a, b) in enumerate(pairs) if (d := usage_differs(a["kv"], b["kv"]))}
     result = {
         "policy": policy, "budget": BUDGET, "chunk": int(CHUNK), "n": N, "differ": differ,
-        "together": together, "alone": alone, "counters_together": batch_counts,
+        "kv_differ": kv_differ, "together": together, "alone": alone,
+        "counters_together": batch_counts,
         "counters_alone": alone_counts, "recorded_together": batch_all,
         "recorded_alone": alone_all, "seconds": elapsed,
     }  # fmt: skip
     (e2e.OUT / f"batch-{policy}.json").write_text(json.dumps(result, indent=1))
     if policy == "none" and differ:  # the reference: SGLang cuts a batch's chunks elsewhere
         pytest.xfail(f"plain SGLang's texts change with the batch: {differ} of {N} differ")
-    assert not differ, [(i, together[i], alone[i]) for i in differ]
+    assert not differ, [(i, together[i]["text"], alone[i]["text"]) for i in differ]
     if policy != "none":
         assert batch_counts["planned"] > 0, "the policy never routed"
+        assert all(a["kv"] for a, _ in pairs), "a request came back without its KV usage"
+        assert not kv_differ, kv_differ
         assert batch_counts == alone_counts, (batch_counts, alone_counts)
