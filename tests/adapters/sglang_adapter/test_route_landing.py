@@ -79,7 +79,8 @@ def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, 
     at the flush a request's close runs (``before_close``), so under ``--kv-overlap`` it was
     still pending when the view closed, and landed at the next step over a view that was gone.
     The closing request's part is not planned (GPU run 18: it held up the request's last
-    token), the other's lands as in the serial order (same tiers, owner states); a part whose
+    token), the other's lands when the next step is processed, with the serial order's tiers
+    and owner states (not at the close: that made its landing depend on the batch); a part whose
     view closes while it is pending is dropped (its windows stay at the states its close
     left). Every slot, row and block comes back (finish: inserted in the tree, then evicted;
     retract: SGLang's ``cache_finished_req(is_insert=False)``)."""
@@ -106,7 +107,11 @@ def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, 
     assert [r.rid for r, _ in late.backend.landing[0]] == ["a"]  # c's close planned a's only
     before = tiers(late, "a")
     for h, a in reqs.items():
-        h.replay([a], [[70]], 2, rids=True)  # lands first: a's part only
+        h.replay([a], [[70]], 2, rids=True)  # step 2 still reads the old tiers: one step late
+    assert late.backend.landing is not None
+    assert all(torch.equal(x, y) for x, y in zip(before, tiers(late, "a"), strict=True))
+    for h, a in reqs.items():
+        h.replay([a], [[71]], 2, rids=True)  # step 2 processed first: a's part lands
     assert late.backend.landing is None
     assert any(not torch.equal(x, y) for x, y in zip(before, tiers(late, "a"), strict=True))
     for li in range(sim.L):
@@ -116,8 +121,7 @@ def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, 
     assert torch.equal(serial.sim.cache.views["a"].windows, wa)
     want, got = (h.sim.pool.owner_all[:, :, wa] for h in (serial, late))
     assert torch.equal(want, got)  # (c's windows stay as its close left them: not routed)
-    for h, a in reqs.items():
-        h.replay([a], [[71]], 2, rids=True)  # decode step 3: a's routing is due at the flush
+    # that replay was decode step 3: a's routing is due at the next flush
     stores = {h: h.backend.sessions["a"].store for h in reqs}
     steps = {h: st.step for h, st in stores.items()}
     for h, a in reqs.items():
@@ -246,3 +250,82 @@ def test_a_shipped_policy_decodes_under_graphs_in_the_overlap_order(monkeypatch,
     assert set(sim.pool.blocks_in_use().values()) <= {0}
     if sim.pool.zones is not None:
         assert not sim.pool.zones.holds("a") and not sim.pool.zones.holds("c")
+
+
+def _tiers_and_outputs(h: Harness, reqs, steps: int, ends: int | None, eager_at=()):
+    """Decode ``steps`` steps of ``reqs`` (a, c) under the overlap order: replays of the batch-2
+    graph, or eager steps at the steps in ``eager_at``; c's last token comes at step ``ends``
+    (it runs one more step, then its view closes) or never. Returns, for every step, the tiers
+    a's first layer read (taken as the step's layer 0 runs) and a's output rows."""
+    a, c = reqs
+    read = []
+
+    def reading(forward):
+        def at_layer(q, k, v, layer, fb, *args, **kw):
+            if layer.layer_id == 0:
+                read.append(tiers(h, "a"))
+            return forward(q, k, v, layer, fb, *args, **kw)
+
+        return at_layer
+
+    b = h.backend  # the harness's eager step calls forward_extend for decode too
+    b.forward_decode, b.forward_extend = reading(b.forward_decode), reading(b.forward_extend)
+    outs = []
+    for t in range(steps):
+        live = [a, c] if ends is None or t <= ends + 1 else [a]
+        new = [[60 + t], [30 + t]][: len(live)]
+        if t in eager_at:
+            out = h.step(live, new, extend=False)
+        else:
+            out = h.replay(live, new, 2, rids=True)
+        if ends is not None and t == ends + 1:
+            h.finish(c)  # after step t+1 was launched, as SGLang's overlap loop closes it
+        outs.append([o[0].clone() for o in out])
+    return list(zip(read, outs, strict=True))
+
+
+def _overlapped(monkeypatch, n: int) -> list[tuple[Harness, tuple]]:
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runs = []
+    for _ in range(n):
+        h = _graph_harness(True)
+        a, c = h.start("a", list(range(1, 71))), h.start("c", list(range(5, 60)))
+        h.step([a, c], [a.origin_input_ids, c.origin_input_ids], extend=True)
+        runs.append((h, (a, c)))
+    return runs
+
+
+def _same_steps(got, want) -> None:
+    for t, ((tg, og), (tw, ow)) in enumerate(zip(got, want, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(tg, tw, strict=True)), f"tiers, step {t}"
+        assert all(torch.equal(x, y) for x, y in zip(og, ow, strict=True)), f"output, step {t}"
+
+
+@pytest.mark.parametrize("ends", [0, 1, 2])
+def test_a_routing_lands_at_the_same_step_whether_or_not_another_request_ends(monkeypatch, ends):
+    """GPU run 27's batch invariance: the flush a closing request runs processes the step just
+    replayed for the whole batch; it used to land the routing still pending from the step
+    before too, so the routing it then planned for the other requests landed at the next
+    step's metadata, a step earlier than when nobody closes. Request a's routings (every 2
+    steps) must land at the same steps, and a read the same tiers and get the same outputs at
+    every step, whether c ends at step ``ends`` or runs on (the batch is padded to the same
+    graph either way)."""
+    (h_end, r_end), (h_on, r_on) = _overlapped(monkeypatch, 2)
+    got = _tiers_and_outputs(h_end, r_end, 8, ends)
+    want = _tiers_and_outputs(h_on, r_on, 8, None)
+    assert h_on.backend.stats()["routes"] >= 3
+    _same_steps(got, want)
+
+
+def test_a_routing_lands_at_the_same_step_after_an_eager_step_as_after_a_replay(monkeypatch):
+    """A batch too large for the graph buffers decodes eagerly, which SGLang decides per step
+    from the batch: an eager step's routing (planned at its last layer) used to land at the
+    next step's metadata, a replay's (planned at the next step's metadata) one step later. Both
+    land when the next step is processed, so a's tiers and outputs are those of all-replay
+    decode at every step."""
+    (h_mix, r_mix), (h_graph, r_graph) = _overlapped(monkeypatch, 2)
+    got = _tiers_and_outputs(h_mix, r_mix, 8, None, eager_at={1, 3, 4})
+    want = _tiers_and_outputs(h_graph, r_graph, 8, None)
+    for t, ((tg, _), (tw, _)) in enumerate(zip(got, want, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(tg, tw, strict=True)), f"tiers, step {t}"

@@ -46,12 +46,15 @@ The overlap scheduler (on unless ``--no-kv-overlap`` or SGLang's ``--disable-ove
 SGLang prepares and launches step t+1 before it processes step t's tokens, so a request that
 finished at step t runs one more step (its token is dropped) and its view closes (``before_close``
 -> :meth:`flush`) after step t+1 was launched. Other requests' steps, scores and routings are as in
-the serial order (each store is its own). A routing that lands one step late (``late_landing``'s
-``landing``) drops the parts of requests whose view closed before it landed (finished, aborted,
-retracted, flushed): their windows stay at the states their close left. So the flush a close runs
-plans no routing for the closing requests: it would be dropped, and it would hold up their last
-token (a deferred first routing of a long prompt runs long: bench/routing_notes.md). On the
-device every piece of
+the serial order (each store is its own). A decode step's routing (``late_landing``'s ``landing``)
+lands one step late, when the next decode step is processed, and at no other time: not at a
+close's flush, an extend or the next metadata, whose timing depends on the batch, so every
+request's routings land at the same steps alone and in any batch. The parts of requests whose view
+closes before they land (finished, aborted, retracted, flushed) are dropped: their windows stay at
+the states their close left, so a request's routings after its last token never land, in any
+batch. The flush a close runs plans no routing for the closing requests either: it would be
+dropped, and it would hold up their last token (a deferred first routing of a long prompt runs
+long: bench/routing_notes.md). On the device every piece of
 work runs in the order the host issued it: SGLang's forward stream waits for its schedule stream
 before each forward, and the plugin's :func:`~.plugin.graph_execute` makes the schedule stream wait
 for the whole replay.
@@ -564,8 +567,8 @@ class TieredAttnBackend(AttentionBackend):
         forward's metadata and before requests' views close (:attr:`~.radix.TieredRadixCache.
         before_close`, with their ids as ``closing``): routing happens before anything reads
         its result, as in eager mode."""
-        if self._land():  # blocks moved: the next step rebuilds its lists
-            self.relist = True
+        if closing:  # routings of theirs still to land would be read by nobody
+            self._drop(lambda r: r.rid in closing)
         if not self.pending:
             return
         self.pending = False
@@ -784,10 +787,16 @@ class TieredAttnBackend(AttentionBackend):
     def _route_due(self, closing: list[str] = ()) -> bool:
         """Route the batch's requests whose schedule is due; whether blocks moved now. Under
         SGLang's overlap scheduler a decode step's routing is planned and its masks computed
-        now, and it lands (units and blocks move) at the next :meth:`flush`, so the host does
-        not wait for the device here: the next step still reads the old tiers (one step late);
-        requests ``closing`` are not planned (their part would not land)."""
-        self._land()
+        now, and it lands (units and blocks move) when the next decode step is processed here
+        (a replay's at :meth:`flush`, an eager step's at its last layer), so the host does not
+        wait for the device: the next step still reads the old tiers (one step late), and
+        every request's routings land at the same steps in any batch, whatever closes or
+        prefills in between; requests ``closing`` are not planned (their part would not land).
+        An extend batch lands the pending routing only where its requests are in it (mixed
+        chunks: a store takes no routing while one of its own is pending)."""
+        landed = False
+        if not self.extend or self._pending_for(self.batch):
+            landed = self._land()
         alloc = self.tree.token_to_kv_pool_allocator  # tokens held: running and tree-cached
         self.counters.forward_done(self.pool, alloc.size - alloc.available_size())
         clock = None
@@ -805,8 +814,8 @@ class TieredAttnBackend(AttentionBackend):
         pending = TierStore.begin_routes(stores, [why for _, why in due], prefill=self.extend)
         if due and self.late_landing and not self.extend:
             self.landing = (due, pending)
-            return False
-        return self._moved(due, pending)
+            return landed
+        return self._moved(due, pending) or landed
 
     def _make_rows(self, rids: list[str], windows: int) -> None:
         """Before a forward of requests ``rids`` opens ``windows`` new windows: rows for them,
@@ -845,18 +854,36 @@ class TieredAttnBackend(AttentionBackend):
     def _land(self) -> bool:
         """A routing left pending by :meth:`_route_due` moves now; whether one did. Requests
         that ended since it was planned (finished, aborted, retracted, flushed: their view
-        closed, e.g. a replayed step's routing planned at the flush their close ran) drop out
-        of it; the others' parts land."""
+        closed) drop out of it; the others' parts land."""
+        self._drop(lambda r: not self._live(r))
         if self.landing is None:
             return False
         (due, pending), self.landing = self.landing, None
-        live = [self._live(r) for r, _ in due]
-        for i in (i for i, ok in enumerate(live) if not ok):
-            pending.drop(i)
-        self.counters.dropped_routings += live.count(False)
-        due = [d for d, ok in zip(due, live, strict=True) if ok]
         with self._timed("route"):
-            return self._moved(due, pending)
+            return self._moved([d for d in due if d is not None], pending)
+
+    def _drop(self, ended) -> None:
+        """The parts of the pending routing whose request ``ended(_Req)`` are dropped: its
+        windows stay at the states they hold (counted as ``dropped_routings``). A request's
+        last routings are dropped so, in any batch: planned after its last token or the step
+        after it (the overlap scheduler runs one more), they would land after it ended."""
+        if self.landing is None:
+            return
+        due, pending = self.landing
+        for i, d in enumerate(due):
+            if d is not None and ended(d[0]):
+                pending.drop(i)
+                due[i] = None
+                self.counters.dropped_routings += 1
+        if all(d is None for d in due):
+            self.landing = None
+
+    def _pending_for(self, batch: list[_Req]) -> bool:
+        """Whether a request of ``batch`` has a part in the pending routing."""
+        if self.landing is None:
+            return False
+        rids = {r.rid for r in batch}
+        return any(d is not None and d[0].rid in rids for d in self.landing[0])
 
     def _live(self, r: _Req) -> bool:
         """Whether request ``r``'s view is still open, with the session ``r`` was planned in."""
