@@ -112,7 +112,7 @@ class PoolRig:
 def rig(name: str, head_dim: int = HEAD_DIM, options: KVOptions | None = None,
         late: bool = False):  # fmt: skip
     """``late``: SGLang's overlap scheduler runs (the default launch), so a decode routing lands
-    at the next step's metadata (or the request's close)."""
+    when the next decode step is processed (dropped if its request ends first)."""
     return PoolRig(policy_text(name), head_dim, options, late)
 
 
@@ -154,10 +154,6 @@ class Scheduler:
                 self._extend(batch)
             else:
                 self._decode()
-        # a decode routing left pending by the last step lands (in SGLang: at the request's
-        # close, before_close -> flush); requests that finished earlier in a batch saw theirs
-        # land at the next step's metadata
-        self.r.h.backend.flush()
         return self
 
     def _prefill_batch(self) -> list:
@@ -199,6 +195,10 @@ class Scheduler:
             self.outs[req.rid].append(out)
             self.left[req.rid] -= 1
         self.running = [r for r in batch if self.left[r.rid] > 0]
+        # SGLang closes the finished requests' views (before_close -> flush): a routing of
+        # theirs still to land is dropped, alone as in a batch (their stores stay to compare)
+        if ended := [r.rid for r in batch if not self.left[r.rid]]:
+            self.r.h.backend.flush(ended)
 
     def rows(self, rid: str) -> list[torch.Tensor]:
         """Per layer: the request's outputs at every position it computed, ``[n, HQ, D]``."""
