@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -97,8 +98,19 @@ def usage_differs(a: dict | None, b: dict | None) -> dict:
     return {k: (a.get(k), b.get(k)) for k in sorted({*a, *b}) if a.get(k) != b.get(k)}
 
 
-def flush() -> None:
-    urllib.request.urlopen(f"http://127.0.0.1:{e2e.PORT}/flush_cache", timeout=60).read()
+def flush(wait_s: float = 60.0) -> None:
+    """``/flush_cache``, which SGLang refuses (400) while a request is still in its scheduler:
+    right after the responses, the overlap loop may still hold the last batch (GPU run 28's
+    qevict and rdkv cases failed there)."""
+    end = time.time() + wait_s
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{e2e.PORT}/flush_cache", timeout=60).read()
+            return
+        except urllib.error.HTTPError as err:
+            if err.code != 400 or time.time() > end:
+                raise
+            time.sleep(0.5)
 
 
 def counters(stats: Path) -> dict[str, int]:

@@ -280,8 +280,12 @@ def test_a_finished_request_reports_its_usage_in_the_response():
     h = Harness(kv=launch(POLICY, OTHER))
     reqs, _ = serve(h, {"a": {"kv_budget": "25%"}}, steps=3)
     a = reqs[0]
+    # the harness writes KV for every token it decoded (SGLang's overlap loop, running a request
+    # one step past its end, does so too, only by batch): the report covers the KV its output
+    # needed, the prompt's and every output token's but the last
     n = len(a.tokens)
-    expected = h.sim.cache.usage("a", n)
+    expected = h.sim.cache.usage("a", n - 1)
+    assert expected["tokens"] == n - 1 and expected != h.sim.cache.usage("a", n)
     h.finish(a)
     info = a.customized_info[KEY]
     assert len(info) == 3 and info[:2] == [None, None] and info[-1] == expected

@@ -204,15 +204,20 @@ class TieredRadixCache(RadixCache):
             return None
         kv, pool = self.request_kv(rid), self.pool
         budget = total_budget(kv.budget, [n_tokens] * pool.layer_num, pool.head_num, pool.head_dim)
-        return usage.report(pool, self.states_all(rid), n_tokens, view.moved, view.routes,
-                            budget, kv.describe())  # fmt: skip
+        states = self.states_all(rid)[:, :, : -(-n_tokens // self.layout.window)]
+        return usage.report(pool, states, n_tokens, view.moved, view.routes, budget,
+                            kv.describe())  # fmt: skip
 
     def _report(self, req, n_tokens: int) -> None:
         """The finished request's usage into SGLang's per-token ``customized_info`` (its last
         output token's entry), which SGLang sends with the output as ``meta_info["kv_usage"]``
         (the plugin turns SGLang's per-token list back into the one report)."""
         out = len(getattr(req, "output_ids_through_stop", None) or req.output_ids or [])
-        report = self.usage(req.rid, n_tokens) if out else None
+        # the KV its tokens needed: the prompt's and every output token's but the last, whose
+        # KV SGLang's overlap loop writes only where it ran the request a step past its end
+        # (alone, not when a prefill came next in a batch): the report is the same either way
+        needed = len(getattr(req, "origin_input_ids", None) or []) + out - 1
+        report = self.usage(req.rid, min(n_tokens, needed)) if out and needed > 0 else None
         if report is None:
             return
         info = dict(getattr(req, "customized_info", None) or {})
