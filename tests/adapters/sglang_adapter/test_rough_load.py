@@ -330,9 +330,11 @@ def test_a_replayed_decode_step_short_of_rows_routes_first(monkeypatch):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_decode_steps_new_windows_are_held_while_it_lands_a_routing(monkeypatch, graphs):
     """What SGLang's decode check counted free stays free until the step's windows open: the
-    step lands the routing planned at the step before (``flush``) and may route for rows, both
-    while the rows of the windows it opens are held from moves (``pool.rows_held``), eagerly and
-    as a graph replay. Two requests, one of whose next token opens a window: held for 1."""
+    step's metadata processes a replayed step before it (``flush``: its routing lands the one
+    pending and plans the next) and may route for rows, both while the rows of the windows it
+    opens are held from moves (``pool.rows_held``), eagerly and as a graph replay (an eager
+    step's own routing lands at its last layer, after its windows opened). Two requests, one of
+    whose next token opens a window: held for 1."""
     from tiered_radix.adapters.sglang import backend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")

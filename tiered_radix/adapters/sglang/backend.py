@@ -845,6 +845,8 @@ class TieredAttnBackend(AttentionBackend):
             due.append((_Req(rid, sess, 0, 0, sess.store.n_tokens(0)), "rows short"))
         if not due:
             return
+        if self._pending_for([r for r, _ in due]):  # a store takes no routing while its own is
+            self._land()  # pending: under this pressure it lands now, a step early
         self.fold_pending()
         with self._timed("route_rows"):
             stores = [r.session.store for r, _ in due]
