@@ -418,3 +418,29 @@ def test_a_decode_step_short_of_rows_routes_the_held_back_prompt(monkeypatch):
     load = RoughLoad(h, [[(30, 12, None, 3)], [(300, 2, None, 5)]]).run()
     assert set(load.finished.values()) == {"length"}
     assert load.routings["s1t0"].count("rows short") >= 1
+
+
+def test_a_step_short_of_rows_lands_the_pending_routing_before_it_routes_again(monkeypatch):
+    """Under the overlap scheduler a replayed step's routing is planned at the next step's
+    metadata and stays pending there; when that step's new window then finds no free rows, the
+    rows-short routing of the same request lands the pending one first (a store takes no
+    routing while its own is pending), so both move, in order. Here the deferred first routing
+    (decode step 0) is pending when step 1's token opens a window the full rows cannot hold."""
+    from tiered_radix.adapters.sglang import backend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backend.decode, "run", lambda q, layout, plan, **kw: torch.zeros_like(q))
+    policy = KERNEL_POLICY.replace("after_prefill, every(3)", "after_prefill(defer=true), every(3)")
+    h = Harness(policy=policy, head_dim=64, pages=40, blocks=PoolBlocks(2 * 6, 64), context=256,
+                overlap_schedule=True)  # fmt: skip
+    h.backend.init_cuda_graph_state(1, 1)
+    h.capture(1)
+    req = h.start("a", [(5 * j) % 97 + 1 for j in range(6 * 16 - 1)])  # every row block
+    h.step([req], [req.origin_input_ids], extend=True)
+    assert h.sim.pool.windows_free() == 0
+    h.replay([req], [[60]], 1)  # step 0: its token fills the last window; its routing is due
+    h.replay([req], [[61]], 1)  # step 1's metadata: step 0's routing pending, then rows short
+    reasons = [e.reason for e in h.backend.sessions["a"].store.events.steps]
+    assert reasons[:2] == ["decode step 0", "rows short"], reasons
+    assert h.backend.landing is None and h.sim.pool.windows_free() > 0
+    assert h.backend.stats()["rows_routings"] == 1
