@@ -12,6 +12,8 @@ together.
 
 from __future__ import annotations
 
+import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -105,6 +107,14 @@ class PoolRig:
                 start += len(t)
         return per
 
+    def replay(self, reqs, new: list[list[int]], bs: int) -> list[list[torch.Tensor]]:
+        """One decode step as a replay of the graph captured at batch ``bs`` (the server's
+        decode), the request ids handed over as the plugin's hook does; per request and layer
+        its output ``[1, HQ, D]``."""
+        outs = self.h.replay(reqs, new, bs, rids=True)
+        HQ, D = self.h.hq, self.h.sim.d
+        return [[o[b].reshape(1, HQ, D).float() for o in outs] for b in range(len(reqs))]
+
     def store(self, rid: str):
         return self.h.backend.sessions[rid].store
 
@@ -126,8 +136,12 @@ class Scheduler:
     step of every running request. Records each request's chunks, its outputs per position
     (prompt rows, then one per decode step) and its tiers after prefill."""
 
-    def __init__(self, r, rids: list[str]) -> None:
-        self.r = r
+    def __init__(self, r, rids: list[str], graph_bs: int | None = None) -> None:
+        """``graph_bs``: decode steps replay the graph captured at that batch size, in the
+        order of SGLang's overlap loop (a request runs one step past its last token, its token
+        dropped, and its view's close, flushing, follows that step's launch)."""
+        self.r, self.graph_bs = r, graph_bs
+        self.past_end: list = []  # requests at their step past the end (overlap order)
         self.reqs = {}
         for rid in rids:
             req = r.start(rid, prompt(rid))  # what PrefillAdder reads of SGLang's Req:
@@ -148,7 +162,7 @@ class Scheduler:
         self.left = {rid: DECODES[rid] for rid in rids}
 
     def run(self) -> Scheduler:
-        while self.waiting or self.chunked is not None or self.running:
+        while self.waiting or self.chunked is not None or self.running or self.past_end:
             batch = self._prefill_batch()
             if batch:
                 self._extend(batch)
@@ -189,6 +203,8 @@ class Scheduler:
                 self.prefill_tiers[req.rid] = [store.tiers(li).clone() for li in range(2)]
 
     def _decode(self) -> None:
+        if self.graph_bs is not None:
+            return self._replay()
         batch = self.running
         toks = [[50 + self.left[r.rid]] for r in batch]
         for req, out in zip(batch, self.r.forward(batch, toks, extend=False), strict=True):
@@ -199,6 +215,20 @@ class Scheduler:
         # theirs still to land is dropped, alone as in a batch (their stores stay to compare)
         if ended := [r.rid for r in batch if not self.left[r.rid]]:
             self.r.h.backend.flush(ended)
+
+    def _replay(self) -> None:
+        """A decode step replayed, then the overlap loop's processing of the step before: the
+        requests that ended there ran this step too (outputs dropped) and close now."""
+        batch, ending = self.running + self.past_end, self.past_end
+        toks = [[50 + max(self.left[r.rid], 0)] for r in batch]
+        for req, out in zip(batch, self.r.replay(batch, toks, self.graph_bs), strict=True):
+            if self.left[req.rid] > 0:
+                self.outs[req.rid].append(out)
+            self.left[req.rid] -= 1
+        if ending:
+            self.r.h.backend.flush([r.rid for r in ending])
+        self.past_end = [r for r in self.running if not self.left[r.rid]]
+        self.running = [r for r in self.running if self.left[r.rid] > 0]
 
     def rows(self, rid: str) -> list[torch.Tensor]:
         """Per layer: the request's outputs at every position it computed, ``[n, HQ, D]``."""
@@ -248,11 +278,20 @@ def test_decode_through_the_trizone_kernel_is_alike_alone_and_in_a_batch(
 
 
 def assert_alike(name: str, head_dim: int, options: KVOptions | None = None,
-                 late: bool = False) -> Scheduler:  # fmt: skip
-    """The comparison of both tests; returns the batch's run."""
-    together = Scheduler(rig(name, head_dim, options, late), list(PROMPTS)).run()
+                 late: bool = False, graph_bs: int | None = None) -> Scheduler:  # fmt: skip
+    """The comparison of the tests; returns the batch's run. ``graph_bs``: decode replays the
+    graph captured at that batch size (:class:`Scheduler`)."""
+
+    def run(rids: list[str]) -> Scheduler:
+        r = rig(name, head_dim, options, late)
+        if graph_bs is not None:
+            r.h.backend.init_cuda_graph_state(graph_bs, graph_bs)
+            r.h.capture(graph_bs)
+        return Scheduler(r, rids, graph_bs).run()
+
+    together = run(list(PROMPTS))
     for rid in PROMPTS:
-        alone = Scheduler(rig(name, head_dim, options, late), [rid]).run()
+        alone = run([rid])
         for li, (x, y) in enumerate(zip(alone.rows(rid), together.rows(rid), strict=True)):
             torch.testing.assert_close(y, x, rtol=0, atol=0, msg=f"{rid} layer {li}")
         for x, y in zip(alone.prefill_tiers[rid], together.prefill_tiers[rid], strict=True):
@@ -263,6 +302,38 @@ def assert_alike(name: str, head_dim: int, options: KVOptions | None = None,
         assert a.bytes_used() == t.bytes_used()
         assert together.chunks[rid] == alone.chunks[rid], rid  # what makes it so (docstring)
     return together
+
+
+GRAPHED = ["kivi", "qevict", "rdkv"]  # the shipped policies whose decode replays graphs
+
+
+@pytest.mark.parametrize("name", GRAPHED)
+def test_replayed_decode_in_the_overlap_order_is_alike_alone_and_in_a_batch(
+    name, stride, monkeypatch
+):
+    """The server's decode: graph replays (batch 4 captured, the TriZone kernel interpreted),
+    SGLang's overlap loop (a routing lands a step late; a request runs one step past its last
+    token and closes after the next step's launch), the shipped policy routing every 2 decode
+    steps. Requests end at different steps, so in the batch one closes while the others'
+    routings are due: each request's outputs at every position, its tiers and bytes are the
+    same as alone. (Here the routings after the first move little, so a landing a step early
+    would pass too: ``test_route_landing.py`` checks the landing steps themselves.)"""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    shipped = policy_text
+
+    def every_2(policy: str) -> str:
+        text = shipped(policy)
+        line = next(x for x in text.splitlines() if x.startswith("schedule:"))
+        steps = re.sub(r"every\(\d+\)", "every(2)", line)
+        return text.replace(line, steps if "every(" in line else line + ", every(2)")
+
+    monkeypatch.setattr(sys.modules[__name__], "policy_text", every_2)
+    options = KVOptions(decode="kernel")
+    together = assert_alike(name, 64, options, late=True, graph_bs=4)
+    assert together.r.h.backend.stats()["kernel_steps"] >= max(DECODES.values())
+    # the prefill routings, and decode routings (every 2 steps) beyond them
+    assert together.r.h.backend.stats()["routes"] > 2 * len(PROMPTS)
 
 
 def test_chunks_end_at_routing_points_whatever_the_budget_left(stride):
