@@ -296,10 +296,12 @@ def _overlapped(monkeypatch, n: int) -> list[tuple[Harness, tuple]]:
     return runs
 
 
-def _same_steps(got, want) -> None:
+def _same_steps(got, want, outputs: bool = True) -> None:
+    """The tiers read at every step equal, and with ``outputs`` the output rows too."""
     for t, ((tg, og), (tw, ow)) in enumerate(zip(got, want, strict=True)):
         assert all(torch.equal(x, y) for x, y in zip(tg, tw, strict=True)), f"tiers, step {t}"
-        assert all(torch.equal(x, y) for x, y in zip(og, ow, strict=True)), f"output, step {t}"
+        if outputs:
+            assert all(torch.equal(x, y) for x, y in zip(og, ow, strict=True)), f"output, step {t}"
 
 
 @pytest.mark.parametrize("ends", [0, 1, 2])
@@ -327,5 +329,4 @@ def test_a_routing_lands_at_the_same_step_after_an_eager_step_as_after_a_replay(
     (h_mix, r_mix), (h_graph, r_graph) = _overlapped(monkeypatch, 2)
     got = _tiers_and_outputs(h_mix, r_mix, 8, None, eager_at={1, 3, 4})
     want = _tiers_and_outputs(h_graph, r_graph, 8, None)
-    for t, ((tg, _), (tw, _)) in enumerate(zip(got, want, strict=True)):
-        assert all(torch.equal(x, y) for x, y in zip(tg, tw, strict=True)), f"tiers, step {t}"
+    _same_steps(got, want, outputs=False)  # eager decode reads through another path

@@ -216,8 +216,8 @@ class TieredRadixCache(RadixCache):
         # the KV its tokens needed: the prompt's and every output token's but the last, whose
         # KV SGLang's overlap loop writes only where it ran the request a step past its end
         # (alone, not when a prefill came next in a batch): the report is the same either way
-        needed = len(getattr(req, "origin_input_ids", None) or []) + out - 1
-        report = self.usage(req.rid, min(n_tokens, needed)) if out and needed > 0 else None
+        needed = len(req.origin_input_ids) + out - 1
+        report = self.usage(req.rid, min(n_tokens, needed)) if out else None
         if report is None:
             return
         info = dict(getattr(req, "customized_info", None) or {})
