@@ -12,23 +12,32 @@ checks (``soak_checks.py``): no crash, no NaN/inf logprob, free slots back at th
 pool empty after a flush, no routing over budget, consistent counters, a 400 for every
 too-long prompt. ``--minutes`` stops starting sessions after that long (in-flight requests get
 ``--grace`` more seconds), so one policy fits a ~9-minute GPU call at a reduced
-``--requests``. Writes to ``--out``: ``soak-summary.json`` (``gpu``, ``commit``, one row per
-policy; rows of earlier runs into the same folder are kept), ``records/<policy>.jsonl`` (one
-line per request), ``<policy>.log`` (the server's log). Exit status 0 when every row passed.
+``--requests``. ``--parallel N`` soaks N policies at once on one GPU (servers on ``--port``,
+``--port + 10``, ...; started one after another, each waiting for the last to be healthy so
+each sizes its pool from what the others left), each pool capped at ``--kv-gib`` GiB of KV
+(``--max-total-tokens``: the slots the policy's own cell size fits in those bytes,
+``sizing.cell_bytes``; every policy gets the same bytes). Writes to ``--out``:
+``soak-summary.json`` (``gpu``, ``commit``, one row per policy, with how it was run; rows of
+earlier runs into the same folder are kept), ``records/<policy>.jsonl`` (one line per
+request), ``<policy>.log`` (the server's log). Exit status 0 when every row passed.
 
     python3 bench/soak.py --model /tmp/models/qwen2.5-0.5b --policies qevict --requests 200 \\
         --minutes 4 --out bench/results/soak-qevict --commit COMMIT
+    python3 bench/soak.py --policies qevict,rdkv --parallel 2 --kv-gib 8 --minutes 4 ...
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `serving`, also under python -P
@@ -56,6 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--mem-fraction", type=float, default=0.5)
     p.add_argument("--max-total-tokens", type=int, default=None, help="cap the pool's slots")
+    p.add_argument("--parallel", type=int, default=1, help="policies soaked at once")
+    p.add_argument(
+        "--kv-gib",
+        type=float,
+        default=None,
+        help="each pool's KV bytes (GiB; --max-total-tokens from the policy's cell)",
+    )
     p.add_argument("--server-args", default="", help="extra flags for every server")
     p.add_argument("--port", type=int, default=31200)
     p.add_argument("--seed", type=int, default=0)
@@ -67,6 +83,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def pool_tokens(args, policy: str) -> int | None:
+    """``--max-total-tokens`` for ``policy``: ``--max-total-tokens`` itself, or the slots its
+    cell size (``sizing.cell_bytes`` at its own default budget) fits in ``--kv-gib``."""
+    if args.max_total_tokens or not args.kv_gib:
+        return args.max_total_tokens
+    from serving.servers import KVGeometry
+
+    from tiered_radix.adapters.sglang.sizing import cell_bytes
+    from tiered_radix.policy import load_policy
+
+    g, p = KVGeometry.of_model(args.model), load_policy(policy)
+    return int(args.kv_gib * (1 << 30)) // cell_bytes(p, p.budget, g.layers, g.kv_heads,
+                                                     g.head_dim, 2)  # fmt: skip
+
+
 def server_command(args, policy: str) -> list[str]:
     cmd = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", args.model,
@@ -74,8 +105,8 @@ def server_command(args, policy: str) -> list[str]:
         "--context-length", str(args.context), "--mem-fraction-static", str(args.mem_fraction),
         "--enable-metrics", "--enable-cache-report",
     ]  # fmt: skip
-    if args.max_total_tokens:
-        cmd += ["--max-total-tokens", str(args.max_total_tokens)]
+    if tokens := pool_tokens(args, policy):
+        cmd += ["--max-total-tokens", str(tokens)]
     return cmd + args.server_args.split()
 
 
@@ -112,13 +143,21 @@ def snapshot(server: Server) -> dict[str, float]:
     return snap
 
 
-def soak_policy(args, policy: str, scale: SoakScale, sizer: TokenSizer) -> dict:
+def soak_policy(
+    args, policy: str, scale: SoakScale, sizer: TokenSizer, started: threading.Event | None = None
+) -> dict:
+    """One policy's soak on its own server (``args.port``): its row. ``started`` is set once
+    the server is healthy or gave up (the next parallel server starts then)."""
     sessions, bursts = plan(args.seed, scale, sizer)
     log = args.out / f"{policy}.log"
     server = Server(server_command(args, policy), args.port, log)
     try:
         server.start()
-        startup = server.wait_healthy(args.startup_timeout)
+        try:
+            startup = server.wait_healthy(args.startup_timeout)
+        finally:
+            if started is not None:
+                started.set()
         start = snapshot(server)
         from tqdm import tqdm
 
@@ -147,6 +186,25 @@ def soak_policy(args, policy: str, scale: SoakScale, sizer: TokenSizer) -> dict:
     out["log_tracebacks"] = tail.count("Traceback (most recent call last)")
     out["log_leak_warnings"] = tail.count("memory leak detected")
     return out
+
+
+def soak_together(args, policies: list[str], scale: SoakScale, sizer: TokenSizer) -> list[dict]:
+    """Soak ``policies`` at once, one server each on ``--port``, ``--port + 10``, ...: the
+    servers start one after another (each sizes its pool from the memory the others left),
+    the loads run together. Their rows, in ``policies``' order."""
+    if len(policies) == 1:
+        return [soak_policy(args, policies[0], scale, sizer)]
+    events = [threading.Event() for _ in policies]
+
+    def one(i: int) -> dict:
+        if i:
+            events[i - 1].wait()
+        mine = copy.copy(args)
+        mine.port = args.port + 10 * i
+        return soak_policy(mine, policies[i], scale, sizer, started=events[i])
+
+    with ThreadPoolExecutor(len(policies)) as pool:
+        return list(pool.map(one, range(len(policies))))
 
 
 def _gpu() -> str:
@@ -186,6 +244,7 @@ def main(argv=None) -> int:
         return 0
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the server
     meta = {"gpu": _gpu(), "commit": _commit(args), "model": args.model,
+            "parallel": args.parallel, "kv_gib": args.kv_gib,
             "scale": {"requests": scale.requests, "clients": scale.clients,
                       "prompt": [scale.prompt_min, scale.prompt_max], "burst": scale.burst,
                       "minutes": args.minutes, "context": args.context,
@@ -193,15 +252,20 @@ def main(argv=None) -> int:
             "sizer_exact": sizer.exact}  # fmt: skip
     rows, summary = [], {}
     try:
-        for policy in policies:
-            rows.append(soak_policy(args, policy, scale, sizer))
-            brief = {k: rows[-1].get(k) for k in ("policy", "ok", "requests", "aborted",
-                     "errors_4xx", "unexpected", "timeouts", "crashes", "nan_outputs",
-                     "free_slots_start", "free_slots_end", "held_bytes_after_flush",
-                     "over_budget_routings", "error")}  # fmt: skip
-            print(json.dumps(brief)[:1500], flush=True)
-            if not rows[-1].get("ok"):
-                print(json.dumps(rows[-1].get("checks"))[:800], flush=True)
+        for i in range(0, len(policies), max(1, args.parallel)):
+            group = policies[i : i + max(1, args.parallel)]
+            for got in soak_together(args, group, scale, sizer):
+                # how this row was run (the summary keeps rows of earlier runs)
+                got |= {"soaked_with": group, "mem_fraction": args.mem_fraction,
+                        "pool_tokens_flag": pool_tokens(args, got["policy"])}  # fmt: skip
+                rows.append(got)
+                brief = {k: got.get(k) for k in ("policy", "ok", "requests", "aborted",
+                         "errors_4xx", "unexpected", "timeouts", "crashes", "nan_outputs",
+                         "free_slots_start", "free_slots_end", "held_bytes_after_flush",
+                         "over_budget_routings", "error")}  # fmt: skip
+                print(json.dumps(brief)[:1500], flush=True)
+                if not got.get("ok"):
+                    print(json.dumps(got.get("checks"))[:800], flush=True)
             summary = merge(meta, rows, args.out)
     finally:
         signal.signal(signal.SIGTERM, previous)

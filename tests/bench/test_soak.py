@@ -269,3 +269,46 @@ def test_the_soak_runs_a_policy_end_to_end_and_catches_a_leak(tmp_path, monkeypa
         assert row["free_slots_start"] - row["free_slots_end"] == leak
     else:
         assert status == 0 and row["ok"], row["checks"]
+
+
+def test_parallel_soaks_run_each_policy_on_its_own_server(tmp_path, monkeypatch):
+    """``--parallel 2``: two policies at once, each against its own server (port, port + 10),
+    started one after the other; one row each, in the order asked, with how it was run."""
+    fake = [sys.executable, str(ROOT / "tests/bench/fake_soak_server.py")]
+    ports, order = [], []
+
+    def command(args, policy):
+        ports.append(args.port)
+        order.append(policy)
+        return fake + ["--port", str(args.port), "--leak", "3" if policy == "h2o" else "0"]
+
+    monkeypatch.setattr(soak, "server_command", command)
+    monkeypatch.setattr(soak, "_gpu", lambda: "none")
+    out, base = tmp_path / "soak", _port()
+    argv = ["--model", str(tmp_path), "--policies", "qevict,h2o", "--parallel", "2",
+            "--requests", "40", "--clients", "4", "--burst", "8", "--prompt", "200:2000",
+            "--context", "4096", "--port", str(base), "--out", str(out), "--commit", "abc",
+            "--no-progress"]  # fmt: skip
+    status = soak.main(argv)
+    summary = json.loads((out / checks.SUMMARY).read_text())
+    assert ports == [base, base + 10] and order == ["qevict", "h2o"]
+    assert [r["policy"] for r in summary["rows"]] == ["qevict", "h2o"]
+    by = {r["policy"]: r for r in summary["rows"]}
+    assert by["qevict"]["ok"] and not by["h2o"]["ok"] and status == 1  # h2o's server leaks
+    assert by["h2o"]["free_slots_start"] - by["h2o"]["free_slots_end"] == 3
+    assert all(r["soaked_with"] == ["qevict", "h2o"] for r in summary["rows"])
+
+
+def test_a_pool_in_gib_becomes_each_policys_own_slot_count(tmp_path):
+    """``--kv-gib``: every policy's ``--max-total-tokens`` is what its own cell size fits in
+    the same bytes (more slots for qevict's 10% than for full KV)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 24, "num_key_value_heads": 2, "hidden_size": 896,
+        "num_attention_heads": 14}))  # fmt: skip
+    args = soak.parse_args(["--model", str(tmp_path), "--kv-gib", "4"])
+    full, qevict = soak.pool_tokens(args, "full"), soak.pool_tokens(args, "qevict")
+    bf16 = 4 * (1 << 30) // (2 * 24 * 2 * 64 * 2)  # Qwen2.5-0.5B: 12 KiB a token
+    assert 0.8 * bf16 < full <= bf16 and qevict > 5 * full
+    cmd = soak.server_command(args, "qevict")
+    assert cmd[cmd.index("--max-total-tokens") + 1] == str(qevict)
+    assert "--max-total-tokens" not in soak.server_command(soak.parse_args([]), "qevict")
