@@ -28,7 +28,7 @@ from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # no
 from test_backend import Harness, Mode  # noqa: E402
 
 from tiered_radix.adapters.sglang import plugin  # noqa: E402
-from tiered_radix.adapters.sglang.options import KVOptions  # noqa: E402
+from tiered_radix.adapters.sglang.options import DETERMINISTIC_SPLITS, KVOptions  # noqa: E402
 from tiered_radix.adapters.sglang.reps import Layout  # noqa: E402
 from tiered_radix.adapters.sglang.sizing import PoolBlocks  # noqa: E402
 from tiered_radix.policy import compile_text  # noqa: E402
@@ -278,20 +278,22 @@ def test_decode_through_the_trizone_kernel_is_alike_alone_and_in_a_batch(
 
 
 def assert_alike(name: str, head_dim: int, options: KVOptions | None = None,
-                 late: bool = False, graph_bs: int | None = None) -> Scheduler:  # fmt: skip
+                 late: bool = False, graph_bs: int | None = None,
+                 alone_bs: int | None = None) -> Scheduler:  # fmt: skip
     """The comparison of the tests; returns the batch's run. ``graph_bs``: decode replays the
-    graph captured at that batch size (:class:`Scheduler`)."""
+    graph captured at that batch size (:class:`Scheduler`); ``alone_bs``: a lone request's
+    replays that of another batch size (as the server's: the smallest that fits)."""
 
-    def run(rids: list[str]) -> Scheduler:
+    def run(rids: list[str], bs: int | None) -> Scheduler:
         r = rig(name, head_dim, options, late)
-        if graph_bs is not None:
-            r.h.backend.init_cuda_graph_state(graph_bs, graph_bs)
-            r.h.capture(graph_bs)
-        return Scheduler(r, rids, graph_bs).run()
+        if bs is not None:
+            r.h.backend.init_cuda_graph_state(bs, bs)
+            r.h.capture(bs)
+        return Scheduler(r, rids, bs).run()
 
-    together = run(list(PROMPTS))
+    together = run(list(PROMPTS), graph_bs)
     for rid in PROMPTS:
-        alone = run([rid])
+        alone = run([rid], alone_bs or graph_bs)
         for li, (x, y) in enumerate(zip(alone.rows(rid), together.rows(rid), strict=True)):
             torch.testing.assert_close(y, x, rtol=0, atol=0, msg=f"{rid} layer {li}")
         for x, y in zip(alone.prefill_tiers[rid], together.prefill_tiers[rid], strict=True):
@@ -334,6 +336,26 @@ def test_replayed_decode_in_the_overlap_order_is_alike_alone_and_in_a_batch(
     assert together.r.h.backend.stats()["kernel_steps"] >= max(DECODES.values())
     # the prefill routings, and decode routings (every 2 steps) beyond them
     assert together.r.h.backend.stats()["routes"] > 2 * len(PROMPTS)
+
+
+@pytest.mark.parametrize("name", ["qevict", "rdkv"])
+def test_replays_at_another_batch_size_are_alike_under_deterministic_inference(
+    name, stride, monkeypatch
+):
+    """As the server replays: the batch through the graph of batch 4, a lone request through
+    that of batch 1, whose split count by batch size differs (GPU run 29: a request's text
+    changed with it). Under SGLang's ``--enable-deterministic-inference`` the options fix the
+    decode splits (:meth:`KVOptions.batch_invariant`), so each request's outputs, tiers and
+    bytes are the same both ways, bit for bit. (This rig's short context caps the splits by
+    batch size alike at batch 1 and 4, so only the split count checks the fix here: the GPU
+    test runs the server with the flag.)"""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    options = KVOptions(decode="kernel").batch_invariant()
+    together = assert_alike(name, 64, options, late=True, graph_bs=4, alone_bs=1)
+    backend = together.r.h.backend
+    assert backend.stats()["kernel_steps"] >= max(DECODES.values())
+    assert backend.graph.batches[4].plan.num_splits == DETERMINISTIC_SPLITS
 
 
 def test_chunks_end_at_routing_points_whatever_the_budget_left(stride):

@@ -139,3 +139,21 @@ def test_the_backend_sizes_its_graphs_by_default_and_by_flag():
                 options=KVOptions(graph_tokens=100))  # fmt: skip
     h.backend.init_cuda_graph_state(4, 4)
     assert h.backend.graph.tokens == 100 and not h.backend.graph_fits([64] * 4)
+
+
+def test_the_split_count_follows_the_batch_size_unless_batch_invariant():
+    """At a server's context (32K) the captured batches' plans split each list by batch size
+    (a lone request ~128 ways, one of 8 fewer: its attention sums in another order); the
+    options of ``--enable-deterministic-inference`` split every batch size alike."""
+    from tiered_radix.adapters.sglang.options import DETERMINISTIC_SPLITS, KVOptions
+
+    def splits(options: KVOptions) -> list[int]:
+        h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64),
+                    context=32768, options=options)  # fmt: skip
+        h.backend.init_cuda_graph_state(8, 8)
+        return [h.backend.graph.batch(bs, h.hq).plan.num_splits for bs in (1, 8)]
+
+    one, eight = splits(KVOptions(graph_tokens=4096))
+    assert one > eight
+    fixed = KVOptions(graph_tokens=4096).batch_invariant()
+    assert splits(fixed) == [DETERMINISTIC_SPLITS] * 2

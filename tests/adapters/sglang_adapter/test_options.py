@@ -49,3 +49,15 @@ def test_flags_and_keywords_build_the_same_options():
         vars(p.parse_args(["--no-kv-overlap"]))).overlap  # fmt: skip
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-extend", "flash"])
+
+
+def test_batch_invariant_options_fix_the_decode_splits():
+    """Under SGLang's ``--enable-deterministic-inference`` the decode kernel's split count is
+    the same for every batch size: ``--kv-graph-splits`` if given, else the default."""
+    from tiered_radix.adapters.sglang.options import DETERMINISTIC_SPLITS
+
+    assert KVOptions().graph_splits is None
+    assert KVOptions().batch_invariant() == KVOptions(graph_splits=DETERMINISTIC_SPLITS)
+    assert KVOptions(graph_splits=8, decode="gather").batch_invariant() == KVOptions(
+        graph_splits=8, decode="gather"
+    )

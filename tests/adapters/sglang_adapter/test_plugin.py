@@ -361,6 +361,36 @@ def test_backends_are_registered(baseline):
             factory(runner)
 
 
+def test_deterministic_inference_keeps_the_tiered_stack_and_fixes_the_decode_splits(
+    baseline, monkeypatch
+):
+    """SGLang's ``--enable-deterministic-inference`` (its batch-invariant GEMMs) accepts the
+    tiered backend with the radix cache, and the backend then gets options whose decode split
+    count is fixed for every batch size (GPU run 29: 128 splits alone, 17 in a batch of 8)."""
+    from sglang.srt.server_args import DETERMINISTIC_ATTENTION_BACKEND_CHOICES
+
+    from tiered_radix.adapters.sglang import backend
+    from tiered_radix.adapters.sglang.options import DETERMINISTIC_SPLITS
+
+    assert plugin.ATTENTION_BACKEND in DETERMINISTIC_ATTENTION_BACKEND_CHOICES
+    args = ServerArgs(model_path="dummy", kv_policy="qevict", enable_deterministic_inference=True)
+    assert args.attention_backend == plugin.ATTENTION_BACKEND
+    assert not args.disable_radix_cache and args.radix_cache_backend == config.BACKEND
+    got = []
+    monkeypatch.setattr(backend, "TieredAttnBackend", lambda runner, o, p: got.append(o))
+    heads = SimpleNamespace(get_total_num_kv_heads=lambda: 2)
+    for deterministic, splits in ((False, None), (True, DETERMINISTIC_SPLITS)):
+        sa = SimpleNamespace(tp_size=1, enable_deterministic_inference=deterministic)
+        plugin.attention_backend_factory(SimpleNamespace(server_args=sa, model_config=heads))
+        assert got[-1].graph_splits == splits
+    config.export(config.resolve("qevict", None, KVOptions(graph_splits=4)))
+    try:
+        plugin.attention_backend_factory(SimpleNamespace(server_args=sa, model_config=heads))
+    finally:
+        config.export(None)
+    assert got[-1].graph_splits == 4  # the user's --kv-graph-splits stays
+
+
 HEADS_POLICY = """
 policy: all-heads
 budget: 20%

@@ -35,7 +35,9 @@ flag                   default                     what it selects
                        full context, within 1/8 of
                        the free device memory
 ``--kv-graph-splits``  per batch size              the decode kernel's splits per list, eager and
-                                                   replayed (fixed: batch-invariant float order)
+                                                   replayed (fixed: batch-invariant float order;
+                                                   :data:`DETERMINISTIC_SPLITS` under SGLang's
+                                                   ``--enable-deterministic-inference``)
 ``--kv-device-times``  off                         CUDA events time every graph replay
 ``--kv-profile``       off                         ``DIR:START:STEPS``: decode steps under
                                                    ``torch.profiler`` (:mod:`.profile`);
@@ -47,7 +49,7 @@ flag                   default                     what it selects
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
@@ -56,6 +58,11 @@ EXTEND = ("kernel", "sdpa", "exact")
 GATHER = ("live", "all")
 OBSERVE = ("fold", "step")
 ROUTE_CLOCK = ("request", "server")
+# The decode kernel's splits per list under SGLang's --enable-deterministic-inference (its
+# batch-invariant GEMMs): the same for every batch size, so a request's attention sums its
+# splits in one order alone and in any batch. By batch size (the default) a lone request gets
+# ~128 splits and one of 8 ~17: its output differs in the last bits (GPU run 29).
+DETERMINISTIC_SPLITS = 32
 
 
 class OptionsError(ValueError):
@@ -106,6 +113,12 @@ class KVOptions:
     def gather_on(self, device) -> str:
         """What extend reads on ``device``: ``all`` on CUDA, ``live`` on CPU by default."""
         return self.gather or ("all" if _on_cuda(device) else "live")
+
+    def batch_invariant(self) -> KVOptions:
+        """These options for a launch whose outputs must not depend on the batch (SGLang's
+        ``--enable-deterministic-inference``): the decode kernel's split count fixed
+        (``--kv-graph-splits`` if given, else :data:`DETERMINISTIC_SPLITS`)."""
+        return replace(self, graph_splits=self.graph_splits or DETERMINISTIC_SPLITS)
 
     def to_dict(self) -> dict:
         """Plain values (JSON-serialisable), :meth:`from_dict`'s input."""

@@ -458,6 +458,8 @@ def attention_backend_factory(runner):
         )
     cfg = config.current()
     options = cfg.options if cfg is not None else KVOptions()
+    if getattr(runner.server_args, "enable_deterministic_inference", False):
+        options = options.batch_invariant()
     policies = cfg.served().policies if cfg is not None else None
     return TieredAttnBackend(runner, options, policies)
 
@@ -557,3 +559,19 @@ def register() -> None:
     ATTENTION_BACKENDS[ATTENTION_BACKEND] = attention_backend_factory
     if ATTENTION_BACKEND not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([ATTENTION_BACKEND])
+    register_deterministic()
+
+
+def register_deterministic() -> None:
+    """SGLang's ``--enable-deterministic-inference`` accepts the tiered backend, radix cache
+    kept: its extend kernel sums each query row by the request's own positions and the plugin
+    cuts chunks at routing points, and under that flag the decode kernel's split count is
+    fixed (:meth:`~.options.KVOptions.batch_invariant`), so with SGLang's batch-invariant
+    GEMMs a request's tokens do not depend on its batch. (A prefix hit reads the prefix at the
+    precision it was cached, as in every tiered launch.)"""
+    from sglang.srt import server_args as sa
+
+    if ATTENTION_BACKEND not in sa.DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+        sa.add_deterministic_attention_backend_choices([ATTENTION_BACKEND])
+    if ATTENTION_BACKEND not in sa.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND:
+        sa.add_radix_supported_deterministic_attention_backend_choices([ATTENTION_BACKEND])
