@@ -59,6 +59,10 @@ TINY = [(96, 2)]
 BUDGETS = (0.05, 0.10, 0.20)
 TUNE_CONFIGS = {("llama3-8b", 32768, 1), ("llama3-8b", 131072, 8), ("llama3-8b", 96, 2)}
 V_DIST = {16: 0.1, 8: 0.2, 4: 0.3, 2: 0.4}  # rdkv: share of kept tokens / K channels per width
+# the grid's rows plan each mix as the SGLang adapter does: rdkv's Zone A pages on the blocks
+# path with 128 registers (zone_decode.plan; runs 22-23 timed the plan's default "sections"
+# path here instead, 3.2x slower at Llama 128K x 8, which the server never runs)
+SERVED_PLAN = {"rdkv": {"k_path": "blocks", "max_regs": 128}}
 TARGETS = [("llama3-8b", 131072, 8), ("qwen2.5-0.5b", 32768, 64), ("qwen2.5-0.5b", 32768, 8),
            ("qwen2.5-0.5b", 32768, 1)]  # fmt: skip
 # --targets: decode.plan options timed beside the default (first) per mix, with their sm_90
@@ -315,7 +319,11 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
             tune = suffix.startswith(("_ppi", "_general"))  # uniform (qevict) pages only
             if suffix and (kind, b, side) not in key or tune and (side or kind != "qevict"):
                 continue
-            kw = {**kw, "breakdown": not suffix and (kind, b, side) in key}
+            kw = {
+                **SERVED_PLAN.get(kind, {}),
+                **kw,
+                "breakdown": not suffix and (kind, b, side) in key,
+            }
             record(f"ours_{name}{suffix}",
                    lambda kind=kind, b=b, side=side, kw=kw: ours(q, k, v, kind, b, dev, side, gen,
                                                                  cache, **kw))  # fmt: skip

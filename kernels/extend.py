@@ -166,8 +166,10 @@ def _check(q: Tensor, st: LayerStore, ls: WindowLists, p: ExtendPlan, hkv: int) 
         raise ExtendInputError(f"lists for {ls.rows.numel()} (request, head) pairs, want "
                                f"{p.batch} x {hkv} of {ls.n_max} windows")  # fmt: skip
     W, d = st.rows_k.shape[1:]
-    if d not in (64, 128) or W & (W - 1) or W < 16:
-        raise ExtendInputError(f"head_dim {d} / window {W} unsupported (64 or 128; 2^k >= 16)")
+    rows_only = W == 1 and st.pages is None  # token units: every key row its own window
+    if d not in (64, 128) or W & (W - 1) or (W < 16 and not rows_only):
+        raise ExtendInputError(f"head_dim {d} / window {W} unsupported (64 or 128; 2^k >= 16, "
+                               "or 1 without pages)")  # fmt: skip
     if st.pages is not None:
         if st.pages.shape[1] != uniform_page_nbytes(st.bits, W, d, st.v_group):
             raise ExtendInputError("pages are not uniform TriZone pages of these bits/window")

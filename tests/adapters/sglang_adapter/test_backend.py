@@ -823,6 +823,78 @@ def test_decode_under_cuda_graphs_matches_eager_decode(monkeypatch, policy, obse
     assert [len(f) for f in sim.pool.free_rows] == free0
 
 
+# h2o's shape at this size: token units, no quantized tier, routing every decode step on the
+# attention the kernel's side output gives (each token its own unit)
+TOKEN_POLICY = """
+policy: kernel-h2o
+budget: 30%
+units: token
+protect: {sinks: 4, recent: 8}
+scores:
+  heavy: cumulative(attn, decay=1)
+tiers: {full: keep(bf16), evicted: evict}
+allocate: {method: rank, by: heavy}
+schedule: after_prefill, every(1)
+"""
+# snapkv's shape: one routing at prefill's end, by the observation window's votes
+SNAP_POLICY = """
+policy: kernel-snapkv
+budget: 30%
+units: token
+protect: {recent: 8}
+scores:
+  vote: pool_max(obs_attn, size=7)
+tiers: {full: keep(bf16), evicted: evict}
+allocate: {method: rank, by: vote}
+schedule: after_prefill
+"""
+
+
+@pytest.mark.parametrize("policy", [TOKEN_POLICY, SNAP_POLICY], ids=["h2o", "snapkv"])
+def test_token_units_run_the_kernels_eagerly_and_under_graphs(monkeypatch, policy):
+    """Token units that hold rows only (h2o, snapkv, streaming) run the TriZone kernels: the
+    extend kernel over key tiles of 64 one-row windows (a chunked prompt whose second chunk
+    reads what the first chunk's routing kept), decode with every kept token a zone B row
+    listed by its slot, eagerly and as graph replays (batch 4 captured, padded). Outputs equal
+    the float32 gather path's, and so do every tier decision and the routings the kernels'
+    signals drive (``attn`` each decode step for h2o; ``obs_attn`` at prefill for snapkv).
+    (Before, token units ran only the PyTorch paths, without graphs: GPU run 29's h2o soak
+    spent ~0.57 s a decode step of 32 requests there.)"""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runs = {}
+    for name, kernel, graphs in (("gather", False, False), ("kernel", True, False),
+                                 ("graphed", True, True)):  # fmt: skip
+        options = KVOptions(decode="kernel" if kernel else "gather",
+                            extend="kernel" if kernel else "exact")  # fmt: skip
+        h = Harness(policy=policy, head_dim=64, pages=400, blocks=PoolBlocks(1024, 8),
+                    options=options)  # fmt: skip
+        assert h.backend.kernel == h.backend.extend_kernel == kernel
+        if graphs:
+            h.backend.init_cuda_graph_state(4, 4)
+            h.capture(4)
+        a, b = h.start("a", list(range(1, 91))), h.start("b", list(range(20, 56)))
+        outs = [h.step([a, b], [a.origin_input_ids[:48], b.origin_input_ids], extend=True)]
+        outs.append(h.step([a], [a.origin_input_ids[48:]], extend=True))
+        for t in range(5):
+            new = [[80 + t], [90 + t]]
+            outs.append(h.replay([a, b], new, 4) if graphs else h.step([a, b], new, False))
+        h.backend.flush()
+        tiers = [h.backend.sessions[r].store.tiers(li) for r in "ab" for li in range(h.sim.L)]
+        runs[name] = outs, tiers, h.backend.stats()
+    go, gt, gs = runs["gather"]
+    for name in ("kernel", "graphed"):
+        ko, kt, ks = runs[name]
+        for x, y in zip(go, ko, strict=True):
+            for u, v in zip(x, y, strict=True):  # bf16 outputs: at most about one ulp apart
+                torch.testing.assert_close(v.float(), u.float(), rtol=2**-7, atol=2e-2)
+        assert all(torch.equal(x, y) for x, y in zip(gt, kt, strict=True)), name
+        assert ks["routes"] == gs["routes"] >= 3 and ks["evict"] == gs["evict"] > 0
+        assert (ks["decode"], ks["extend"], ks["kernel_steps"]) == ("kernel", "kernel", 5), name
+        assert (gs["decode"], gs["extend"]) == ("gather", "gather")
+    assert runs["graphed"][2]["host_s"]["graph_steps"] == 5
+
+
 def _eager_and_graphed(monkeypatch, policy: str):
     """Two harnesses of ``policy`` (eager decode, and decode graphs captured at batch 2, the
     kernels under the Triton interpreter), each with requests a (70 tokens) and b (36)

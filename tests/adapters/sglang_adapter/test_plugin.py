@@ -84,13 +84,36 @@ def test_kv_policy_selects_the_tiered_cache_and_reaches_spawned_processes(baseli
     assert cell == want and 0.2 * full < cell < 0.5 * full
 
 
-@pytest.mark.parametrize(("policy", "decode_graphs"), [("qevict", True), ("full", False)])
+TOKEN_INT4 = """
+policy: token-int4
+budget: 30%
+units: token
+scores:
+  recent: position
+tiers:
+  full: keep(bf16)
+  int4: quantize(bits=4, group=32, axis=kivi)
+  evicted: evict
+allocate: {method: rank, by: recent, shares: {full: 50%, int4: 50%}}
+schedule: after_prefill
+"""
+
+
+@pytest.mark.parametrize(
+    ("policy", "decode_graphs"),
+    [("qevict", True), ("full", True), ("h2o", True), ("streaming", True), (TOKEN_INT4, False)],
+)
 def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, policy,
-                                                                      decode_graphs):  # fmt: skip
-    """Windows the TriZone kernel pages (qevict's 32) keep SGLang's decode CUDA graphs; token
-    units (full) decode through PyTorch gathers, which a graph cannot hold. Prefill graphs are
-    off unless ``--kv-prefill-graphs``; the overlap scheduler stays on (``--no-kv-overlap``
-    turns it off)."""
+                                                                      decode_graphs, tmp_path):  # fmt: skip
+    """Windows the TriZone kernel pages (qevict's 32) and token units that hold rows only
+    (full, h2o, streaming: each kept token a row the kernel lists by its slot) keep SGLang's
+    decode CUDA graphs; token units with ledger pages of one token decode through PyTorch
+    gathers, which a graph cannot hold. Prefill graphs are off unless
+    ``--kv-prefill-graphs``; the overlap scheduler stays on (``--no-kv-overlap`` turns it
+    off)."""
+    if "\n" in policy:
+        (tmp_path / "p.yaml").write_text(policy)
+        policy = str(tmp_path / "p.yaml")
     args = prepare_server_args([*BARE, "--kv-policy", policy])
     assert args.disable_decode_cuda_graph is not decode_graphs
     assert args.disable_prefill_cuda_graph and not args.disable_overlap_schedule

@@ -110,9 +110,9 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
             raise ValueError(f"--kv-policy {cfg.policy_arg} needs {flag} {value}, got {given[key]}")
     if (given.get("tp_size") or 1) > 1:
         check_tensor_parallel(cfg, given)
-    from .trizone import PAGE_SIZES
+    from .trizone import decodes
 
-    if want["page_size"] not in PAGE_SIZES:  # decode gathers in PyTorch: not capturable
+    if not decodes(Layout.of(cfg.policy)):  # decode gathers in PyTorch: not capturable
         want["disable_decode_cuda_graph"] = True
     return want | forced(cfg.options)
 

@@ -34,7 +34,7 @@ from tiered_radix.kernels import decode, extend
 
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Q, R
 
-PAGE_SIZES = (16, 32, 64)
+PAGE_SIZES = (16, 32, 64)  # windows whose ledger pages the kernels read
 HEAD_DIMS = (64, 128)
 
 
@@ -51,9 +51,23 @@ class DecodeBatch:
     n_max: int
 
 
+def decodes(layout) -> bool:
+    """Whether the decode kernel can read a pool of this :class:`~.reps.Layout`: windows of a
+    page size it is compiled for, or token units (window 1) with no quantized tier (h2o,
+    snapkv, streaming: every kept token a zone B row, listed by its slot, each its own unit)."""
+    return layout.window in PAGE_SIZES or (layout.window == 1 and layout.quant is None)
+
+
 def supported(pool) -> bool:
-    """Whether the kernel can read this pool (page size and head dim it is compiled for)."""
-    return pool.layout.window in PAGE_SIZES and pool.head_dim in HEAD_DIMS
+    """Whether the decode kernel can read this pool (:func:`decodes`, a head dim it is
+    compiled for)."""
+    return decodes(pool.layout) and pool.head_dim in HEAD_DIMS
+
+
+def extend_supported(pool) -> bool:
+    """Whether the extend kernel can read this pool: as :func:`supported` (token units with
+    rows only: a key tile of 64 one-row windows)."""
+    return supported(pool)
 
 
 @dataclass
