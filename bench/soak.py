@@ -185,7 +185,34 @@ def soak_policy(
     tail = log.read_text(errors="replace") if log.exists() else ""
     out["log_tracebacks"] = tail.count("Traceback (most recent call last)")
     out["log_leak_warnings"] = tail.count("memory leak detected")
+    out["backend"] = backend_paths(tail)
     return out
+
+
+def backend_paths(log_text: str) -> dict | None:
+    """What the tiered backend ran, from the last stats line of its server log (``tiered-radix:
+    {...}``, every 30 s): its decode and extend paths (``kernel`` or ``gather``), kernel steps,
+    a kernel error if one sent it to PyTorch, and the share of decode steps under CUDA graphs
+    (SGLang's ``Decode batch`` lines, ``cuda graph: True``). None without a stats line."""
+    import ast
+
+    stats = None
+    for line in log_text.splitlines():
+        at = line.find("tiered-radix: {")
+        if at >= 0:
+            try:
+                stats = ast.literal_eval(line[at + len("tiered-radix: ") :])
+            except (ValueError, SyntaxError):
+                continue
+    if stats is None:
+        return None
+    decodes = [x for x in log_text.splitlines() if "Decode batch" in x]
+    graphed = sum("cuda graph: True" in x for x in decodes)
+    keys = ("decode", "extend", "kernel_steps", "kernel_error")
+    return {k: stats.get(k) for k in keys} | {
+        "decode_log_lines": len(decodes),
+        "graphed_share": round(graphed / len(decodes), 3) if decodes else None,
+    }
 
 
 def soak_together(args, policies: list[str], scale: SoakScale, sizer: TokenSizer) -> list[dict]:

@@ -312,3 +312,22 @@ def test_a_pool_in_gib_becomes_each_policys_own_slot_count(tmp_path):
     cmd = soak.server_command(args, "qevict")
     assert cmd[cmd.index("--max-total-tokens") + 1] == str(qevict)
     assert "--max-total-tokens" not in soak.server_command(soak.parse_args([]), "qevict")
+
+
+def test_the_row_says_which_paths_the_backend_ran():
+    """The last stats line of the server log gives the backend's decode/extend paths; SGLang's
+    decode lines give the share of steps under CUDA graphs (run 29's h2o: PyTorch, none)."""
+    log = "\n".join([
+        "[t] Decode batch, #running-req: 32, cuda graph: False, gen throughput (token/s): 17.05",
+        "[t] tiered-radix: {'requests': 3, 'decode': 'gather', 'kernel_steps': 0, "
+        "'kernel_error': None, 'extend': 'gather', 'host_s': {'route': 1.5}}",
+        "[t] Decode batch, #running-req: 8, cuda graph: True, gen throughput (token/s): 900.0",
+        "[t] Decode batch, #running-req: 8, cuda graph: True, gen throughput (token/s): 910.0",
+        "[t] tiered-radix: {'requests': 1, 'decode': 'kernel', 'kernel_steps': 40, "
+        "'kernel_error': None, 'extend': 'kernel'}",
+        "[t] tiered-radix: {'cut off",
+    ])  # fmt: skip
+    got = soak.backend_paths(log)
+    assert got == {"decode": "kernel", "extend": "kernel", "kernel_steps": 40,
+                   "kernel_error": None, "decode_log_lines": 3, "graphed_share": 0.667}  # fmt: skip
+    assert soak.backend_paths("no stats here") is None
