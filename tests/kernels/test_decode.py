@@ -495,3 +495,30 @@ def test_steps_of_any_batch_launch_one_compiled_variant():
     for name in ("_decode_split_kernel", "_decode_merge_kernel", "_decode_mass_kernel"):
         assert len(v.specs[name]) == 6
         assert len(v.keys[name]) == 1, v.varying(name)
+
+
+@pytest.mark.parametrize("grp, d", [(7, 64), (4, 128)])
+def test_token_rows_without_pages(grp, d):
+    """Token units that hold rows only (the SGLang pool of h2o, snapkv, streaming: page size
+    1, every kept token a zone B row, each its own unit): the kernel matches its twin and
+    dense attention, mass per token included."""
+    lens = [70, 33]
+    q, k, v, tp = make_case(31 + grp, lens, 2, grp, d, torch.bfloat16, [16, 0], unit_tokens=1)
+    import dataclasses
+
+    # no pages (V at 16 or 0 bits); the pool's page size, its window, is 1
+    lay = build_trizone(k, v, tp, page_size=16, v_group=32, unit_tokens=1)
+    lay = dataclasses.replace(lay, page_size=1)
+    assert lay.page_ids.numel() == 0 and lay.full_slots.numel() > 0
+    p = decode.plan(lay, num_q_heads=2 * grp, side_output=True, num_splits=3)
+    poison(p)
+    out = torch.full_like(q, float("nan"))
+    mass = torch.zeros(len(lens), lay.max_units, device=DEV)
+    decode.run(q, lay, p, out=out, mass=mass)
+    ro, rm = decode_attention_ref(q, lay)
+    do, dm = dense_reference(q, k, v, tp, 1, 32, 1, lay.max_units)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.float(), ro, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ro.double().cpu(), do, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mass.double().cpu(), dm, atol=5e-3, rtol=1e-2)
+    assert (dm > 1e-3).sum() > 10  # the mass reached many single-token units

@@ -37,8 +37,10 @@ def make_batch(prefix, chunk, *, H=2, G=2, d=64, W=16, bits=2, v_group=16, seed=
     rows_k[0] = rows_v[0] = float("nan")
     pk, pv = torch.randn(B * H * N, W, d, generator=g), torch.randn(B * H * N, W, d, generator=g)
     pk = pk * torch.rand(B * H * N, 1, d, generator=g) * 3  # per-channel spread, as real K
-    pages = pack_uniform_pages(pk, pv, bits, v_group)
-    pages = torch.cat([torch.zeros_like(pages[:1]), pages])  # page 0: never listed
+    pages = None  # no pages asked for: the store has none (token units)
+    if p_page > 0:
+        pages = pack_uniform_pages(pk, pv, bits, v_group)
+        pages = torch.cat([torch.zeros_like(pages[:1]), pages])  # page 0: never listed
     kind = torch.full((B, H, N), extend.ABSENT, dtype=torch.int8)
     row_blk = torch.zeros(B, H, N, dtype=torch.long)
     page_blk = torch.zeros(B, H, N, dtype=torch.long)
@@ -64,8 +66,8 @@ def make_batch(prefix, chunk, *, H=2, G=2, d=64, W=16, bits=2, v_group=16, seed=
     free[used] = False
     rows_k[free] = rows_v[free] = float("nan")
     q = torch.randn(sum(chunk), H * G, d, generator=g) * 2
-    st = extend.LayerStore(rows_k.to(dtype).to(dev), rows_v.to(dtype).to(dev), pages.to(dev),
-                           bits, v_group)  # fmt: skip
+    st = extend.LayerStore(rows_k.to(dtype).to(dev), rows_v.to(dtype).to(dev),
+                           None if pages is None else pages.to(dev), bits, v_group)  # fmt: skip
     ls = extend.window_lists(kind.to(dev), row_blk.to(dev), page_blk.to(dev))
     p = extend.plan(list(chunk), seqs, G, dev)
     return q.to(dtype).to(dev), st, ls, p, kind
@@ -172,6 +174,27 @@ def test_window_lists_sort_rows_before_pages_in_window_order():
     assert ls.rows.tolist() == [3] and ls.pages.tolist() == [2]
     assert ls.win.tolist()[:5] == [0, 3, 5, 2, 4]
     assert ls.blk.tolist()[:5] == [10, 13, 15, 22, 24]
+
+
+@pytest.mark.parametrize("G", [1, 7])
+def test_token_rows_without_pages_match_the_twin(G):
+    """Windows of one token with no pages (the SGLang pool of h2o, snapkv, streaming): a key
+    tile is 64 one-row windows; outputs, lse and every signal match the twin, evicted tokens
+    in the prefix included."""
+    prefix, chunk = [0, 70, 33], [40, 20, 9]
+    q, st, ls, p, kind = make_batch(prefix, chunk, G=G, W=1, p_page=0.0, p_evict=0.5,
+                                    seed=5 + G)  # fmt: skip
+    assert st.pages is None
+    assert bool((kind == extend.ABSENT).any()) and not bool((kind == extend.PAGE).any())
+    scale = 64**-0.5
+    out, lse = extend.run(q, st, ls, p, 2, sm_scale=scale)
+    need = frozenset({"attn", "obs_attn", "colmass"})
+    sig = extend.signals(q, lse, st, ls, p, 2, need, sm_scale=scale)
+    ro, rl, rs = extend.extend_ref(q, st, ls, p, 2, sm_scale=scale, need=need)
+    assert not out.isnan().any() and rel(out, ro) < 1e-2, rel(out, ro)
+    torch.testing.assert_close(lse, rl, rtol=TOL, atol=TOL)
+    for n in need:
+        assert rel(sig[n][..., : p.t_max], rs[n]) < TOL, n
 
 
 def test_bad_inputs_are_refused():
