@@ -297,20 +297,20 @@ class TieredAttnBackend(AttentionBackend):
         if self.shard is not None:
             self.counters.rank, self.tp = self.shard.rank, RouteDigest(self.shard)
 
-    def _triton_runs(self) -> bool:
-        """Whether Triton runs here (a GPU, or the interpreter on CPU)."""
-        return self.pool.device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+    def _kernels_run(self) -> bool:
+        """Whether the TriZone kernels can serve this pool: its layout is one they read, and
+        Triton runs here (a GPU, or the interpreter on CPU)."""
+        runs = self.pool.device != "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+        return runs and trizone.supported(self.pool)
 
     def _use_kernel(self) -> bool:
-        """Decode with the TriZone kernel (``--kv-decode kernel``) where it reads this pool."""
-        ok = self._triton_runs() and trizone.supported(self.pool)
-        return self.options.decode == "kernel" and ok
+        """Decode with the TriZone kernel (``--kv-decode kernel``) where it can serve."""
+        return self.options.decode == "kernel" and self._kernels_run()
 
     def _use_extend_kernel(self) -> bool:
         """Extend through the TriZone extend kernel (``--kv-extend kernel``, the default on CUDA)
-        where it reads this pool."""
-        ok = self._triton_runs() and trizone.extend_supported(self.pool)
-        return self.options.extend_on(self.pool.device) == "kernel" and ok
+        where it can serve."""
+        return self.options.extend_on(self.pool.device) == "kernel" and self._kernels_run()
 
     # -- per batch -------------------------------------------------------------------------
     @property

@@ -59,15 +59,10 @@ def decodes(layout) -> bool:
 
 
 def supported(pool) -> bool:
-    """Whether the decode kernel can read this pool (:func:`decodes`, a head dim it is
-    compiled for)."""
+    """Whether the TriZone kernels can read this pool: :func:`decodes` (the extend kernel
+    reads token units' rows as key tiles of 64 one-row windows), a head dim they are compiled
+    for."""
     return decodes(pool.layout) and pool.head_dim in HEAD_DIMS
-
-
-def extend_supported(pool) -> bool:
-    """Whether the extend kernel can read this pool: as :func:`supported` (token units with
-    rows only: a key tile of 64 one-row windows)."""
-    return supported(pool)
 
 
 @dataclass
