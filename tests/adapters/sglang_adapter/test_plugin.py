@@ -117,6 +117,9 @@ def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, 
     args = prepare_server_args([*BARE, "--kv-policy", policy])
     assert args.disable_decode_cuda_graph is not decode_graphs
     assert args.disable_prefill_cuda_graph and not args.disable_overlap_schedule
+    # --kv-decode gather (the PyTorch path, e.g. where a kernel fails to compile): no graphs
+    args = prepare_server_args([*BARE, "--kv-policy", policy, "--kv-decode", "gather"])
+    assert args.disable_decode_cuda_graph
 
 
 def test_prefill_graphs_are_the_users_with_kv_prefill_graphs(baseline):

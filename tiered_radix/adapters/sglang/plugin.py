@@ -112,7 +112,9 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
         check_tensor_parallel(cfg, given)
     from .trizone import decodes
 
-    if not decodes(Layout.of(cfg.policy)):  # decode gathers in PyTorch: not capturable
+    # decode gathers in PyTorch (a layout the kernel cannot read, or --kv-decode gather): a
+    # graph cannot hold it
+    if not decodes(Layout.of(cfg.policy)) or cfg.options.decode == "gather":
         want["disable_decode_cuda_graph"] = True
     return want | forced(cfg.options)
 
