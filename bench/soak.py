@@ -90,12 +90,10 @@ def pool_tokens(args, policy: str) -> int | None:
         return args.max_total_tokens
     from serving.servers import KVGeometry
 
-    from tiered_radix.adapters.sglang.sizing import cell_bytes
     from tiered_radix.policy import load_policy
 
-    g, p = KVGeometry.of_model(args.model), load_policy(policy)
-    return int(args.kv_gib * (1 << 30)) // cell_bytes(p, p.budget, g.layers, g.kv_heads,
-                                                     g.head_dim, 2)  # fmt: skip
+    p = load_policy(policy)
+    return int(args.kv_gib * (1 << 30)) // KVGeometry.of_model(args.model).tiered_cell(p, p.budget)
 
 
 def server_command(args, policy: str) -> list[str]:
@@ -279,8 +277,9 @@ def main(argv=None) -> int:
             "sizer_exact": sizer.exact}  # fmt: skip
     rows, summary = [], {}
     try:
-        for i in range(0, len(policies), max(1, args.parallel)):
-            group = policies[i : i + max(1, args.parallel)]
+        step = max(1, args.parallel)
+        for i in range(0, len(policies), step):
+            group = policies[i : i + step]
             for got in soak_together(args, group, scale, sizer):
                 # how this row was run (the summary keeps rows of earlier runs)
                 got |= {"soaked_with": group, "mem_fraction": args.mem_fraction,

@@ -73,6 +73,14 @@ class KVGeometry:
     def bytes_per_token(self, itemsize: int = 2) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * itemsize
 
+    def tiered_cell(self, policy, budget) -> int:
+        """Bytes one slot of a tiered pool for compiled ``policy`` at ``budget`` costs: the
+        plugin's own cell size (``sizing.cell_bytes``: the budget's rows and pages plus tables
+        and engine state), bf16 rows."""
+        from tiered_radix.adapters.sglang.sizing import cell_bytes
+
+        return cell_bytes(policy, budget, self.layers, self.kv_heads, self.head_dim, 2)
+
 
 @dataclass(frozen=True)
 class System:
@@ -164,12 +172,9 @@ class System:
         """Bytes one slot of the tiered pool costs: the plugin's own cell size
         (``sizing.cell_bytes``: the budget's rows and pages plus tables and engine state)."""
         from tiered_radix.adapters.sglang.config import parse_budget
-        from tiered_radix.adapters.sglang.sizing import cell_bytes
         from tiered_radix.policy import load_policy
 
-        g = geometry
-        policy, budget = load_policy(self.kind), parse_budget(self.budget)
-        return cell_bytes(policy, budget, g.layers, g.kv_heads, g.head_dim, 2)
+        return geometry.tiered_cell(load_policy(self.kind), parse_budget(self.budget))
 
 
 @dataclass(frozen=True)

@@ -103,8 +103,9 @@ schedule: after_prefill
     ("policy", "decode_graphs"),
     [("qevict", True), ("full", True), ("h2o", True), ("streaming", True), (TOKEN_INT4, False)],
 )
-def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(baseline, policy,
-                                                                      decode_graphs, tmp_path):  # fmt: skip
+def test_decode_graphs_stay_on_where_the_decode_kernel_reads_the_pool(
+    baseline, policy, decode_graphs, tmp_path
+):
     """Windows the TriZone kernel pages (qevict's 32) and token units that hold rows only
     (full, h2o, streaming: each kept token a row the kernel lists by its slot) keep SGLang's
     decode CUDA graphs; token units with ledger pages of one token decode through PyTorch

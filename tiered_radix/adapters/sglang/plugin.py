@@ -98,10 +98,11 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
     """
     from .reps import Layout
 
+    layout = Layout.of(cfg.policy)
     want = {
         "radix_cache_backend": config.BACKEND,
         # the policy's window: 1 for token units; a decoupled policy's Zone A page (.zones)
-        "page_size": Layout.of(cfg.policy).window,
+        "page_size": layout.window,
         "attention_backend": ATTENTION_BACKEND,
     }
     for key, value in want.items():
@@ -114,7 +115,7 @@ def selections(cfg: config.KVConfig, given: dict) -> dict:
 
     # decode gathers in PyTorch (a layout the kernel cannot read, or --kv-decode gather): a
     # graph cannot hold it
-    if not decodes(Layout.of(cfg.policy)) or cfg.options.decode == "gather":
+    if not decodes(layout) or cfg.options.decode == "gather":
         want["disable_decode_cuda_graph"] = True
     return want | forced(cfg.options)
 
