@@ -17,10 +17,10 @@ from tiered_radix.kernels._decode_common import (
     _softmax_step,
     _store_logits,
     _store_lse,
+    _u_k,
     _u_meta,
     _u_raw,
-    _unpack_il,
-    _unpack_rows,
+    _u_v,
     _v_page,
 )
 
@@ -29,13 +29,13 @@ from tiered_radix.kernels._decode_common import (
 def _attend_page(
     s, m, l_i, acc, arena8, arena16, arenadt, v_base, tm, t, g, pid, page_unit_ptr, score_ptr, G,
     DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    MASS: tl.constexpr, IL: tl.constexpr,
+    MASS: tl.constexpr, IL: tl.constexpr, MAGIC: tl.constexpr = False,
 ):  # fmt: skip
-    """A general page's V (VB bits at v_base, tokens tm) folded into the online softmax over its
-    masked logits s [G_PAD, P]; with MASS its side output: one log2-sum-exp2 per head where the
-    page is one unit, its logits per token where it is not. The tail of every general-page
-    loop (sections, gathered K, K blocks)."""
-    v = _v_page(arena8, arena16, arenadt, v_base, tm, DT, VB, VG, D, P, IL)
+    """A general page's V (VB bits at v_base, tokens tm; MAGIC: dequantised without
+    conversions) folded into the online softmax over its masked logits s [G_PAD, P]; with MASS
+    its side output: one log2-sum-exp2 per head where the page is one unit, its logits per token
+    where it is not. The tail of every general-page loop (sections, gathered K, K blocks)."""
+    v = _v_page(arena8, arena16, arenadt, v_base, tm, DT, VB, VG, D, P, IL, MAGIC)
     m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
     if MASS:
         unit = tl.load(page_unit_ptr + pid)
@@ -119,12 +119,11 @@ def _pages_u(
     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr, page_unit_ptr,
     ps, pe, score_ptr, qk_scale, G, DT: tl.constexpr, B: tl.constexpr, VG: tl.constexpr,
     D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr, MASS: tl.constexpr,
-    IL: tl.constexpr = True,
+    IL: tl.constexpr = True, MAGIC: tl.constexpr = False,
 ):  # fmt: skip
     """Uniform pages (K and V at B bits) page_ids[ps:pe], PPI per iteration.  Software
     pipeline: raw bytes of block i+1, offsets of block i+2 and ids of block i+3 are loaded
-    while block i is computed."""
-    NG: tl.constexpr = D // VG
+    while block i is computed.  MAGIC: codes dequantised without conversions (:mod:`_dequant`)."""
     kk = tl.arange(0, PPI)
     t = tl.arange(0, P)
     g = tl.arange(0, G_PAD)
@@ -150,21 +149,11 @@ def _pages_u(
                                       ids1, ok1)  # fmt: skip
         ids2 = tl.load(page_ids_ptr + i + 3 * PPI + kk, mask=i + 3 * PPI + kk < pe, other=0)
         # K = code * scale + lo per (channel, page); one dot over the PPI pages
-        if IL:
-            code = _unpack_il(ck, B).to(tl.float32)  # [D, PPI, P]
-        else:
-            code = _unpack_rows(ck, B, D, PPI, P * B // 8).to(tl.float32)
-        k = code * cks.to(tl.float32)[:, :, None] + ckl.to(tl.float32)[:, :, None]
-        s = tl.dot(qd, tl.reshape(k, (D, PPI * P)).to(DT)) * qk_scale  # [G_PAD, PPI*P]
+        k = _u_k(ck, cks, ckl, DT, B, D, P, PPI, IL, MAGIC)
+        s = tl.dot(qd, k) * qk_scale  # [G_PAD, PPI*P]
         tm = tl.reshape(t[None, :] < cur_ntok[:, None], (PPI * P,))
         s = tl.where(tm[None, :], s, float("-inf"))
-        if IL:
-            vc = tl.reshape(_unpack_il(cv, B).to(tl.float32), (PPI, P, NG, VG))
-        else:
-            vc = tl.reshape(_unpack_rows(cv, B, PPI, P, D * B // 8).to(tl.float32),
-                            (PPI, P, NG, VG))  # fmt: skip
-        v = vc * cvs.to(tl.float32)[:, :, :, None] + cvl.to(tl.float32)[:, :, :, None]
-        v = tl.reshape(v, (PPI * P, D))
+        v = _u_v(cv, cvs, cvl, DT, B, D, P, VG, PPI, IL, MAGIC)
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
         if MASS:
             single = cur_unit >= 0  # [PPI]: one log2-sum-exp2 per (page, head)
@@ -231,12 +220,11 @@ def _pages_up(
     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr, page_unit_ptr,
     ps, pe, score_ptr, qk_scale, G, DT: tl.constexpr, B: tl.constexpr, VG: tl.constexpr,
     D: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr, MASS: tl.constexpr,
-    IL: tl.constexpr = True,
+    IL: tl.constexpr = True, MAGIC: tl.constexpr = False,
 ):  # fmt: skip
     """:func:`_pages_u` without the hand-written prefetch: each iteration loads its own ids,
     offsets and bytes, so Triton's pipeliner (num_stages) may stage the page bytes through
     shared memory (asynchronous copies: bytes in flight without holding registers)."""
-    NG: tl.constexpr = D // VG
     kk = tl.arange(0, PPI)
     t = tl.arange(0, P)
     g = tl.arange(0, G_PAD)
@@ -249,21 +237,11 @@ def _pages_up(
                                            page_unit_ptr, cur_ids, ok)  # fmt: skip
         ck, cks, ckl, cv, cvs, cvl = _u_raw(arena8, arena16, base, cur_ntok, B, D, P, VG, PPI,
                                             True)  # fmt: skip
-        if IL:
-            code = _unpack_il(ck, B).to(tl.float32)  # [D, PPI, P]
-        else:
-            code = _unpack_rows(ck, B, D, PPI, P * B // 8).to(tl.float32)
-        k = code * cks.to(tl.float32)[:, :, None] + ckl.to(tl.float32)[:, :, None]
-        s = tl.dot(qd, tl.reshape(k, (D, PPI * P)).to(DT)) * qk_scale  # [G_PAD, PPI*P]
+        k = _u_k(ck, cks, ckl, DT, B, D, P, PPI, IL, MAGIC)
+        s = tl.dot(qd, k) * qk_scale  # [G_PAD, PPI*P]
         tm = tl.reshape(t[None, :] < cur_ntok[:, None], (PPI * P,))
         s = tl.where(tm[None, :], s, float("-inf"))
-        if IL:
-            vc = tl.reshape(_unpack_il(cv, B).to(tl.float32), (PPI, P, NG, VG))
-        else:
-            vc = tl.reshape(_unpack_rows(cv, B, PPI, P, D * B // 8).to(tl.float32),
-                            (PPI, P, NG, VG))  # fmt: skip
-        v = vc * cvs.to(tl.float32)[:, :, :, None] + cvl.to(tl.float32)[:, :, :, None]
-        v = tl.reshape(v, (PPI * P, D))
+        v = _u_v(cv, cvs, cvl, DT, B, D, P, VG, PPI, IL, MAGIC)
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
         if MASS:
             single = cur_unit >= 0
@@ -284,14 +262,15 @@ def _pages_b(
     page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
     DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     P: tl.constexpr, MASS: tl.constexpr, KBITS: tl.constexpr, IL: tl.constexpr, KC: tl.constexpr,
-    PF: tl.constexpr,
+    PF: tl.constexpr, MAGIC: tl.constexpr = False,
 ):  # fmt: skip
     """General pages page_ids[ps:pe] of list li (V at VB bits; K channels grouped by width, the
     widths' channel counts from k_table) on one uniform path: for each width in KBITS (a
     compile-time loop) the channels of that width are dense [KC, P] blocks (:func:`_k_blocks`),
     so the K dot product is a few dense sub-blocks whatever the counts, and V is the list's
     compile-time width.  Pipeline: page i+1's bytes are prefetched (PF: 1 into L1, 2 into L2,
-    0 off) and page i+2's id, offset and length loaded while page i is computed."""
+    0 off) and page i+2's id, offset and length loaded while page i is computed.  MAGIC: K and
+    V codes dequantised without conversions (:mod:`_dequant`)."""
     kt = k_table_ptr + li * 12
     n2 = tl.load(kt + 0)
     n4 = tl.load(kt + 1)
@@ -335,18 +314,19 @@ def _pages_b(
         s = tl.zeros([G_PAD, P], dtype=tl.float32)
         if (KBITS & 2) != 0:
             s = _k_blocks(s, q_ptr, perm_row, q_row, gm, 0, n2, arena8, arena16, arenadt, base,
-                          o2, o_sc, o_lo, DT, 2, KC, G_PAD, P, IL)  # fmt: skip
+                          o2, o_sc, o_lo, DT, 2, KC, G_PAD, P, IL, MAGIC)  # fmt: skip
         if (KBITS & 4) != 0:
             s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2, n4, arena8, arena16, arenadt, base,
-                          o4, o_sc, o_lo, DT, 4, KC, G_PAD, P, IL)  # fmt: skip
+                          o4, o_sc, o_lo, DT, 4, KC, G_PAD, P, IL, MAGIC)  # fmt: skip
         if (KBITS & 8) != 0:
             s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2 + n4, n8, arena8, arena16, arenadt,
-                          base, o8, o_sc, o_lo, DT, 8, KC, G_PAD, P, IL)  # fmt: skip
+                          base, o8, o_sc, o_lo, DT, 8, KC, G_PAD, P, IL, MAGIC)  # fmt: skip
         if (KBITS & 16) != 0:
             s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2 + n4 + n8, n16, arena8, arena16,
-                          arenadt, base, o16, o_sc, o_lo, DT, 16, KC, G_PAD, P, IL)  # fmt: skip
+                          arenadt, base, o16, o_sc, o_lo, DT, 16, KC, G_PAD, P, IL,
+                          MAGIC)  # fmt: skip
         s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
         m, l_i, acc = _attend_page(s, m, l_i, acc, arena8, arena16, arenadt, base + k_bytes, tm,
                                    t, g, pid, page_unit_ptr, score_ptr, G, DT, VB, VG, D, P,
-                                   MASS, IL)  # fmt: skip
+                                   MASS, IL, MAGIC)  # fmt: skip
     return m, l_i, acc

@@ -72,7 +72,7 @@ def _decode_split_kernel(
     UNIFORM: tl.constexpr = False, PPI: tl.constexpr = 1, IL: tl.constexpr = True,
     arena32=None, KG: tl.constexpr = False, RAW_BF16: tl.constexpr = True,
     UPIPE: tl.constexpr = False, KBL: tl.constexpr = False, KC: tl.constexpr = 16,
-    PF: tl.constexpr = 0,
+    PF: tl.constexpr = 0, MAGIC: tl.constexpr = False,
 ):  # fmt: skip
     """One (request, KV head) x split: partial (m, l_i, acc) of all query heads of the group.
     VBITS / KBITS: bit masks of the V / K widths compiled in (2 | 4 | 8 | 16).  UNIFORM: pages
@@ -83,7 +83,8 @@ def _decode_split_kernel(
     fp16); KBL: general pages with K channels in dense [KC, P] blocks of one compile-time width
     (:func:`_pages_b`; PF: next page prefetched into L1 (1) or L2 (2)), and the split cutting
     the (request, head)'s pages across its V-width lists (one contiguous range, mostly one
-    list a program) instead of every list into S parts."""
+    list a program) instead of every list into S parts.  MAGIC: uniform pages' and KBL pages'
+    codes dequantised without int -> float conversions (_dequant.py)."""
     rh = tl.program_id(0)
     j = tl.program_id(1)
     r = rh // H_KV
@@ -115,20 +116,20 @@ def _decode_split_kernel(
                 m, l_i, acc = _pages_up(
                     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
                     page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, PPI,
-                    MASS, IL,
+                    MASS, IL, MAGIC,
                 )  # fmt: skip
             elif UNIFORM:
                 m, l_i, acc = _pages_u(
                     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
                     page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, PPI,
-                    MASS, IL,
+                    MASS, IL, MAGIC,
                 )  # fmt: skip
             elif KBL:
                 m, l_i, acc = _pages_b(
                     m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt,
                     page_off_ptr, page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps,
                     pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, KBITS, IL, KC,
-                    PF,
+                    PF, MAGIC,
                 )  # fmt: skip
             elif KG:
                 m, l_i, acc = _pages_g(

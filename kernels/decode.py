@@ -11,7 +11,7 @@ per (single-unit tile, head) for the side output instead of every token's logit;
 one program per query head. (It replaced a first kernel generation, measured against it in
 bench/decode_notes.md, which read every page through the general path.)  Options of ``plan()``
 choose other page loops for the same layout (``k_path``, ``prefetch``, ``num_stages``,
-``max_regs``); ``bench/decode_attention.py --targets`` times them beside the defaults.
+``max_regs``, ``dequant``); ``bench/decode_attention.py --targets`` times them beside the defaults.
 """
 
 from __future__ import annotations
@@ -74,6 +74,9 @@ class DecodePlan:
     # "none"; always "none" under the CPU interpreter, which has no inline PTX)
     k_block: int = 32
     page_prefetch: str = "l1"
+    # sub-byte codes to float32: "convert" (int -> float conversions) or "magic" (from the bits;
+    # uniform pages and k_path="blocks")
+    dequant: str = "convert"
 
 
 def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16) -> int:
@@ -137,6 +140,7 @@ def plan(
     max_regs: int | None = None,
     k_block: int = 32,
     page_prefetch: str = "l1",
+    dequant: str = "convert",
 ) -> DecodePlan:
     """Choose splits and configs for layouts shaped like ``layout``; allocate scratch buffers.
 
@@ -168,6 +172,13 @@ def plan(
     group; fewer rows, a smaller accumulator, where the Triton version accepts it).
     max_regs: registers a thread of the split kernel may use (``maxnreg``; e.g. 128 for 4
     programs of 4 warps an SM; ptxas spills what does not fit), default uncapped.
+    dequant: how K and V codes (2/4/8 bits) become ``code * scale + lo``: ``"convert"``
+    (default: ``float(code)`` by an int -> float conversion, which sm_90 issues at an eighth of
+    the FMA rate) or ``"magic"`` (``1 + code / 2**bits`` built from the code's bits, one FMA with
+    the scale and offset rescaled once a group: the same values to float32 rounding, no
+    conversion; kernels/_dequant.py).  ``"magic"`` serves uniform pages (K and V) and
+    ``k_path="blocks"`` (K blocks and V) and is refused with another general ``k_path``; it
+    stays opt-in until a GPU run times it (bench/decode_notes.md).
     """
     if k_path not in ("sections", "gather", "blocks"):
         raise DecodeInputError(f"k_path={k_path!r}: use 'sections', 'gather' or 'blocks'")
@@ -177,6 +188,8 @@ def plan(
         raise DecodeInputError(f"page_prefetch={page_prefetch!r}: use 'l1', 'l2' or 'none'")
     if prefetch not in ("manual", "pipeliner"):
         raise DecodeInputError(f"prefetch={prefetch!r}: use 'manual' or 'pipeliner'")
+    if dequant not in ("convert", "magic"):
+        raise DecodeInputError(f"dequant={dequant!r}: use 'convert' or 'magic'")
     unpack = _unpack(unpack, layout.k_pool.device.type, layout.page_size,
                      bool(layout.page_ids.numel()), k_path, k_block)  # fmt: skip
     hkv, d = layout.num_kv_heads, layout.head_dim
@@ -203,6 +216,11 @@ def plan(
         if bits is not None and not set(bits) <= {2, 4, 8, 16}:
             raise DecodeInputError(f"{name}={bits}: bit widths must be among 2, 4, 8, 16")
     uniform = layout.k_uniform and uniform_pages
+    if dequant == "magic" and not uniform and k_path != "blocks":
+        raise DecodeInputError(
+            f"dequant='magic' with k_path={k_path!r} on general pages: it is implemented for "
+            "uniform pages and k_path='blocks'; use dequant='convert' or k_path='blocks'"
+        )
     # ~32 programs per SM (SGLang's Triton decode: 96% of copy bandwidth at 64 splits for
     # 128K x 8, 73% at 16; the first kernel generation's 16 per SM -> 33 splits, 86%)
     s = num_splits or _splits(layout.batch, hkv, max_rows, num_sms, 32)
@@ -249,6 +267,7 @@ def plan(
         max_regs=max_regs,
         k_block=k_block,
         page_prefetch=page_prefetch if dev.type == "cuda" else "none",
+        dequant=dequant,
     )
 
 
@@ -310,6 +329,7 @@ def run(
         fresh_units_ptr=layout.fresh_units, UNIFORM=p.uniform,
         PPI=p.pages_per_iter if p.uniform and layout.page_ids.numel() else 1,
         IL=p.unpack == "interleave", UPIPE=p.prefetch == "pipeliner",
+        MAGIC=p.dequant == "magic",
     )  # fmt: skip
     if p.k_path == "gather" and not p.uniform:
         whole = arena.numel() // 4 * 4  # (pages are multiples of 16 bytes)

@@ -91,18 +91,24 @@ CASES = [  # lens, hkv, grp, d, dtype, v bits, k bits, fresh, unit_tokens, page,
 ]
 
 
+# decode.plan(dequant=...): "magic" serves uniform pages and k_path="blocks" (general pages)
+DEQUANT = {"convert": {}, "magic": dict(dequant="magic", k_path="blocks")}
+
+
 def poison(p):
     """NaN in every scratch buffer: a kernel reading an entry nobody wrote shows up as NaN."""
     for buf in (p.part_acc, p.part_ml, p.lse, p.score):
         buf.fill_(float("nan"))
 
 
+@pytest.mark.parametrize("dequant", DEQUANT)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_decode_matches_twin_and_dense(case):
+def test_decode_matches_twin_and_dense(case, dequant):
     lens, hkv, grp, d, dt, bits, kbits, fresh, unit, page, splits = CASES[case]
     q, k, v, tp = make_case(case, lens, hkv, grp, d, dt, bits, kbits, fresh, unit)
     lay = build_trizone(k, v, tp, page_size=page, v_group=32, unit_tokens=unit)
-    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits)
+    p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
+                    **DEQUANT[dequant])  # fmt: skip
     poison(p)
     out = torch.full_like(q, float("nan"))
     mass = torch.zeros(len(lens), lay.max_units, device=DEV)
@@ -132,6 +138,11 @@ VARIANTS = {
     "k_blocks_16": dict(k_path="blocks", k_block=16),
     "k_blocks_32_w2": dict(k_path="blocks", k_block=32, num_warps=2),
     "k_blocks_shift_r128": dict(k_path="blocks", unpack="shift", max_regs=128),
+    # uniform pages through Triton's pipeliner (CASES 1-2), K blocks (CASES 3-4)
+    "magic_pipeliner_st8_r128": dict(
+        dequant="magic", k_path="blocks", prefetch="pipeliner", num_stages=8, max_regs=128
+    ),
+    "magic_shift": dict(dequant="magic", k_path="blocks", unpack="shift"),
     "pipeliner_st3": dict(prefetch="pipeliner", num_stages=3),
     "pipeliner_st8_r128": dict(prefetch="pipeliner", num_stages=8, max_regs=128),
     "pipeliner_st11": dict(prefetch="pipeliner", num_stages=11),
@@ -196,13 +207,15 @@ def test_k_gather_rdkv_pages(d, grp, page, dt):
     assert ro.abs().max() > 0.05
 
 
+@pytest.mark.parametrize("dequant", ["convert", "magic"])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d,grp,page", [(64, 7, 16), (128, 4, 32)], ids=["d64g7", "d128g4"])
-def test_k_blocks_rdkv_pages(d, grp, page, dt):
+def test_k_blocks_rdkv_pages(d, grp, page, dt, dequant):
     """k_path="blocks" (Zone A's uniform path) on RDKV-shaped pages: every V width, K channels
     at 0/2/4/8/16 bits with more 2-bit channels than one block holds (several blocks a width,
     the last one partial), blocks of 16 and 32 channels; 1 split (every list in one program)
-    and 3 (splits cut across the V-width lists); output and side output against the twin."""
+    and 3 (splits cut across the V-width lists); output and side output against the twin;
+    codes dequantised by conversion or from their bits (dequant)."""
     lens, hkv = [150, 97], 2
     q, k, v, tp = make_case(50 + d, lens, hkv, grp, d, dt, [0, 2, 4, 8, 16],
                             [0, 2, 2, 2, 4, 8, 16], [4, 0], 1)  # fmt: skip
@@ -213,7 +226,7 @@ def test_k_blocks_rdkv_pages(d, grp, page, dt):
     tol = 2e-2 if dt == torch.bfloat16 else 4e-3
     for kc, splits in ((16, 3), (32, 1)):
         p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
-                        k_path="blocks", k_block=kc)  # fmt: skip
+                        k_path="blocks", k_block=kc, dequant=dequant)  # fmt: skip
         assert (p.k_path, p.k_block, p.page_prefetch) == ("blocks", kc, "none" if DEV == "cpu"
                                                           else "l1")  # fmt: skip
         poison(p)
@@ -330,12 +343,14 @@ def test_rows_past_full_end_are_listed_but_never_read(case):
     torch.testing.assert_close(rm2, rm)
 
 
+@pytest.mark.parametrize("dequant", ["convert", "magic"])
 @pytest.mark.parametrize("unpack", ["interleave", "shift"])
 @pytest.mark.parametrize("d,grp,page", [(64, 7, 16), (128, 4, 32)], ids=["d64g7", "d128g4"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_uniform_path_each_width(bits, d, grp, page, unpack):
+def test_uniform_path_each_width(bits, d, grp, page, unpack, dequant):
     """The uniform-page specialisation (compile-time geometry of one bit width, 32 // page pages
-    an iteration, as plan() picks) against float64 attention and the general page path."""
+    an iteration, as plan() picks; codes dequantised by conversion or from their bits) against
+    float64 attention and the general page path."""
     lens, hkv = [96, 61], 1
     q, k, v, tp = windowed_case(10 + bits, lens, hkv, grp, d, torch.float16, [bits, 16, 0], 16,
                                 [3, 0])  # fmt: skip
@@ -346,8 +361,8 @@ def test_uniform_path_each_width(bits, d, grp, page, unpack):
             decode.plan(lay, num_q_heads=hkv * grp, unpack=unpack)
         return  # (miscompiled by Triton 3.6 on the H200: bench/decode_notes.md, GPU run 7)
     p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=2,
-                    uniform_pages=True, unpack=unpack)  # fmt: skip
-    assert p.uniform and p.pages_per_iter == 32 // page
+                    uniform_pages=True, unpack=unpack, dequant=dequant)  # fmt: skip
+    assert p.uniform and p.pages_per_iter == 32 // page and p.dequant == dequant
     poison(p)
     out = torch.full_like(q, float("nan"))
     mass = torch.zeros(len(lens), lay.max_units, device=DEV)
@@ -381,6 +396,12 @@ def test_plan_errors():
         decode.plan(lay, num_q_heads=2, k_path="blocks", k_block=8)
     with pytest.raises(decode.DecodeInputError, match="page_prefetch"):
         decode.plan(lay, num_q_heads=2, k_path="blocks", page_prefetch="tma")
+    with pytest.raises(decode.DecodeInputError, match="use 'convert' or 'magic'"):
+        decode.plan(lay, num_q_heads=2, dequant="fast")
+    with pytest.raises(decode.DecodeInputError, match="uniform pages and k_path='blocks'"):
+        decode.plan(lay, num_q_heads=2, uniform_pages=False, dequant="magic")
+    assert decode.plan(lay, num_q_heads=2, uniform_pages=False, dequant="magic",
+                       k_path="blocks").dequant == "magic"  # fmt: skip
     with pytest.raises(decode.DecodeInputError, match="g_pad"):
         decode.plan(lay, num_q_heads=2, g_pad=1)
     with pytest.raises(decode.DecodeInputError, match="g_pad"):

@@ -1,0 +1,43 @@
+"""Dequantisation of sub-byte codes in the TriZone decode kernels: x = code * scale + lo in
+float32, in one of two forms of the same value (``decode.plan(dequant=...)``).
+
+- convert: float(code) by an int -> float conversion (PTX ``cvt.rn.f32.s32``, SASS ``I2FP``),
+  then one FMA.  sm_90 issues conversions at 16 results a clock an SM, an eighth of the FMA rate:
+  at 2 bits a page of 4096 K and 4096 V codes is 512 clocks of conversions an SM.
+- magic: 1 + code / 2**BITS, built from the code's bits (shifted under the exponent of 1.0,
+  0x3F800000: exactly that float for any code < 2**BITS), then one FMA with the group's scale and
+  offset rescaled once a group: (1 + c / 2**B) * (s * 2**B) + (lo - s * 2**B) = c * s + lo.  No
+  conversion: a shift and an or on the integer pipes (the shift merges with the unpacking's).
+  The product is exact (s * 2**B is the fp16 scale times a power of two) and the FMA rounds once,
+  as convert's does; the one extra rounding, of lo - s * 2**B in float32, is 2**-24 of |lo| plus
+  the group's range, far below the bf16/fp16 rounding the value gets before ``tl.dot``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0: sign 0, exponent 127, mantissa 0
+
+
+@triton.jit
+def _deq_codes(code, BITS: tl.constexpr, MAGIC: tl.constexpr):
+    """int32 codes (< 2**BITS) as the float32 that :func:`_deq_consts`' constants expect:
+    float(code) (convert), or 1 + code / 2**BITS from the bits (MAGIC)."""
+    if MAGIC:
+        return ((code << (23 - BITS)) | ONE_BITS).to(tl.float32, bitcast=True)
+    else:
+        return code.to(tl.float32)
+
+
+@triton.jit
+def _deq_consts(scale, lo, BITS: tl.constexpr, MAGIC: tl.constexpr):
+    """(mul, add) float32 of the groups' scale and lo such that
+    ``_deq_codes(code) * mul + add == code * scale + lo``; computed once a group, not a code."""
+    sc = scale.to(tl.float32)
+    lo32 = lo.to(tl.float32)
+    if MAGIC:
+        sc = sc * (1 << BITS)
+        lo32 = lo32 - sc
+    return sc, lo32
