@@ -1,6 +1,6 @@
 """Compile the TriZone decode kernels for a GPU target without a GPU; report registers and spills.
 
-    python bench/compile_check.py [--arch 90] [-k SUBSTRING] [--json PATH]
+    python bench/compile_check.py [--arch 90] [-k SUBSTRING] [--json PATH] [--sass]
 
 Every (uniform pages, bit widths, head_dim, side output) configuration that
 ``decode.plan()`` and ``bench/decode_attention.py`` launch is compiled ahead of time with
@@ -8,6 +8,8 @@ Every (uniform pages, bit widths, head_dim, side output) configuration that
 no driver), with the argument specialisation the JIT would choose (16-divisible pointers and
 ints, ints equal to 1 as constexprs).  Prints per config OK/FAIL, registers, spill stores/loads
 (ptxas -v) and shared memory (bytes); the full error of every failing config follows the table.
+``--sass`` also disassembles each cubin (Triton's bundled nvdisasm; PTX ``cvt`` counts where it
+is missing) and prints the instructions that matter for the page loop (:mod:`sass_counts`).
 Needs only triton (no torch): the kernel modules are loaded from kernels/ by path.
 """
 
@@ -32,6 +34,9 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.runtime.jit import native_specialize_impl  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sass_counts  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {64: (7, 2), 128: (4, 8)}  # head_dim -> (group, H_kv): Qwen2.5-0.5B, Llama-3.1-8B
 MIXES = {  # name -> (V bit widths, K bit widths) present in the plan
@@ -45,6 +50,7 @@ UNIFORM_MIXES = ("qevict2", "u4", "u8")
 
 
 MODULES = (
+    "_dequant",
     "_decode_common",
     "_decode_pages",
     "_decode_split",
@@ -93,7 +99,7 @@ class Config:
 def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | None,
            page: int = 32, il: bool = True, kg: bool = False, upipe: bool = False,
            stages: int = 2, gpad: int = 16, maxnreg: int | None = None, kbl: bool = False,
-           kc: int = 16, pf: int = 1):  # fmt: skip
+           kc: int = 16, pf: int = 1, magic: bool = False):  # fmt: skip
     grp, hkv = FAMILIES[d]
     vb, kb = MIXES[mix]
     pages = bool(vb)
@@ -113,6 +119,7 @@ def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | N
         args["arena32"] = "*i32"
         cx.update(KG=True, RAW_BF16=True)
     cx["UPIPE"] = upipe  # plan(prefetch="pipeliner")
+    cx["MAGIC"] = magic  # plan(dequant="magic")
     if kbl:  # plan(k_path="blocks"): K width blocks of kc channels, prefetch pf (0/L1/L2)
         cx.update(KBL=True, KC=kc, PF=pf)
     w = warps or 4
@@ -122,6 +129,7 @@ def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | N
     tag += f" blocks{kc} pf{pf}" if kbl else ""
     tag += ("" if stages == 2 else f" st{stages}") + ("" if gpad == 16 else f" g{gpad}")
     tag += "" if maxnreg is None else f" r{maxnreg}"
+    tag += " magic" if magic else ""
     return Config(f"split {tag}", "_decode_split_kernel", args, cx, w, stages, maxnreg)
 
 
@@ -194,6 +202,19 @@ def _extend(
     return Config(f"extend-signals {signals} {tag}", "_extend_signals_kernel", args, cx, w)
 
 
+def dequant_configs(d: int) -> list[Config]:
+    """plan(dequant=...) on the --targets rows of head_dim d, each config under "convert" then
+    "magic": qevict's uniform pages (default, max_regs=128, pipeliner depth 8) and rdkv's served
+    plan (k_path="blocks", blocks of 32 channels, 128 registers; side output off and on)."""
+    out = []
+    for kw in (dict(), dict(maxnreg=128), dict(upipe=True, stages=8, maxnreg=128)):
+        out += [_split(True, "qevict2", d, False, 1, None, magic=m, **kw) for m in (False, True)]
+    for side in (False, True):
+        out += [_split(False, "rdkv", d, side, 1, 4, kbl=True, kc=32, maxnreg=128, magic=m)
+                for m in (False, True)]  # fmt: skip
+    return out
+
+
 def configs() -> list[Config]:
     out = []
     for d in (64, 128):
@@ -234,6 +255,7 @@ def configs() -> list[Config]:
         out.append(_split(False, "rdkv", d, True, 1, 4, 16, False, kbl=True))  # 16-token pages
         out.append(_split(False, "rdkv", d, False, 1, 4, 32, False, kbl=True, maxnreg=128))
         out.append(_split(False, "rdkv", d, False, 1, 4, kbl=True, stages=1, maxnreg=128))
+        out += [c for c in dequant_configs(d) if c not in out]
         out += [_merge(d, s) for s in (4, 64)]
         out.append(_mass(d))
         for page in (16, 32):
@@ -279,7 +301,7 @@ def _chain(e: BaseException) -> str:
     return "\n\n".join(reversed(parts))
 
 
-def compile_one(cfg: Config, arch: int) -> dict:
+def compile_one(cfg: Config, arch: int, sass: bool = False) -> dict:
     fn = kernel(cfg.kernel)
     sig, cx, attrs = specialise(fn, cfg)
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
@@ -299,9 +321,34 @@ def compile_one(cfg: Config, arch: int) -> dict:
         return dict(name=cfg.name, ok=False, error=_chain(e))
     text = log.getvalue()
     regs, spill = PTXAS.search(text), SPILL.search(text)
-    return dict(name=cfg.name, ok=True, regs=int(regs[1]) if regs else None,
-                spill_st=int(spill[1]) if spill else None,
-                spill_ld=int(spill[2]) if spill else None, shared=k.metadata.shared)  # fmt: skip
+    out = dict(name=cfg.name, ok=True, regs=int(regs[1]) if regs else None,
+               spill_st=int(spill[1]) if spill else None,
+               spill_ld=int(spill[2]) if spill else None, shared=k.metadata.shared)  # fmt: skip
+    if sass:
+        out["ptx_cvt"] = sass_counts.ptx_counts(k.asm["ptx"])
+        text = sass_counts.nvdisasm(k.asm["cubin"])
+        if text is not None:
+            out["sass"] = sass_counts.counts(text)
+    return out
+
+
+def print_sass(rows: list[dict]) -> None:
+    """The --sass table: per config, the page loop's static instruction classes (nested loops
+    once), its nested loops' totals, and the whole kernel's conversions (SASS, else PTX cvt)."""
+    cols = ("total", "cvt", "i2f", "f2fp", "fp32", "alu", "imad", "mma", "mem")
+    print(f"\n{'page loop (SASS, static)':44} " + " ".join(f"{c:>5}" for c in cols)
+          + "  nested loops: total/cvt; kernel cvt")  # fmt: skip
+    for r in rows:
+        if not r.get("ok"):
+            continue
+        sc = r.get("sass")
+        if sc is None:
+            print(f"{r['name']:44} no nvdisasm; PTX cvt: {r.get('ptx_cvt')}")
+            continue
+        page = sc.get("page_loop", {})
+        nested = " ".join(f"{x['total']}/{x['cvt']}" for x in sc.get("nested", []))
+        print(f"{r['name']:44} " + " ".join(f"{page.get(c, 0):5}" for c in cols)
+              + f"  [{nested}] {sc['kernel']['cvt']}")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -309,6 +356,16 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     ap.add_argument("-k", default="", help="only configs whose name contains this")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument(
+        "--sass",
+        action="store_true",
+        help="also count the page loop's SASS instructions (conversions, FMA, int)",
+    )
+    ap.add_argument(
+        "--dequant",
+        action="store_true",
+        help="only the plan(dequant=...) configs, convert then magic (with --sass)",
+    )
     args = ap.parse_args(argv)
     knobs = triton.knobs
     knobs.nvidia.dump_ptxas_log = True  # ptxas -v output: registers and spills
@@ -317,16 +374,19 @@ def main(argv=None) -> int:
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     print(f"{'config':44} {'status':6} {'regs':>5} {'spill st/ld':>12} {'smem':>7}")
     rows = []
-    for cfg in configs():
+    todo = [c for d in (64, 128) for c in dequant_configs(d)] if args.dequant else configs()
+    for cfg in todo:
         if args.k not in cfg.name:
             continue
-        r = compile_one(cfg, args.arch)
+        r = compile_one(cfg, args.arch, args.sass)
         rows.append(r)
         if r["ok"]:
             spill = f"{r['spill_st']}/{r['spill_ld']}"
             print(f"{r['name']:44} {'OK':6} {r['regs']:5} {spill:>12} {r['shared']:7}", flush=True)
         else:
             print(f"{r['name']:44} FAIL   {r['error'].splitlines()[0][:70]}", flush=True)
+    if args.sass:
+        print_sass(rows)
     failed: dict[str, list[str]] = {}
     for r in rows:
         if not r["ok"]:

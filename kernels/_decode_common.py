@@ -127,9 +127,9 @@ def _k_section(
 @triton.jit
 def _v_page(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.constexpr,
             VG: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-            IL: tl.constexpr = True, MAGIC: tl.constexpr = False):  # fmt: skip
+            IL: tl.constexpr = True, MAGIC: tl.constexpr = False, one=0):  # fmt: skip
     """V [P, D] of the page whose V part starts at byte vbase (rows where tm), VB bits; MAGIC:
-    codes dequantised without conversions (:mod:`_dequant`)."""
+    codes dequantised without conversions (:mod:`_dequant`; one: :func:`_magic_one`)."""
     c = tl.arange(0, D)
     t = tl.arange(0, P)
     if VB == 16:  # (the hint survives Triton's pipeliner, which needs >= 4-byte pieces)
@@ -145,7 +145,7 @@ def _v_page(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.conste
             code = _unpack_il(byte, VB)
         else:
             code = _unpack(byte, VB, P, D // PER)
-        code = tl.reshape(_deq_codes(code, VB, MAGIC), (P, NG, VG))
+        code = tl.reshape(_deq_codes(code, VB, MAGIC, one), (P, NG, VG))
         CB: tl.constexpr = (P * D // PER + 15) // 16 * 16
         MB: tl.constexpr = (2 * P * D // VG + 15) // 16 * 16
         mo = (vbase + CB) // 2 + t[:, None] * NG + tl.arange(0, NG)[None, :]
@@ -218,22 +218,23 @@ def _u_raw(arena8, arena16, base, ntok, B: tl.constexpr, D: tl.constexpr, P: tl.
 
 @triton.jit
 def _u_k(kraw, ksc, klo, DT: tl.constexpr, B: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-         PPI: tl.constexpr, IL: tl.constexpr, MAGIC: tl.constexpr):  # fmt: skip
+         PPI: tl.constexpr, IL: tl.constexpr, MAGIC: tl.constexpr, one):  # fmt: skip
     """K [D, PPI * P] in DT of PPI uniform pages from :func:`_u_raw`'s K codes [D, PPI, P*B/8]
     and scale/lo [D, PPI]: k = code * scale + lo per (channel, page) (MAGIC: without
-    conversions, :mod:`_dequant`)."""
+    conversions, :mod:`_dequant`; one: :func:`_magic_one`)."""
     if IL:
         code = _unpack_il(kraw, B)  # [D, PPI, P]
     else:
         code = _unpack_rows(kraw, B, D, PPI, P * B // 8)
     mul, add = _deq_consts(ksc, klo, B, MAGIC)
-    k = _deq_codes(code, B, MAGIC) * mul[:, :, None] + add[:, :, None]
+    k = _deq_codes(code, B, MAGIC, one) * mul[:, :, None] + add[:, :, None]
     return tl.reshape(k, (D, PPI * P)).to(DT)
 
 
 @triton.jit
 def _u_v(vraw, vsc, vlo, DT: tl.constexpr, B: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-         VG: tl.constexpr, PPI: tl.constexpr, IL: tl.constexpr, MAGIC: tl.constexpr):  # fmt: skip
+         VG: tl.constexpr, PPI: tl.constexpr, IL: tl.constexpr, MAGIC: tl.constexpr,
+         one):  # fmt: skip
     """V [PPI * P, D] in DT of PPI uniform pages from :func:`_u_raw`'s V codes [PPI, P, D*B/8]
     and scale/lo [PPI, P, D/VG]: v = code * scale + lo per (token, group of VG channels)."""
     NG: tl.constexpr = D // VG
@@ -241,7 +242,7 @@ def _u_v(vraw, vsc, vlo, DT: tl.constexpr, B: tl.constexpr, D: tl.constexpr, P: 
         code = _unpack_il(vraw, B)  # [PPI, P, D]
     else:
         code = _unpack_rows(vraw, B, PPI, P, D * B // 8)
-    code = tl.reshape(_deq_codes(code, B, MAGIC), (PPI, P, NG, VG))
+    code = tl.reshape(_deq_codes(code, B, MAGIC, one), (PPI, P, NG, VG))
     mul, add = _deq_consts(vsc, vlo, B, MAGIC)
     v = code * mul[:, :, :, None] + add[:, :, :, None]
     return tl.reshape(v, (PPI * P, D)).to(DT)
@@ -301,13 +302,14 @@ def _k_gather(arena32, arena16, base, w, word, o_sc, o_lo, nq, zero, RAW_BF16: t
 def _k_blocks(
     s, q_ptr, perm_row, q_row, gm, c0, n, arena8, arena16, arenadt, base, o_code, o_sc, o_lo,
     DT: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr,
-    IL: tl.constexpr = True, MAGIC: tl.constexpr = False,
+    IL: tl.constexpr = True, MAGIC: tl.constexpr = False, one=0,
 ):  # fmt: skip
     """s [G_PAD, P] plus the logits of the n permuted K channels c0..c0+n of the page at base,
     all at KB bits (a compile-time width): dense [KC, P] blocks of KC consecutive channels, the
     last one masked; no per-channel width, branch or gather. A block's KC code rows are one
     contiguous span of the width's section (16-byte aligned), dequantised in registers
-    (k = code * scale + lo, MAGIC: without conversions, or the raw 16-bit value) and multiplied
+    (k = code * scale + lo, MAGIC: without conversions, one: :func:`_magic_one`; or the raw
+    16-bit value) and multiplied
     by the query's permuted channels [G_PAD, KC] (an L1-resident gather independent of the
     page's bytes)."""
     c = tl.arange(0, KC)
@@ -332,7 +334,7 @@ def _k_blocks(
             sc = tl.load(arena16 + (base + o_sc) // 2 + c0 + cb + c, mask=cm, other=0.0)
             lo = tl.load(arena16 + (base + o_lo) // 2 + c0 + cb + c, mask=cm, other=0.0)
             mul, add = _deq_consts(sc, lo, KB, MAGIC)
-            k = _deq_codes(code, KB, MAGIC) * mul[:, None] + add[:, None]
+            k = _deq_codes(code, KB, MAGIC, one) * mul[:, None] + add[:, None]
         s += tl.dot(qc.to(DT), k.to(DT))
     return s
 

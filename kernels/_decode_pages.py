@@ -23,6 +23,7 @@ from tiered_radix.kernels._decode_common import (
     _u_v,
     _v_page,
 )
+from tiered_radix.kernels._dequant import _magic_one
 
 
 @triton.jit
@@ -35,7 +36,8 @@ def _attend_page(
     conversions) folded into the online softmax over its masked logits s [G_PAD, P]; with MASS
     its side output: one log2-sum-exp2 per head where the page is one unit, its logits per token
     where it is not. The tail of every general-page loop (sections, gathered K, K blocks)."""
-    v = _v_page(arena8, arena16, arenadt, v_base, tm, DT, VB, VG, D, P, IL, MAGIC)
+    v = _v_page(arena8, arena16, arenadt, v_base, tm, DT, VB, VG, D, P, IL, MAGIC,
+                _magic_one(G))  # fmt: skip
     m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
     if MASS:
         unit = tl.load(page_unit_ptr + pid)
@@ -129,6 +131,7 @@ def _pages_u(
     g = tl.arange(0, G_PAD)
     gm = g < G
     qd = q.to(DT)
+    one = _magic_one(G)
     ok0 = ps + kk < pe
     ids = tl.load(page_ids_ptr + ps + kk, mask=ok0, other=0)
     base, ntok, unit = _u_meta(page_ids_ptr, page_off_ptr, page_ntok_ptr, page_unit_ptr, ids, ok0)
@@ -149,11 +152,11 @@ def _pages_u(
                                       ids1, ok1)  # fmt: skip
         ids2 = tl.load(page_ids_ptr + i + 3 * PPI + kk, mask=i + 3 * PPI + kk < pe, other=0)
         # K = code * scale + lo per (channel, page); one dot over the PPI pages
-        k = _u_k(ck, cks, ckl, DT, B, D, P, PPI, IL, MAGIC)
+        k = _u_k(ck, cks, ckl, DT, B, D, P, PPI, IL, MAGIC, one)
         s = tl.dot(qd, k) * qk_scale  # [G_PAD, PPI*P]
         tm = tl.reshape(t[None, :] < cur_ntok[:, None], (PPI * P,))
         s = tl.where(tm[None, :], s, float("-inf"))
-        v = _u_v(cv, cvs, cvl, DT, B, D, P, VG, PPI, IL, MAGIC)
+        v = _u_v(cv, cvs, cvl, DT, B, D, P, VG, PPI, IL, MAGIC, one)
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
         if MASS:
             single = cur_unit >= 0  # [PPI]: one log2-sum-exp2 per (page, head)
@@ -230,6 +233,7 @@ def _pages_up(
     g = tl.arange(0, G_PAD)
     gm = g < G
     qd = q.to(DT)
+    one = _magic_one(G)
     for i in range(ps, pe, PPI):
         ok = i + kk < pe
         cur_ids = tl.load(page_ids_ptr + i + kk, mask=ok, other=0)
@@ -237,11 +241,11 @@ def _pages_up(
                                            page_unit_ptr, cur_ids, ok)  # fmt: skip
         ck, cks, ckl, cv, cvs, cvl = _u_raw(arena8, arena16, base, cur_ntok, B, D, P, VG, PPI,
                                             True)  # fmt: skip
-        k = _u_k(ck, cks, ckl, DT, B, D, P, PPI, IL, MAGIC)
+        k = _u_k(ck, cks, ckl, DT, B, D, P, PPI, IL, MAGIC, one)
         s = tl.dot(qd, k) * qk_scale  # [G_PAD, PPI*P]
         tm = tl.reshape(t[None, :] < cur_ntok[:, None], (PPI * P,))
         s = tl.where(tm[None, :], s, float("-inf"))
-        v = _u_v(cv, cvs, cvl, DT, B, D, P, VG, PPI, IL, MAGIC)
+        v = _u_v(cv, cvs, cvl, DT, B, D, P, VG, PPI, IL, MAGIC, one)
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
         if MASS:
             single = cur_unit >= 0
@@ -291,6 +295,7 @@ def _pages_b(
     perm_row = perm_ptr + (li // 4) * D
     t = tl.arange(0, P)
     g = tl.arange(0, G_PAD)
+    one = _magic_one(G)
     id0 = tl.load(page_ids_ptr + ps, mask=ps < pe, other=0)
     off0 = tl.load(page_off_ptr + id0, mask=ps < pe, other=0)
     nt0 = tl.load(page_ntok_ptr + id0, mask=ps < pe, other=0)
@@ -314,17 +319,17 @@ def _pages_b(
         s = tl.zeros([G_PAD, P], dtype=tl.float32)
         if (KBITS & 2) != 0:
             s = _k_blocks(s, q_ptr, perm_row, q_row, gm, 0, n2, arena8, arena16, arenadt, base,
-                          o2, o_sc, o_lo, DT, 2, KC, G_PAD, P, IL, MAGIC)  # fmt: skip
+                          o2, o_sc, o_lo, DT, 2, KC, G_PAD, P, IL, MAGIC, one)  # fmt: skip
         if (KBITS & 4) != 0:
             s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2, n4, arena8, arena16, arenadt, base,
-                          o4, o_sc, o_lo, DT, 4, KC, G_PAD, P, IL, MAGIC)  # fmt: skip
+                          o4, o_sc, o_lo, DT, 4, KC, G_PAD, P, IL, MAGIC, one)  # fmt: skip
         if (KBITS & 8) != 0:
             s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2 + n4, n8, arena8, arena16, arenadt,
-                          base, o8, o_sc, o_lo, DT, 8, KC, G_PAD, P, IL, MAGIC)  # fmt: skip
+                          base, o8, o_sc, o_lo, DT, 8, KC, G_PAD, P, IL, MAGIC, one)  # fmt: skip
         if (KBITS & 16) != 0:
             s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2 + n4 + n8, n16, arena8, arena16,
                           arenadt, base, o16, o_sc, o_lo, DT, 16, KC, G_PAD, P, IL,
-                          MAGIC)  # fmt: skip
+                          MAGIC, one)  # fmt: skip
         s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
         m, l_i, acc = _attend_page(s, m, l_i, acc, arena8, arena16, arenadt, base + k_bytes, tm,
                                    t, g, pid, page_unit_ptr, score_ptr, G, DT, VB, VG, D, P,

@@ -7,7 +7,8 @@ float32, in one of two forms of the same value (``decode.plan(dequant=...)``).
 - magic: 1 + code / 2**BITS, built from the code's bits (shifted under the exponent of 1.0,
   0x3F800000: exactly that float for any code < 2**BITS), then one FMA with the group's scale and
   offset rescaled once a group: (1 + c / 2**B) * (s * 2**B) + (lo - s * 2**B) = c * s + lo.  No
-  conversion: a shift and an or on the integer pipes (the shift merges with the unpacking's).
+  conversion: a shift and an or on the integer pipes (the shift merges with the unpacking's;
+  the or with the unpacking's mask when 1.0's bits are in a register: :func:`_magic_one`).
   The product is exact (s * 2**B is the fp16 scale times a power of two) and the FMA rounds once,
   as convert's does; the one extra rounding, of lo - s * 2**B in float32, is 2**-24 of |lo| plus
   the group's range, far below the bf16/fp16 rounding the value gets before ``tl.dot``.
@@ -22,11 +23,21 @@ ONE_BITS = tl.constexpr(0x3F800000)  # float32 1.0: sign 0, exponent 127, mantis
 
 
 @triton.jit
-def _deq_codes(code, BITS: tl.constexpr, MAGIC: tl.constexpr):
+def _magic_one(small):
+    """The bits of float32 1.0 from a run-time int ``small`` < 2**30 (e.g. the group size), so
+    that no compiler folds them into an immediate: ptxas then keeps them in a register and
+    issues ``(code & mask) | one`` as one LOP3 (SASS LOP3 takes a single immediate: with 1.0 as
+    a constant it issued an AND and an OR a code, +88 instructions a d128 page)."""
+    return (small >> 30) | ONE_BITS
+
+
+@triton.jit
+def _deq_codes(code, BITS: tl.constexpr, MAGIC: tl.constexpr, one):
     """int32 codes (< 2**BITS) as the float32 that :func:`_deq_consts`' constants expect:
-    float(code) (convert), or 1 + code / 2**BITS from the bits (MAGIC)."""
+    float(code) (convert), or 1 + code / 2**BITS from the bits (MAGIC; ``one``: the bits of
+    1.0 from :func:`_magic_one`)."""
     if MAGIC:
-        return ((code << (23 - BITS)) | ONE_BITS).to(tl.float32, bitcast=True)
+        return ((code << (23 - BITS)) | one).to(tl.float32, bitcast=True)
     else:
         return code.to(tl.float32)
 

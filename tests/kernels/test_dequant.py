@@ -12,19 +12,19 @@ require_triton()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from tiered_radix.kernels._dequant import _deq_codes, _deq_consts  # noqa: E402
+from tiered_radix.kernels._dequant import _deq_codes, _deq_consts, _magic_one  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 
 
 @triton.jit
-def _dequant_kernel(code_ptr, sc_ptr, lo_ptr, f_ptr, x_ptr, BITS: tl.constexpr,
+def _dequant_kernel(code_ptr, sc_ptr, lo_ptr, f_ptr, x_ptr, small, BITS: tl.constexpr,
                     MAGIC: tl.constexpr, G: tl.constexpr, N: tl.constexpr):  # fmt: skip
     g = tl.arange(0, G)
     n = tl.arange(0, N)
     code = tl.load(code_ptr + n)
     mul, add = _deq_consts(tl.load(sc_ptr + g), tl.load(lo_ptr + g), BITS, MAGIC)
-    f = _deq_codes(code, BITS, MAGIC)
+    f = _deq_codes(code, BITS, MAGIC, _magic_one(small))
     tl.store(f_ptr + n, f)
     tl.store(x_ptr + g[:, None] * N + n[None, :], f[None, :] * mul[:, None] + add[:, None])
 
@@ -33,7 +33,7 @@ def _dequant(code, sc, lo, bits, magic):
     g, n = sc.numel(), code.numel()
     f = torch.empty(n, device=DEV)
     x = torch.empty(g, n, device=DEV)
-    _dequant_kernel[(1,)](code, sc, lo, f, x, BITS=bits, MAGIC=magic, G=g, N=n)
+    _dequant_kernel[(1,)](code, sc, lo, f, x, 7, BITS=bits, MAGIC=magic, G=g, N=n)
     return f, x
 
 
