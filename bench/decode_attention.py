@@ -18,7 +18,8 @@ device time: the SGLang graph plan sizes splits for the context (128 at 30K), no
 a budget lists.
 ``--targets`` (one ~4-minute GPU call) times only the issue targets' configs (Llama 128K x 8,
 Qwen 32K x 1 / 8 / 64) for ``full``, ``qevict@10%`` and ``rdkv@10%``, each plan variant of
-:data:`TARGET_VARIANTS` beside the default (CUDA-graph replay only), and FlashInfer bf16;
+:data:`TARGET_VARIANTS` beside the default (``--variants``: only those suffixes; CUDA-graph
+replay only), and FlashInfer bf16;
 it writes its file after every configuration and starts none past ``--deadline-s``.
 Bytes are those the kernel loads (layout.bytes_kv + q + partials); fraction = bytes /
 time / copy bandwidth. Writes OUT/decode_attention.json and OUT/decode_attention.png.
@@ -72,7 +73,12 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
     "full": [("", {}, (64, 128))],
     "qevict": [
         ("", {}, (64, 128)),
+        # plan(dequant="magic"): codes to float32 from their bits, no int -> float conversions
+        # (bench/decode_notes.md, "Dequantisation without conversions"); each "_magic" row is
+        # also compared with the row without the suffix (vs_convert, max_abs_diff_vs_convert)
+        ("_magic", {"dequant": "magic"}, (64, 128)),
         ("_r128", {"max_regs": 128}, (64, 128)),
+        ("_r128_magic", {"max_regs": 128, "dequant": "magic"}, (64, 128)),
         ("_pipe8", {"prefetch": "pipeliner", "num_stages": 8}, (128,)),  # d64: = _pipe8_r128
         ("_pipe8_r128", {"prefetch": "pipeliner", "num_stages": 8, "max_regs": 128}, (64, 128)),
         # d64: the scale/lo pairs of one page are 2 bytes a thread (synchronous); two pages, 4
@@ -87,6 +93,8 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
         # unpacking were wrong (max |diff| 0.075; plan() refuses them on CUDA since), the
         # 32-channel row the fastest (1.080 ms at Llama 128K x 8)
         ("_blocks_r128", {"k_path": "blocks", "max_regs": 128}, (64, 128)),
+        ("_blocks_r128_magic", {"k_path": "blocks", "max_regs": 128, "dequant": "magic"},
+         (64, 128)),
         ("_gather", {"k_path": "gather"}, (64, 128)),
         ("_blocks", {"k_path": "blocks"}, (64, 128)),
         ("_blocks_nopf_r128", {"k_path": "blocks", "page_prefetch": "none", "max_regs": 128},
@@ -220,6 +228,7 @@ def ours(q, k, v, kind, budget, dev, side, gen, cache, breakdown=False, fast=Fal
         "g_pad": p.g_pad,
         "k_path": p.k_path,
         "prefetch": p.prefetch,
+        "dequant": p.dequant,
         "plan_kw": {k: v for k, v in plan_kw.items()},
     }
     if breakdown and dev == "cuda":
@@ -335,14 +344,18 @@ def run_config(fam, ctx, batch, dev, bw, quick, gen):
     return rows
 
 
-def run_targets(fam, ctx, batch, dev, bw, gen, deadline=float("inf"), keep=None) -> list[dict]:
+def run_targets(fam, ctx, batch, dev, bw, gen, deadline=float("inf"), keep=None,
+                only=None) -> list[dict]:  # fmt: skip
     """--targets: FlashInfer bf16 and ours at full / qevict@10% / rdkv@10%, every
     :data:`TARGET_VARIANTS` entry of each mix (``ours_<mix><suffix>``; the default has none);
     ``vs_default`` = the default's ms / this variant's; ``max_abs_diff_vs_default``: the
     variant's output against the default's on the same q and layout (the default is what
-    tests/kernels checks against the torch twin).  No variant starts after ``deadline``
+    tests/kernels checks against the torch twin); a ``_magic`` row (plan(dequant="magic")) also
+    gets ``vs_convert`` and ``max_abs_diff_vs_convert`` against the row of the same suffix
+    without ``_magic`` (timed just before it).  No variant starts after ``deadline``
     (perf_counter seconds); ``keep(rows)`` is called after every row (the file is written
-    then: a killed call keeps what it timed)."""
+    then: a killed call keeps what it timed); ``only``: the suffixes to time beside each mix's
+    default (None: all)."""
     hq, hkv, d = FAMILIES[fam]
     dt = torch.bfloat16
     q = torch.randn(batch, hq, d, device=dev, dtype=dt)
@@ -370,9 +383,9 @@ def run_targets(fam, ctx, batch, dev, bw, gen, deadline=float("inf"), keep=None)
     cache = {}
     for kind, b in (("full", 1.0), ("qevict", 0.10), ("rdkv", 0.10)):
         name = kind if kind == "full" else f"{kind}@{int(b * 100)}%"
-        ref = None
+        ref, by_suffix = None, {}
         for suffix, kw, dims in TARGET_VARIANTS[kind]:
-            if d not in dims:
+            if d not in dims or (suffix and only is not None and suffix not in only):
                 continue
             if time.perf_counter() > deadline:
                 rows.append(dict(family=fam, ctx=ctx, batch=batch, impl=f"ours_{name}{suffix}",
@@ -387,6 +400,12 @@ def run_targets(fam, ctx, batch, dev, bw, gen, deadline=float("inf"), keep=None)
             if got is not None and "ms" in rows[-1]:
                 ref = got.float().clone() if ref is None else ref
                 rows[-1]["max_abs_diff_vs_default"] = float((got.float() - ref).abs().max())
+                by_suffix[suffix] = (rows[-1]["ms"], got.float().clone())
+                twin = by_suffix.get(suffix.removesuffix("_magic"))
+                if suffix.endswith("_magic") and twin is not None:
+                    rows[-1]["vs_convert"] = twin[0] / rows[-1]["ms"]
+                    diff = (got.float() - twin[1]).abs().max()
+                    rows[-1]["max_abs_diff_vs_convert"] = float(diff)
         cache.pop((kind, b), None)
         if dev == "cuda":
             torch.cuda.empty_cache()
@@ -479,6 +498,12 @@ def main(argv=None) -> None:
         default=None,
         help="start no configuration after this many seconds (--targets: 200)",
     )
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="--targets: only these TARGET_VARIANTS suffixes beside each default, e.g. "
+        "_magic,_blocks_r128,_blocks_r128_magic",
+    )
     args = ap.parse_args(argv)
     dev = args.device
     if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -508,6 +533,7 @@ def main(argv=None) -> None:
                 gen,
                 t_start + deadline + 40,
                 lambda new, done=list(rows): save(done + new, out, meta),
+                None if args.variants is None else set(args.variants.split(",")),
             )
             save(rows, out, meta)
             print(f"done {fam} ctx={ctx} batch={batch} at {time.perf_counter() - t_start:.0f}s",
@@ -539,7 +565,9 @@ def main(argv=None) -> None:
               f"{r.get('speedup_vs_flashinfer_bf16', float('nan')):6.2f}"
               + (f" {r['vs_default']:5.2f}x default" if "vs_default" in r else "")
               + (f" diff {r['max_abs_diff_vs_default']:.1e}"
-                 if "max_abs_diff_vs_default" in r else ""))  # fmt: skip
+                 if "max_abs_diff_vs_default" in r else "")
+              + (f" {r['vs_convert']:5.2f}x convert diff {r['max_abs_diff_vs_convert']:.1e}"
+                 if "vs_convert" in r else ""))  # fmt: skip
     for r in rows:  # where the time goes (eager calls; device us per kernel)
         if r.get("kernels_us"):
             print(f"{r['family']} {r['ctx']}x{r['batch']} {r['impl']}: {r['kernels_us']}")
