@@ -309,9 +309,8 @@ def _k_blocks(
     last one masked; no per-channel width, branch or gather. A block's KC code rows are one
     contiguous span of the width's section (16-byte aligned), dequantised in registers
     (k = code * scale + lo, MAGIC: without conversions, one: :func:`_magic_one`; or the raw
-    16-bit value) and multiplied
-    by the query's permuted channels [G_PAD, KC] (an L1-resident gather independent of the
-    page's bytes)."""
+    16-bit value) and multiplied by the query's permuted channels [G_PAD, KC] (an L1-resident
+    gather independent of the page's bytes)."""
     c = tl.arange(0, KC)
     t = tl.arange(0, P)
     for cb in range(0, n, KC):

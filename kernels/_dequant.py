@@ -1,9 +1,10 @@
 """Dequantisation of sub-byte codes in the TriZone decode kernels: x = code * scale + lo in
 float32, in one of two forms of the same value (``decode.plan(dequant=...)``).
 
-- convert: float(code) by an int -> float conversion (PTX ``cvt.rn.f32.s32``, SASS ``I2FP``),
-  then one FMA.  sm_90 issues conversions at 16 results a clock an SM, an eighth of the FMA rate:
-  at 2 bits a page of 4096 K and 4096 V codes is 512 clocks of conversions an SM.
+- convert: float(code) by an int -> float conversion (PTX ``cvt.rn.f32.u32``, SASS ``I2FP``),
+  then one FMA.  The CUDA guide gives conversions 16 results a clock an SM, an eighth of the
+  FMA rate (which sm_90 pipe runs ``I2FP`` is not documented): at 2 bits a d128 page's 4096 K
+  and 4096 V codes would be 512 clocks of conversions an SM.
 - magic: 1 + code / 2**BITS, built from the code's bits (shifted under the exponent of 1.0,
   0x3F800000: exactly that float for any code < 2**BITS), then one FMA with the group's scale and
   offset rescaled once a group: (1 + c / 2**B) * (s * 2**B) + (lo - s * 2**B) = c * s + lo.  No
@@ -27,7 +28,8 @@ def _magic_one(small):
     """The bits of float32 1.0 from a run-time int ``small`` < 2**30 (e.g. the group size), so
     that no compiler folds them into an immediate: ptxas then keeps them in a register and
     issues ``(code & mask) | one`` as one LOP3 (SASS LOP3 takes a single immediate: with 1.0 as
-    a constant it issued an AND and an OR a code, +88 instructions a d128 page)."""
+    a constant it issued an AND and an OR a code; qevict's d128 page loop: 737 instructions
+    against 699, bench/decode_notes.md)."""
     return (small >> 30) | ONE_BITS
 
 
