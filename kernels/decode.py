@@ -173,10 +173,10 @@ def plan(
     max_regs: registers a thread of the split kernel may use (``maxnreg``; e.g. 128 for 4
     programs of 4 warps an SM; ptxas spills what does not fit), default uncapped.
     dequant: how K and V codes (2/4/8 bits) become ``code * scale + lo``: ``"convert"``
-    (default: ``float(code)`` by an int -> float conversion, which sm_90 issues at an eighth of
-    the FMA rate) or ``"magic"`` (``1 + code / 2**bits`` built from the code's bits, one FMA with
-    the scale and offset rescaled once a group: the same values to float32 rounding, no
-    conversion; kernels/_dequant.py).  ``"magic"`` serves uniform pages (K and V) and
+    (default: ``float(code)`` by an int -> float conversion, which the CUDA guide rates at an
+    eighth of the FMA rate) or ``"magic"`` (``1 + code / 2**bits`` built from the code's bits,
+    one FMA with the scale and offset rescaled once a group: the same values to float32
+    rounding, no conversion; kernels/_dequant.py).  ``"magic"`` serves uniform pages (K and V) and
     ``k_path="blocks"`` (K blocks and V) and is refused with another general ``k_path``; it
     stays opt-in until a GPU run times it (bench/decode_notes.md).
     """
