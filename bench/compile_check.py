@@ -303,10 +303,10 @@ def _chain(e: BaseException) -> str:
 
 def compile_one(cfg: Config, arch: int, sass: bool = False) -> dict:
     fn = kernel(cfg.kernel)
-    sig, cx, attrs = specialise(fn, cfg)
-    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
     log = io.StringIO()
-    try:
+    try:  # (a config missing a kernel argument fails in specialise: reported like the rest)
+        sig, cx, attrs = specialise(fn, cfg)
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
         with contextlib.redirect_stdout(log):
             k = triton.compile(
                 src,
