@@ -29,8 +29,8 @@ def _magic_one(small):
     """The bits of float32 1.0 from a run-time int ``small`` < 2**30 (e.g. the group size), so
     that no compiler folds them into an immediate: ptxas then keeps them in a register and
     issues ``(code & mask) | one`` as one LOP3 (SASS LOP3 takes a single immediate: with 1.0 as
-    a constant it issued an AND and an OR a code; qevict's d128 page loop: 737 instructions
-    against 699, bench/decode_notes.md)."""
+    a constant it issued an AND and an OR a code; qevict's d128 page loop: 731 instructions
+    against 693, bench/decode_notes.md)."""
     return (small >> 30) | ONE_BITS
 
 
