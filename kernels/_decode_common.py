@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from tiered_radix.kernels._dequant import _deq_codes, _deq_consts
+from tiered_radix.kernels._dequant import _magic_codes, _magic_consts
 
 NEG = tl.constexpr(-1.0e30)
 
@@ -145,14 +145,19 @@ def _v_page(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.conste
             code = _unpack_il(byte, VB)
         else:
             code = _unpack(byte, VB, P, D // PER)
-        code = tl.reshape(_deq_codes(code, VB, MAGIC, one), (P, NG, VG))
+        if MAGIC:
+            code = _magic_codes(code, VB, one)
+        else:
+            code = code.to(tl.float32)
+        code = tl.reshape(code, (P, NG, VG))
         CB: tl.constexpr = (P * D // PER + 15) // 16 * 16
         MB: tl.constexpr = (2 * P * D // VG + 15) // 16 * 16
         mo = (vbase + CB) // 2 + t[:, None] * NG + tl.arange(0, NG)[None, :]
-        sc = tl.load(arena16 + mo, mask=tm[:, None], other=0.0)
-        lo = tl.load(arena16 + mo + MB // 2, mask=tm[:, None], other=0.0)
-        mul, add = _deq_consts(sc, lo, VB, MAGIC)  # [P, NG]
-        v = tl.reshape(code * mul[:, :, None] + add[:, :, None], (P, D)).to(DT)
+        sc = tl.load(arena16 + mo, mask=tm[:, None], other=0.0).to(tl.float32)
+        lo = tl.load(arena16 + mo + MB // 2, mask=tm[:, None], other=0.0).to(tl.float32)
+        if MAGIC:  # [P, NG]
+            sc, lo = _magic_consts(sc, lo, VB)
+        v = tl.reshape(code * sc[:, :, None] + lo[:, :, None], (P, D)).to(DT)
     return v
 
 
@@ -226,26 +231,35 @@ def _u_k(kraw, ksc, klo, DT: tl.constexpr, B: tl.constexpr, D: tl.constexpr, P: 
         code = _unpack_il(kraw, B)  # [D, PPI, P]
     else:
         code = _unpack_rows(kraw, B, D, PPI, P * B // 8)
-    mul, add = _deq_consts(ksc, klo, B, MAGIC)
-    k = _deq_codes(code, B, MAGIC, one) * mul[:, :, None] + add[:, :, None]
+    if MAGIC:
+        mul, add = _magic_consts(ksc, klo, B)
+        k = _magic_codes(code, B, one) * mul[:, :, None] + add[:, :, None]
+    else:
+        k = code.to(tl.float32) * ksc.to(tl.float32)[:, :, None] + klo.to(tl.float32)[:, :, None]
     return tl.reshape(k, (D, PPI * P)).to(DT)
 
 
 @triton.jit
-def _u_v(vraw, vsc, vlo, DT: tl.constexpr, B: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-         VG: tl.constexpr, PPI: tl.constexpr, IL: tl.constexpr, MAGIC: tl.constexpr,
-         one):  # fmt: skip
-    """V [PPI * P, D] in DT of PPI uniform pages from :func:`_u_raw`'s V codes [PPI, P, D*B/8]
-    and scale/lo [PPI, P, D/VG]: v = code * scale + lo per (token, group of VG channels)."""
+def _u_v(vraw, vsc, vlo, B: tl.constexpr, D: tl.constexpr, P: tl.constexpr, VG: tl.constexpr,
+         PPI: tl.constexpr, IL: tl.constexpr, MAGIC: tl.constexpr, one):  # fmt: skip
+    """V [PPI * P, D] float32 of PPI uniform pages from :func:`_u_raw`'s V codes
+    [PPI, P, D*B/8] and scale/lo [PPI, P, D/VG]: v = code * scale + lo per (token, group of VG
+    channels).  Rounded to DT by the softmax step, as before this helper: rounded here, the
+    uncapped d128 kernel took 128 registers instead of 167 (Triton 3.6), a change of the
+    default's code left to its own option."""
     NG: tl.constexpr = D // VG
     if IL:
         code = _unpack_il(vraw, B)  # [PPI, P, D]
     else:
         code = _unpack_rows(vraw, B, PPI, P, D * B // 8)
-    code = tl.reshape(_deq_codes(code, B, MAGIC, one), (PPI, P, NG, VG))
-    mul, add = _deq_consts(vsc, vlo, B, MAGIC)
-    v = code * mul[:, :, :, None] + add[:, :, :, None]
-    return tl.reshape(v, (PPI * P, D)).to(DT)
+    if MAGIC:
+        vc = tl.reshape(_magic_codes(code, B, one), (PPI, P, NG, VG))
+        mul, add = _magic_consts(vsc, vlo, B)
+        v = vc * mul[:, :, :, None] + add[:, :, :, None]
+    else:
+        vc = tl.reshape(code.to(tl.float32), (PPI, P, NG, VG))
+        v = vc * vsc.to(tl.float32)[:, :, :, None] + vlo.to(tl.float32)[:, :, :, None]
+    return tl.reshape(v, (PPI * P, D))
 
 
 @triton.jit
@@ -332,8 +346,11 @@ def _k_blocks(
                 code = _unpack(byte, KB, KC, P // PER)
             sc = tl.load(arena16 + (base + o_sc) // 2 + c0 + cb + c, mask=cm, other=0.0)
             lo = tl.load(arena16 + (base + o_lo) // 2 + c0 + cb + c, mask=cm, other=0.0)
-            mul, add = _deq_consts(sc, lo, KB, MAGIC)
-            k = _deq_codes(code, KB, MAGIC, one) * mul[:, None] + add[:, None]
+            if MAGIC:
+                mul, add = _magic_consts(sc, lo, KB)
+                k = _magic_codes(code, KB, one) * mul[:, None] + add[:, None]
+            else:
+                k = code.to(tl.float32) * sc.to(tl.float32)[:, None] + lo.to(tl.float32)[:, None]
         s += tl.dot(qc.to(DT), k.to(DT))
     return s
 

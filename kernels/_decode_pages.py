@@ -156,7 +156,7 @@ def _pages_u(
         s = tl.dot(qd, k) * qk_scale  # [G_PAD, PPI*P]
         tm = tl.reshape(t[None, :] < cur_ntok[:, None], (PPI * P,))
         s = tl.where(tm[None, :], s, float("-inf"))
-        v = _u_v(cv, cvs, cvl, DT, B, D, P, VG, PPI, IL, MAGIC, one)
+        v = _u_v(cv, cvs, cvl, B, D, P, VG, PPI, IL, MAGIC, one)
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
         if MASS:
             single = cur_unit >= 0  # [PPI]: one log2-sum-exp2 per (page, head)
@@ -245,7 +245,7 @@ def _pages_up(
         s = tl.dot(qd, k) * qk_scale  # [G_PAD, PPI*P]
         tm = tl.reshape(t[None, :] < cur_ntok[:, None], (PPI * P,))
         s = tl.where(tm[None, :], s, float("-inf"))
-        v = _u_v(cv, cvs, cvl, DT, B, D, P, VG, PPI, IL, MAGIC, one)
+        v = _u_v(cv, cvs, cvl, B, D, P, VG, PPI, IL, MAGIC, one)
         m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
         if MASS:
             single = cur_unit >= 0

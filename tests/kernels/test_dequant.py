@@ -1,6 +1,7 @@
-"""The decode kernels' two dequantisation forms (kernels/_dequant.py): the "magic" float of a
-code is exactly 1 + code / 2**bits, and both forms give code * scale + lo to float32 rounding
-of the rescaled offset, for every code of each width and fp16 scales of any size."""
+"""The decode kernels' dequantisation without conversions (kernels/_dequant.py): the "magic"
+float of a code is exactly 1 + code / 2**bits, and it gives code * scale + lo as the kernels'
+conversion does, to float32 rounding of the rescaled offset, for every code of each width and
+fp16 scales of any size."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ require_triton()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from tiered_radix.kernels._dequant import _deq_codes, _deq_consts, _magic_one  # noqa: E402
+from tiered_radix.kernels._dequant import _magic_codes, _magic_consts, _magic_one  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 
@@ -23,10 +24,15 @@ def _dequant_kernel(code_ptr, sc_ptr, lo_ptr, f_ptr, x_ptr, small, BITS: tl.cons
     g = tl.arange(0, G)
     n = tl.arange(0, N)
     code = tl.load(code_ptr + n)
-    mul, add = _deq_consts(tl.load(sc_ptr + g), tl.load(lo_ptr + g), BITS, MAGIC)
-    f = _deq_codes(code, BITS, MAGIC, _magic_one(small))
+    sc = tl.load(sc_ptr + g).to(tl.float32)
+    lo = tl.load(lo_ptr + g).to(tl.float32)
+    if MAGIC:
+        f = _magic_codes(code, BITS, _magic_one(small))
+        sc, lo = _magic_consts(sc, lo, BITS)
+    else:  # the kernels' convert lines
+        f = code.to(tl.float32)
     tl.store(f_ptr + n, f)
-    tl.store(x_ptr + g[:, None] * N + n[None, :], f[None, :] * mul[:, None] + add[:, None])
+    tl.store(x_ptr + g[:, None] * N + n[None, :], f[None, :] * sc[:, None] + lo[:, None])
 
 
 def _dequant(code, sc, lo, bits, magic):
