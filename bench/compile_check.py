@@ -172,10 +172,13 @@ def _extend(
     signals: str | None = None,
     warps: int | None = None,
     qnorm: bool = False,
+    fused: str | None = None,
 ) -> Config:
     """The extend kernels (``kernels/extend.py``): attention (``qnorm``: with its per-tile sums
-    of q^2, as rdkv runs it), or the signals pass (``signals``: "attn" = the last query only,
-    "snap" = obs_attn and colmass, split in runs)."""
+    of q^2, as rdkv runs it; ``fused``: with the signals the launch writes itself, "attn" = the
+    last query only, "obs" = obs_attn, as qevict's and snapkv's prefill run it), or the signals
+    pass (``signals``: "attn" = the last query only, "snap" = obs_attn and colmass, split in
+    runs)."""
     grp, hkv = FAMILIES[d]
     g_pad = 1 << (grp - 1).bit_length()
     il = page >= 32
@@ -191,9 +194,10 @@ def _extend(
     tag = f"d{d} p{page} {'pages' if pages else 'rows '} w{w}"
     if signals is None:
         args.update(out_ptr="*bf16", o_st=grp * hkv * d, o_sh=d, tile_b="*i32", tile_m="*i32",
-                    qsq_ptr="*fp32", qsq_sb=512 * hkv * d)  # fmt: skip
-        cx.update(PPI=1, QNORM=qnorm)
-        tag += " qnorm" if qnorm else ""
+                    qsq_ptr="*fp32", qsq_sb=512 * hkv * d, obs_ptr="*fp32", attn_ptr="*fp32",
+                    sig_sr=2 * 30720, sig_sh=30720, sig_off="*i32")  # fmt: skip
+        cx.update(PPI=1, QNORM=qnorm, OBS=fused == "obs", LAST=fused == "attn", OBS_WINDOW=32)
+        tag += (" qnorm" if qnorm else "") + (f" +{fused}" if fused else "")
         return Config(f"extend {tag}", "_extend_attn_kernel", args, cx, w)
     args.update(colmass_ptr="*fp32", obs_ptr="*fp32", attn_ptr="*fp32", sig_sr=2 * 30720,
                 sig_sh=30720, split_off="*i32", split_n="*i32", TILES=480, S_MAX=8)  # fmt: skip
@@ -262,6 +266,7 @@ def configs() -> list[Config]:
             out += [_extend(d, pages, page) for pages in (False, True)]
             out += [_extend(d, True, page, sig) for sig in ("attn", "snap")]
             out.append(_extend(d, False, page, qnorm=True))  # rdkv's prefill: rows, qnorm
+            out += [_extend(d, True, page, fused=f) for f in ("attn", "obs")]  # fused signals
             out.append(_extend(d, False, page, "snap"))
         out += [_extend(d, True, 32, None, 4 if d == 128 else 8)]  # the other warp count
     return out
