@@ -122,6 +122,7 @@ def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | N
     cx["MAGIC"] = magic  # plan(dequant="magic")
     if kbl:  # plan(k_path="blocks"): K width blocks of kc channels, prefetch pf (0/L1/L2)
         cx.update(KBL=True, KC=kc, PF=pf)
+        args["q_perm_ptr"] = "*bf16"  # the query in permuted channel order (decode.run)
     w = warps or 4
     tag = f"{'u' if uniform else 'g'} {mix:7} d{d} {'mass' if side else '-   '} ppi{ppi} w{w}"
     tag += "" if page == 32 and il else f" p{page}{'' if il else ' shift'}"
@@ -141,6 +142,14 @@ def _merge(d: int, s: int) -> Config:
                 S=s)  # fmt: skip
     cx = dict(D=d, G_PAD=16, S_PAD=s_pad, BLOCK_S=min(s_pad, 16))
     return Config(f"merge d{d} S{s}", "_decode_merge_kernel", args, cx, 4)
+
+
+def _q_perm(d: int) -> Config:
+    """decode.run's permuted query for k_path="blocks" (one small launch before the split)."""
+    grp, hkv = FAMILIES[d]
+    args = dict(q_ptr="*bf16", q_stride_b=grp * hkv * d, q_stride_h=d, perm_ptr="*i32",
+                out_ptr="*bf16", H_KV=hkv, G=grp)  # fmt: skip
+    return Config(f"q_perm d{d}", "_q_perm_kernel", args, dict(D=d, G_PAD=16), 4)
 
 
 def _mass(d: int) -> Config:
@@ -262,6 +271,7 @@ def configs() -> list[Config]:
         out += [c for c in dequant_configs(d) if c not in out]
         out += [_merge(d, s) for s in (4, 64)]
         out.append(_mass(d))
+        out.append(_q_perm(d))
         for page in (16, 32):
             out += [_extend(d, pages, page) for pages in (False, True)]
             out += [_extend(d, True, page, sig) for sig in ("attn", "snap")]

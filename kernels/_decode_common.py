@@ -314,24 +314,26 @@ def _k_gather(arena32, arena16, base, w, word, o_sc, o_lo, nq, zero, RAW_BF16: t
 
 @triton.jit
 def _k_blocks(
-    s, q_ptr, perm_row, q_row, gm, c0, n, arena8, arena16, arenadt, base, o_code, o_sc, o_lo,
+    s, qp_row, c0, n, arena8, arena16, arenadt, base, o_code, o_sc, o_lo,
     DT: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr,
-    IL: tl.constexpr = True, MAGIC: tl.constexpr = False, one=0,
+    D: tl.constexpr, IL: tl.constexpr = True, MAGIC: tl.constexpr = False, one=0,
 ):  # fmt: skip
     """s [G_PAD, P] plus the logits of the n permuted K channels c0..c0+n of the page at base,
     all at KB bits (a compile-time width): dense [KC, P] blocks of KC consecutive channels, the
     last one masked; no per-channel width, branch or gather. A block's KC code rows are one
     contiguous span of the width's section (16-byte aligned), dequantised in registers
     (k = code * scale + lo, MAGIC: without conversions, one: :func:`_magic_one`; or the raw
-    16-bit value) and multiplied by the query's permuted channels [G_PAD, KC] (an L1-resident
-    gather independent of the page's bytes)."""
+    16-bit value) and multiplied by the query's permuted channels [G_PAD, KC]: one contiguous
+    load from qp_row, the (request, head)'s query already in permuted channel order
+    ([G_PAD, D], rows past the group zero; :func:`_q_perm_kernel`), L1-resident and
+    independent of the page's bytes and of the permutation."""
     c = tl.arange(0, KC)
     t = tl.arange(0, P)
+    g = tl.arange(0, G_PAD)
     for cb in range(0, n, KC):
         cm = cb + c < n
-        ch = tl.load(perm_row + c0 + cb + c, mask=cm, other=0)
-        qc = tl.load(q_ptr + q_row[:, None] + ch[None, :], mask=gm[:, None] & cm[None, :],
-                     other=0.0)  # fmt: skip
+        qc = tl.load(qp_row + g[:, None] * D + (c0 + cb + c)[None, :],
+                     mask=cm[None, :], other=0.0)  # fmt: skip
         if KB == 16:
             k = tl.load(arenadt + (base + o_code) // 2 + (cb + c)[:, None] * P + t[None, :],
                         mask=cm[:, None], other=0.0)  # fmt: skip

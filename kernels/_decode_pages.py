@@ -262,7 +262,7 @@ def _pages_up(
 
 @triton.jit
 def _pages_b(
-    m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt, page_off_ptr,
+    m, l_i, acc, q_perm_ptr, arena8, arena16, arenadt, page_off_ptr,
     page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
     DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
     P: tl.constexpr, MASS: tl.constexpr, KBITS: tl.constexpr, IL: tl.constexpr, KC: tl.constexpr,
@@ -292,7 +292,7 @@ def _pages_b(
     else:
         VBY: tl.constexpr = ((P * D * VB // 8 + 15) // 16 * 16
                              + 2 * ((2 * P * D // VG + 15) // 16 * 16))  # fmt: skip
-    perm_row = perm_ptr + (li // 4) * D
+    qp_row = q_perm_ptr + (li // 4) * (G_PAD * D)  # this (request, head)'s permuted query
     t = tl.arange(0, P)
     g = tl.arange(0, G_PAD)
     one = _magic_one(G)
@@ -318,17 +318,17 @@ def _pages_b(
         tm = t < ntok
         s = tl.zeros([G_PAD, P], dtype=tl.float32)
         if (KBITS & 2) != 0:
-            s = _k_blocks(s, q_ptr, perm_row, q_row, gm, 0, n2, arena8, arena16, arenadt, base,
-                          o2, o_sc, o_lo, DT, 2, KC, G_PAD, P, IL, MAGIC, one)  # fmt: skip
+            s = _k_blocks(s, qp_row, 0, n2, arena8, arena16, arenadt, base,
+                          o2, o_sc, o_lo, DT, 2, KC, G_PAD, P, D, IL, MAGIC, one)  # fmt: skip
         if (KBITS & 4) != 0:
-            s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2, n4, arena8, arena16, arenadt, base,
-                          o4, o_sc, o_lo, DT, 4, KC, G_PAD, P, IL, MAGIC, one)  # fmt: skip
+            s = _k_blocks(s, qp_row, n2, n4, arena8, arena16, arenadt, base,
+                          o4, o_sc, o_lo, DT, 4, KC, G_PAD, P, D, IL, MAGIC, one)  # fmt: skip
         if (KBITS & 8) != 0:
-            s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2 + n4, n8, arena8, arena16, arenadt,
-                          base, o8, o_sc, o_lo, DT, 8, KC, G_PAD, P, IL, MAGIC, one)  # fmt: skip
+            s = _k_blocks(s, qp_row, n2 + n4, n8, arena8, arena16, arenadt,
+                          base, o8, o_sc, o_lo, DT, 8, KC, G_PAD, P, D, IL, MAGIC, one)  # fmt: skip
         if (KBITS & 16) != 0:
-            s = _k_blocks(s, q_ptr, perm_row, q_row, gm, n2 + n4 + n8, n16, arena8, arena16,
-                          arenadt, base, o16, o_sc, o_lo, DT, 16, KC, G_PAD, P, IL,
+            s = _k_blocks(s, qp_row, n2 + n4 + n8, n16, arena8, arena16,
+                          arenadt, base, o16, o_sc, o_lo, DT, 16, KC, G_PAD, P, D, IL,
                           MAGIC, one)  # fmt: skip
         s = tl.where(tm[None, :], s * qk_scale, float("-inf"))
         m, l_i, acc = _attend_page(s, m, l_i, acc, arena8, arena16, arenadt, base + k_bytes, tm,

@@ -48,6 +48,25 @@ def _rows(
     return m, l_i, acc
 
 
+@triton.jit(do_not_specialize_on_alignment=("perm_ptr",))
+def _q_perm_kernel(q_ptr, q_stride_b, q_stride_h, perm_ptr, out_ptr, H_KV, G,
+                   D: tl.constexpr, G_PAD: tl.constexpr):  # fmt: skip
+    """out[rh, g, c] = q[r, h * G + g, perm[rh, c]] for rh = r * H_KV + h (one program each),
+    rows G..G_PAD zero: each (request, KV head)'s query in its K channels' permuted order, so
+    that k_path="blocks" reads a block's query channels with one contiguous load instead of the
+    permutation and a gather that depends on it, once per block of every page.  The same values
+    (a copy), so exact."""
+    rh = tl.program_id(0)
+    r = rh // H_KV
+    h = rh % H_KV
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    ch = tl.load(perm_ptr + rh * D + d)
+    q_row = r.to(tl.int64) * q_stride_b + (h * G + g) * q_stride_h
+    qp = tl.load(q_ptr + q_row[:, None] + ch[None, :], mask=(g < G)[:, None], other=0.0)
+    tl.store(out_ptr + (rh.to(tl.int64) * G_PAD + g)[:, None] * D + d[None, :], qp)
+
+
 # The split count, score-row offsets and the step's index lists (slices of packed per-step
 # tensors, whose addresses move with the batch) are out of the compiled key, so an eager step of
 # a new batch shape does not compile the kernel again ("== 1", "% 16", "16-byte aligned"); the
@@ -72,7 +91,7 @@ def _decode_split_kernel(
     UNIFORM: tl.constexpr = False, PPI: tl.constexpr = 1, IL: tl.constexpr = True,
     arena32=None, KG: tl.constexpr = False, RAW_BF16: tl.constexpr = True,
     UPIPE: tl.constexpr = False, KBL: tl.constexpr = False, KC: tl.constexpr = 16,
-    PF: tl.constexpr = 0, MAGIC: tl.constexpr = False,
+    PF: tl.constexpr = 0, MAGIC: tl.constexpr = False, q_perm_ptr=None,
 ):  # fmt: skip
     """One (request, KV head) x split: partial (m, l_i, acc) of all query heads of the group.
     VBITS / KBITS: bit masks of the V / K widths compiled in (2 | 4 | 8 | 16).  UNIFORM: pages
@@ -83,7 +102,9 @@ def _decode_split_kernel(
     fp16); KBL: general pages with K channels in dense [KC, P] blocks of one compile-time width
     (:func:`_pages_b`; PF: next page prefetched into L1 (1) or L2 (2)), and the split cutting
     the (request, head)'s pages across its V-width lists (one contiguous range, mostly one
-    list a program) instead of every list into S parts.  MAGIC: uniform pages' and KBL pages'
+    list a program) instead of every list into S parts; KBL reads the query in each (request,
+    head)'s permuted channel order from q_perm_ptr ([B*H_kv, G_PAD, D], :func:`_q_perm_kernel`,
+    launched before).  MAGIC: uniform pages' and KBL pages'
     codes dequantised without int -> float conversions (_dequant.py)."""
     rh = tl.program_id(0)
     j = tl.program_id(1)
@@ -126,7 +147,7 @@ def _decode_split_kernel(
                 )  # fmt: skip
             elif KBL:
                 m, l_i, acc = _pages_b(
-                    m, l_i, acc, q_ptr, perm_ptr, q_row, gm, arena8, arena16, arenadt,
+                    m, l_i, acc, q_perm_ptr, arena8, arena16, arenadt,
                     page_off_ptr, page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps,
                     pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, KBITS, IL, KC,
                     PF, MAGIC,

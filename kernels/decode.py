@@ -23,7 +23,7 @@ import torch
 import triton.language as tl
 from tiered_radix.kernels._decode_mass import _decode_mass_kernel
 from tiered_radix.kernels._decode_merge import _decode_merge_kernel
-from tiered_radix.kernels._decode_split import _decode_split_kernel
+from tiered_radix.kernels._decode_split import _decode_split_kernel, _q_perm_kernel
 
 from tiered_radix.formats.layout import TriZoneLayout
 
@@ -40,7 +40,10 @@ class DecodePlan:
     """Launch configuration and scratch buffers for one batch (shared by all layers).
 
     part_acc: float32 [B*H_kv, S, G_pad, d]; part_ml: float32 [B*H_kv, S, 2, G_pad];
-    lse: float32 [B*H_kv, G_pad] (log2 domain); score: float32 [rows, G] (side output only).
+    lse: float32 [B*H_kv, G_pad] (log2 domain); score: float32 [rows, G] (side output only);
+    q_perm: k_path="blocks" on general pages: the query in each (request, KV head)'s permuted
+    K channel order, the layout's dtype [B*H_kv, G_pad, d], written by run() each call (one
+    small kernel before the split kernel); else None.
     """
 
     batch: int
@@ -77,6 +80,7 @@ class DecodePlan:
     # sub-byte codes to float32: "convert" (int -> float conversions) or "magic" (from the bits;
     # uniform pages and k_path="blocks")
     dequant: str = "convert"
+    q_perm: torch.Tensor | None = None
 
 
 def _splits(batch: int, hkv: int, max_rows: int, num_sms: int, per_sm: int = 16) -> int:
@@ -242,6 +246,8 @@ def plan(
         + layout.fresh_slots.numel() * hkv
     )
     f32 = dict(dtype=torch.float32, device=dev)
+    blocks = k_path == "blocks" and not uniform
+    q_perm = torch.zeros(bh, g_pad, d, dtype=layout.dtype, device=dev) if blocks else None
     return DecodePlan(
         batch=layout.batch,
         num_kv_heads=hkv,
@@ -268,6 +274,7 @@ def plan(
         k_block=k_block,
         page_prefetch=page_prefetch if dev.type == "cuda" else "none",
         dequant=dequant,
+        q_perm=q_perm,
     )
 
 
@@ -336,7 +343,11 @@ def run(
         extra.update(arena32=arena[:whole].view(torch.int32), KG=True,
                      RAW_BF16=layout.dtype == torch.bfloat16)  # fmt: skip
     if p.k_path == "blocks" and not p.uniform:
-        extra.update(KBL=True, KC=p.k_block,
+        # the query in each (request, head)'s permuted channel order, once a call: the blocks
+        # then read it contiguously (no permutation load and dependent gather a block)
+        _q_perm_kernel[(bh,)](q, q.stride(0), q.stride(1), layout.perm, p.q_perm, hkv, p.group,
+                              D=p.head_dim, G_PAD=p.g_pad, num_warps=4)  # fmt: skip
+        extra.update(KBL=True, KC=p.k_block, q_perm_ptr=p.q_perm,
                      PF={"none": 0, "l1": 1, "l2": 2}[p.page_prefetch])  # fmt: skip
     _decode_split_kernel[(bh, s)](
         q, q.stride(0), q.stride(1), layout.perm,

@@ -441,6 +441,10 @@ def test_blocks_default_to_32_channels():
     lay = build_trizone(k, v, tp, page_size=32)
     p = decode.plan(lay, num_q_heads=2, k_path="blocks")
     assert (p.k_block, p.unpack) == (32, "interleave")
+    # the query in permuted channel order, written by run() for the blocks (general pages only)
+    g = decode.plan(lay, num_q_heads=2, k_path="blocks", uniform_pages=False)
+    assert (g.q_perm.shape, g.q_perm.dtype) == ((lay.batch * lay.num_kv_heads, 16, 64), q.dtype)
+    assert decode.plan(lay, num_q_heads=2, uniform_pages=False).q_perm is None
     assert decode.plan(lay, num_q_heads=2, k_path="blocks", k_block=16).k_block == 16
 
 
