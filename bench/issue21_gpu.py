@@ -15,8 +15,9 @@ Runs on the GPU machine after ``bash bench/gpu_install.sh`` and staging Qwen2.5-
 
 Writes ``issue21.json`` under ``--out``. Expected: every policy ``ok`` with
 ``max_total_num_tokens`` about what ``tiered-radix policy explain P --shape 24 2 64`` says of
-a bf16 pool's: 9.4x (qevict), 5.2-5.7x (h2o, snapkv, streaming), 0.9-1x (full, kivi) and 0.7x
-(rdkv: every slot keeps its rows beside the Zone A store); the burst ``ok`` with 12
+a bf16 pool's: 9.4x (qevict), 5.2-5.7x (h2o, snapkv, streaming), 0.9-1x (full, kivi) and 1.66x
+(rdkv: rows for a quarter of the slots beside the Zone A store; 0.79x in run 27, when every
+slot kept its rows); the burst ``ok`` with 12
 completions.
 """
 

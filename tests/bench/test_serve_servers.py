@@ -54,9 +54,10 @@ def test_same_bytes_for_every_plain_system(spec, tokens):
 def test_a_tiered_pool_gets_the_slots_its_cell_size_fits(spec):
     """The plugin's own cell size (rows and pages at the budget, plus tables and engine state)
     divides the bytes: fewer than 1/f times bf16's slots, more than bf16's; a decoupled policy
-    (RDKV: every slot's rows and a Zone A store at twice the budget) fewer than bf16's."""
+    (RDKV: rows for a quarter of its slots and a Zone A store at twice the budget) more than
+    bf16's too, up to ``1 / (DECOUPLED_ROW_SHARE + ZONE_SLACK * f)`` times."""
     from tiered_radix.adapters.sglang.config import parse_budget
-    from tiered_radix.adapters.sglang.sizing import ZONE_SLACK, cell_bytes
+    from tiered_radix.adapters.sglang.sizing import DECOUPLED_ROW_SHARE, ZONE_SLACK, cell_bytes
     from tiered_radix.policy import load_policy
 
     system = System.parse(spec)
@@ -66,7 +67,8 @@ def test_a_tiered_pool_gets_the_slots_its_cell_size_fits(spec):
     f = float(system.fraction())
     policy = load_policy(system.kind)
     if not policy.coupled:
-        assert 0.8 * GIB / (12288 * (1 + ZONE_SLACK * f)) < tokens < GIB // 12288
+        data = DECOUPLED_ROW_SHARE + ZONE_SLACK * f
+        assert GIB // 12288 < tokens and 0.7 * GIB / (12288 * data) < tokens < GIB / (12288 * data)
     else:
         assert GIB // 12288 < tokens < GIB / (12288 * f)
 

@@ -820,8 +820,9 @@ class TieredAttnBackend(AttentionBackend):
     def _make_rows(self, rids: list[str], windows: int) -> None:
         """Before a forward of requests ``rids`` opens ``windows`` new windows: rows for them,
         by :meth:`_route_for_rows` where the free rows and the radix cache's do not hold them
-        (a decoupled pool's routing frees no rows: its sizing holds every token's)."""
-        if windows and self.pool.zones is None and not self.pool.rows_for_windows(windows):
+        (in a decoupled pool a routing repacks, and the windows its pages cover give their rows
+        when :meth:`~.pool.TieredKVPool.open_windows` next reclaims)."""
+        if windows and not self.pool.rows_for_windows(windows):
             self._route_for_rows(rids)
 
     def _route_for_rows(self, rids: list[str]) -> None:
@@ -936,7 +937,9 @@ class TieredAttnBackend(AttentionBackend):
             k_tier, in_set = store.channel_tiers(li)
             decided.append((bits[store.tiers(li)], bits[k_tier], in_set))
         windows = self.tree.views[r.rid].windows
-        self.pool.repack(r.rid, windows, store.n_tokens(0), decided)
+        covered = self.pool.repack(r.rid, windows, store.n_tokens(0), decided)
+        if covered is not None:  # the windows its pages cover: their rows may go
+            self.tree.page_out(r.rid, covered)
 
     def _settle(self, settled: list) -> None:
         """Units whose move the pool degraded (:class:`~.radix.Settled`, one per routed

@@ -125,7 +125,8 @@ class TieredKVPool(MHATokenToKVPool):
         self._rows_held = 0  # row blocks per layer that moves leave free (rows_held)
         # rows reclaimed from the radix cache (_reclaim_rows): windows demoted, tokens evicted
         self._reclaimed = {
-            "cached_windows_demoted": 0, "cached_tokens_evicted": 0, "archived_copies_dropped": 0
+            "cached_windows_demoted": 0, "cached_tokens_evicted": 0, "archived_copies_dropped": 0,
+            "paged_windows_unrowed": 0,
         }  # fmt: skip
         self._tree = None  # the radix cache over this pool (attach_tree)
         kwargs.update(enable_alt_stream=False, enable_kv_cache_copy=False)
@@ -173,8 +174,12 @@ class TieredKVPool(MHATokenToKVPool):
         self.pages, self.page_bytes, self.pages_all = [], 0, None
         self.zones = None  # a decoupled policy's repacked requests (.zones)
         self.zone_full = 0  # routings whose pages found no room in the Zone A store (repack)
+        # a decoupled layout's windows whose slot owner reads them from Zone A pages only (its
+        # request routed, or closed): their rows may go when only the owner holds them
+        self.paged = None
         if self.layout.tier_bits is not None:
             self.zones = ZoneStore(L, self.blocks.zone, W, self.v_group, self.dtype, dev)
+            self.paged = torch.zeros(self.n_windows, dtype=torch.bool, device=dev)
         if self.layout.quant is not None:
             q = self.layout.quant
             self.page_bytes = uniform_page_nbytes(q.bits, W, d, self.v_group)
@@ -350,6 +355,8 @@ class TieredKVPool(MHATokenToKVPool):
         )
         self.ref_all[lt, FULL, h, new] = 1
         self.owner_all[lt, h, new] = S_FULL
+        if self.paged is not None:
+            self.paged[new] = False
 
     def rows_for_windows(self, n: int) -> bool:
         """Whether ``n`` windows can open now (``H`` row blocks each in every layer), after
@@ -394,14 +401,17 @@ class TieredKVPool(MHATokenToKVPool):
         """Before opening windows: while a layer of ``layers`` has fewer than ``need`` free row
         blocks, first demote the rows of radix-cached windows that no running request holds to
         their ledger copies (:meth:`_demote_cached`: the prefix stays cached, at the quantized
-        tier), then evict such windows (SGLang's own eviction, whose frees come back here
-        through the allocator), so cached prefixes yield to new tokens instead of the forward
-        failing. Locked prefixes are never touched."""
+        tier), or, in a decoupled layout, take the rows of windows nobody reads from rows
+        (:meth:`_unrow_paged`), then evict such windows (SGLang's own eviction, whose frees
+        come back here through the allocator), so cached prefixes yield to new tokens instead
+        of the forward failing. Locked prefixes are never evicted."""
         tree = self._tree
         if tree is None or self._short(need, layers) <= 0:
             return
         if self.layout.quant is not None:
             self._demote_cached(tree, need, layers)
+        if self.paged is not None:
+            self._unrow_paged(tree, need, layers)
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
         evicted = 0
@@ -416,6 +426,63 @@ class TieredKVPool(MHATokenToKVPool):
         if evicted:
             self._reclaimed["cached_tokens_evicted"] += evicted
             log.info("tiered-radix: evicted %d cached tokens for row blocks", evicted)
+
+    def _unrow_paged(self, tree, need: int, layers: list[int]) -> None:
+        """A decoupled layout's :meth:`_reclaim_rows`: windows whose slot owner reads them from
+        Zone A pages only (:attr:`paged`: its request routed over them, or closed) and that no
+        other request holds (one reference: the owner's) lose their rows until the rows
+        suffice: those of cached prefixes no running request holds first, in the order SGLang
+        would evict them (:meth:`.radix.TieredRadixCache.cold_windows`), then running
+        requests' (whose next turn may match them), lowest window first. Their slots stay allocated and their radix nodes cached (a
+        running request's prompt stays locked, as SGLang keeps it): the owner state becomes
+        evicted, so the tree lends them to nobody (:meth:`.radix.TieredRadixCache.match_prefix`
+        stops before them) until a prefill of the same tokens gives them rows again
+        (:meth:`adopt_rows`). Windows a request matched and has not borrowed yet
+        (:meth:`.radix.TieredRadixCache.matched_windows`) are spared. Every layer and head of a
+        decoupled window holds alike (opened, borrowed and released together): layer 0's head 0
+        stands for all. One host sync."""
+        short = self._short(need, layers)
+        if short <= 0:
+            return
+        free = self.paged & (self.owner_all[0, 0] == S_FULL) & (self.ref_all[0, FULL, 0] == 1)
+        spare = tree.matched_windows()
+        if spare.numel():
+            free[spare] = False
+        cold = list(tree.cold_windows())
+        first = torch.cat(cold) if cold else free.nonzero().squeeze(1)[:0]
+        first = first[free[first]]
+        free[first] = False
+        w = torch.cat([first, free.nonzero().squeeze(1)])[: -(-short // self.head_num)]
+        if not w.numel():
+            return
+        ly, h, ww = self.pairs(w)
+        self.release(ly, h, ww, torch.full_like(ly, S_FULL))
+        self.owner_all[:, :, w] = S_EVICT
+        self._reclaimed["paged_windows_unrowed"] += w.numel()
+        log.info("tiered-radix: took the rows of %d windows read from Zone A pages", w.numel())
+
+    def rows_taken(self) -> bool:
+        """Whether :meth:`_unrow_paged` ever took a window's rows (host count): until then
+        every owned window has its rows and the radix cache checks nothing."""
+        return self._reclaimed["paged_windows_unrowed"] > 0
+
+    def adopt_rows(self, rowless: Tensor, fresh: Tensor) -> None:
+        """Windows ``rowless [n]`` (the radix tree's, rows taken by :meth:`_unrow_paged`) take
+        the row blocks of ``fresh [n]`` (a request's prefill of the same tokens, about to be
+        freed as their duplicates): block ids and references move, nothing is copied, and
+        ``fresh`` is left holding nothing (its release frees no block). Pairs where ``rowless``
+        still has rows or ``fresh`` has none are left as they are."""
+        own = self.owner_all[0, 0]
+        ok = (own[rowless] == S_EVICT) & (own[fresh] == S_FULL) & (rowless != fresh)
+        t, f = rowless[ok], fresh[ok]
+        self.block_all[:, FULL, :, t] = self.block_all[:, FULL, :, f]
+        self.ref_all[:, FULL, :, t] = self.ref_all[:, FULL, :, f]
+        self.owner_all[:, :, t] = S_FULL
+        self.paged[t] = True  # the tree owns it and reads nothing; a borrower's reference holds
+        self.block_all[:, FULL, :, f] = 0
+        self.ref_all[:, FULL, :, f] = 0
+        self.owner_all[:, :, f] = S_EVICT
+        self.paged[f] = False
 
     def _demote_cached(self, tree, need: int, layers: list[int]) -> None:
         """Cached prefixes' full-precision rows to their ledger copies, the prefix SGLang would
@@ -806,14 +873,18 @@ class TieredKVPool(MHATokenToKVPool):
         on = kept[..., None]
         return torch.where(on, k, torch.nan), torch.where(on, v, torch.nan), kept
 
-    def repack(self, rid: str, windows: Tensor, n_tokens: int, decided: list[tuple]) -> bool:
+    def repack(self, rid: str, windows: Tensor, n_tokens: int,
+               decided: list[tuple]) -> Tensor | None:  # fmt: skip
         """A decoupled request's routing: every layer's tokens, as the request reads them now
         (:meth:`read_request`), repacked into Zone A pages (:mod:`.zones`) at the engine's
         decisions ``decided[l] = (v_bits [H, T], k_bits [H, d], in_set [H, T])``; what it held
-        before is freed. Its windows keep their rows. Whether the pages landed: where the Zone A
-        store has no room the routing is degraded, not raised (an exception would end every
-        request the scheduler runs): the request keeps reading what it held (its rows at full
-        precision, or its last routing's pages) while its engine counts the decided bytes, and
+        before is freed. Returns which of ``windows`` its pages now cover whole (bool ``[n]``:
+        every token routed, and none of them kept outside a page in any layer or head, so the
+        request reads none of the window's rows; :meth:`.radix.TieredRadixCache.page_out`
+        lets go of them), or None where the pages did not land: where the Zone A store has no
+        room the routing is degraded, not raised (an exception would end every request the
+        scheduler runs): the request keeps reading what it held (its rows at full precision,
+        or its last routing's pages) while its engine counts the decided bytes, and
         :attr:`zone_full` counts it (``zone_full_routings`` in the stats)."""
         packed = []
         host = _on_host(decided)  # page lists are built on the host: one copy, not 3 a layer
@@ -836,8 +907,13 @@ class TieredKVPool(MHATokenToKVPool):
             if self.zone_full == 1:
                 log.warning("%s: request %s reads what it held (counted in zone_full_routings)",
                             err, rid)  # fmt: skip
-            return False
-        return True
+            return None
+        covered = torch.zeros(windows.numel(), dtype=torch.bool, device=windows.device)
+        covered[: n_tokens // self.layout.window] = True
+        rows = self.zones.decode_lists(rid)
+        if rows is not None and rows.n_rows:
+            covered[rows.row_tok.to(windows.device) // self.layout.window] = False
+        return covered
 
     def drop_request(self, rid: str) -> None:
         """Free decoupled request ``rid``'s Zone A pages (its view closed)."""
@@ -852,6 +928,8 @@ class TieredKVPool(MHATokenToKVPool):
         st = torch.where(st >= 0, st, S_EVICT)  # nobody owns it: holds nothing
         self.release(ly, h, w, st)
         self.owner_all[:, :, pages] = -1
+        if self.paged is not None:
+            self.paged[pages] = False
 
     # -- accounting ------------------------------------------------------------------------
     def blocks_in_use(self) -> dict[int, int]:

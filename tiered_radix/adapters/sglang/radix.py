@@ -27,6 +27,7 @@ from the pool (:mod:`.usage`), goes into the response (``meta_info["kv_usage"]``
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from torch import Tensor
 
 from tiered_radix.engine.events import Transitions
@@ -44,7 +46,7 @@ from tiered_radix.policy.model import Policy
 from . import usage
 from .config import KVConfig
 from .pool import TieredKVPool
-from .reps import STATES, Layout, PoolConfigError, Q, R, lent
+from .reps import S_EVICT, STATES, Layout, PoolConfigError, Q, R, lent
 from .request_kv import RequestError, RequestKV, resolve
 
 log = logging.getLogger(__name__)
@@ -56,13 +58,17 @@ class RequestView:
     ``[n]`` (read through the request's own references), ``state`` int8 ``[L, H, n]`` (the
     request's state of borrowed windows; owned windows read ``pool.owner_all``);
     ``n_borrowed`` how many are borrowed (a host count: routing needs no read of ``borrowed``
-    to know that the request shares no window); ``moved`` int64 ``[3]`` the moves its
+    to know that the request shares no window); ``paged`` (decoupled layouts) those its pages
+    cover; ``moved`` int64 ``[3]`` the moves its
     routings made (:func:`.usage.moves_of`), ``routes`` their count."""
 
     windows: Tensor
     borrowed: Tensor
     state: Tensor
     n_borrowed: int = 0
+    # decoupled layouts: windows the request's Zone A pages cover whole (bool [n], page_out):
+    # it reads none of their rows, and holds no reference to a borrowed one's
+    paged: Tensor | None = None
     routes: int = 0
     # the routings' move counts not summed yet: (int64 [R, 3] of R requests routed together,
     # this request's row); summed when read, so a routing adds none of its own ops per request
@@ -123,6 +129,11 @@ class TieredRadixCache(RadixCache):
             raise PoolConfigError(f"the tiered radix cache needs a TieredKVPool, got {type(pool)}")
         self.pool, self.layout, self.policy = pool, Layout.of(policy), policy
         self.views: dict[str, RequestView] = {}
+        # decoupled layouts: requests' matched prefixes not borrowed yet (match_prefix to
+        # open_view), which the pool's row reclaim spares; and whether SGLang's own re-match
+        # inside cache_unfinished_req runs (it must see the whole inserted key)
+        self._matched: dict[str, tuple[object, Tensor]] = {}
+        self._inserting = False
         # the attention backend's pending work on the views (a replayed decode step's routing),
         # given the ids of the requests whose views close next
         self._before_close: Callable[[list[str]], None] | None = None
@@ -171,11 +182,46 @@ class TieredRadixCache(RadixCache):
     # -- per-request policy and budget ------------------------------------------------------
     def match_prefix(self, params):
         """SGLang's match; a request matched with its ``Req`` (every time it is scheduled)
-        also gives its ``kv_policy`` / ``kv_budget`` (:meth:`request_kv`)."""
+        also gives its ``kv_policy`` / ``kv_budget`` (:meth:`request_kv`). In a decoupled
+        layout the match ends before the first window whose rows the pool took
+        (:meth:`~.pool.TieredKVPool._unrow_paged`): matched again on the key cut there, so
+        SGLang splits the node and the request prefills from that window on, exactly; and a
+        request's matched windows are spared by the pool's row reclaim until it borrows them
+        (:meth:`matched_windows`)."""
         req = getattr(params, "req", None)
         if req is not None:
             self._note(req)
-        return super().match_prefix(params)
+        got = super().match_prefix(params)
+        if self.pool.paged is None or self._inserting:
+            return got
+        if self.pool.rows_taken() and len(got.device_indices):
+            w = self._prefix_windows(got.device_indices)
+            rowless = (self.pool.owner_all[0, 0, w] < 0) | (self.pool.owner_all[0, 0, w] == S_EVICT)
+            first = int(torch.cat([rowless, rowless.new_ones(1)]).int().argmax())  # host sync
+            if first < w.numel():
+                key = params.key
+                cut = RadixKey(key.token_ids, key.extra_key, key.is_bigram, first * self.page_size)
+                got = super().match_prefix(dataclasses.replace(params, key=cut))
+        if req is not None and len(got.device_indices):
+            self._matched[req.rid] = (req, self._prefix_windows(got.device_indices))
+        elif req is not None:
+            self._matched.pop(req.rid, None)
+        return got
+
+    def _prefix_windows(self, indices: Tensor) -> Tensor:
+        """The windows of a matched prefix's slots (page aligned), on the pool's device."""
+        return (indices[:: self.layout.window].long() // self.layout.window).to(self.pool.device)
+
+    def matched_windows(self) -> Tensor:
+        """Windows of prefixes matched for requests that have not borrowed them yet (a
+        finished or aborted request's entry is dropped here): int64 ``[m]``, maybe repeated."""
+        for rid, (req, _) in list(self._matched.items()):
+            finished = getattr(req, "finished", None)
+            if callable(finished) and finished():
+                del self._matched[rid]
+        parts = [w for _, w in self._matched.values()]
+        dev = self.pool.device
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=dev)
 
     def _note(self, req) -> None:
         sp = getattr(req, "sampling_params", None)
@@ -233,18 +279,24 @@ class TieredRadixCache(RadixCache):
     def open_view(self, req, prefix_len: int) -> RequestView:
         """Borrow the matched prefix (``req_to_token[req, :prefix_len]``, page aligned)."""
         assert prefix_len % self.layout.window == 0
+        self._matched.pop(req.rid, None)
+        decoupled = self.pool.paged is not None
         if prefix_len == 0:  # nothing matched, nothing to borrow: no device work
             dev, L, H = self.pool.device, self.pool.layer_num, self.pool.head_num
             w = torch.empty(0, dtype=torch.long, device=dev)
             st = self.pool.owner_all.new_empty(L, H, 0)
-            view = RequestView(w, torch.empty(0, dtype=torch.bool, device=dev), st)
+            none = torch.empty(0, dtype=torch.bool, device=dev)
+            view = RequestView(w, none, st, paged=none.clone() if decoupled else None)
             self.views[req.rid] = view
             return view
         w = self._windows(req, 0, prefix_len)
         st = lent(self.pool.owner_all[:, :, w])  # [L, H, n]; an archived window quantized
         torch._assert_async((st >= 0).all(), "borrowing a window nobody owns")
+        if decoupled:
+            torch._assert_async((st != S_EVICT).all(), "borrowing a window without rows")
         self.pool.acquire(*self.pool.pairs(w), st.flatten())
-        view = RequestView(w, torch.ones_like(w, dtype=torch.bool), st, w.numel())
+        none = torch.zeros_like(w, dtype=torch.bool)
+        view = RequestView(w, ~none, st, w.numel(), paged=none if decoupled else None)
         self.views[req.rid] = view
         return view
 
@@ -258,6 +310,8 @@ class TieredRadixCache(RadixCache):
         H = self.pool.head_num
         view.windows = torch.cat([view.windows, new])
         view.borrowed = torch.cat([view.borrowed, torch.zeros_like(new, dtype=torch.bool)])
+        if view.paged is not None:
+            view.paged = torch.cat([view.paged, torch.zeros_like(new, dtype=torch.bool)])
         L = self.pool.layer_num
         view.state = torch.cat([view.state, view.state.new_full((L, H, new.numel()), -1)], 2)
         return view
@@ -415,16 +469,38 @@ class TieredRadixCache(RadixCache):
         rounds = int(nth.max()) + 1  # host sync
         return [None] if rounds == 1 else [(nth == r).nonzero().squeeze(1) for r in range(rounds)]
 
+    def page_out(self, rid: str, covered: Tensor) -> None:
+        """A decoupled request's routing placed pages that cover its windows ``covered`` (bool
+        ``[n]`` over its view, :meth:`~.pool.TieredKVPool.repack`): it reads none of their rows
+        from now on. It releases its reference to those it borrowed (a window only the tree holds
+        then may lose its rows under pressure, :meth:`~.pool.TieredKVPool._unrow_paged`), and
+        those it owns are marked paged in the pool (the tree that caches them keeps their rows
+        until then). Later routings read covered windows from their pages too (Zone A repacks
+        what the request reads). One host sync."""
+        view = self.views[rid]
+        new = covered[: view.windows.numel()] & ~view.paged
+        lend = (new & view.borrowed).nonzero().squeeze(1)
+        if lend.numel():
+            w = view.windows[lend]
+            self.pool.release(*self.pool.pairs(w), view.state[:, :, lend].flatten())
+            view.state[:, :, lend] = S_EVICT
+        self.pool.paged[view.windows[new & ~view.borrowed]] = True
+        view.paged = view.paged | new
+
     def close_view(self, rid: str) -> None:
         """Release the request's borrowed references (owned windows stay with their owner) and
-        a decoupled request's Zone A pages."""
+        a decoupled request's Zone A pages; its own windows are then read by nobody but their
+        borrowers (decoupled: paged, their rows free to go once only the tree holds them)."""
         self.asked.pop(rid, None)
+        self._matched.pop(rid, None)
         self.pool.drop_request(rid)
         view = self.views.pop(rid, None)
         if view is None:
             return
         w = view.windows[view.borrowed]
         self.pool.release(*self.pool.pairs(w), view.state[:, :, view.borrowed].flatten())
+        if view.paged is not None:
+            self.pool.paged[view.windows[~view.borrowed]] = True
 
     # -- SGLang entry points ---------------------------------------------------------------
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
@@ -436,18 +512,45 @@ class TieredRadixCache(RadixCache):
 
     def cache_unfinished_req(self, req, chunked=False):
         view = self.views.get(req.rid)
-        super().cache_unfinished_req(req, chunked)
+        self._inserting = True  # SGLang re-matches the inserted key: all of it
+        try:
+            super().cache_unfinished_req(req, chunked)
+        finally:
+            self._inserting = False
         if view is None:
             return
-        # Duplicates of a tree prefix were freed and replaced by the tree's slots: borrow those.
+        # Duplicates of a tree prefix were freed and replaced by the tree's slots: borrow those
+        # (a window the request's pages cover it reads from them: no reference).
         now = self._windows(req, 0, view.windows.numel() * self.layout.window)
         moved = (now != view.windows) & ~view.borrowed
         if bool(moved.any()):
             st = self.pool.owner_all[:, :, now[moved]]
+            if view.paged is not None:
+                st = torch.where(view.paged[moved], S_EVICT, st).to(st.dtype)
             self.pool.acquire(*self.pool.pairs(now[moved]), st.flatten())
             view.state[:, :, moved] = st
             view.windows, view.borrowed = now, view.borrowed | moved
             view.n_borrowed = int(view.borrowed.sum())
+
+    def insert(self, params):
+        """SGLang's insert. In a decoupled layout where the pool took rows of cached windows, the
+        tree's row-less windows on the inserted key first adopt the rows of the request's own
+        windows for the same tokens (:meth:`~.pool.TieredKVPool.adopt_rows`), which SGLang
+        then frees as duplicates: the prefix is cached with rows again, and every slot it frees
+        is one the request allocated."""
+        if self.pool.paged is not None and self.pool.rows_taken() and params.value is not None:
+            self._inserting = True
+            try:
+                had = super().match_prefix(MatchPrefixParams(key=params.key))
+            finally:
+                self._inserting = False
+            n = min(len(had.device_indices), len(params.value))
+            if n:
+                W = self.layout.window
+                tree = had.device_indices[:n:W].long() // W
+                mine = params.value[:n:W].long() // W
+                self.pool.adopt_rows(tree.to(self.pool.device), mine.to(self.pool.device))
+        return super().insert(params)
 
     def reset(self) -> None:
         """Empty the tree (SGLang's ``flush_cache``, and ``__init__``). SGLang then clears the
@@ -461,6 +564,7 @@ class TieredRadixCache(RadixCache):
         # SGLang flushes only when idle: no request waits with the settings it asked for (a
         # request aborted while waiting leaves its entry until here)
         getattr(self, "asked", {}).clear()
+        getattr(self, "_matched", {}).clear()
         pool = getattr(self, "pool", None)
         if pool is not None:  # windows opened in every layer and head: layer 0, head 0 says
             owned = (pool.owner_all[0, 0] >= 0).nonzero().squeeze(1)

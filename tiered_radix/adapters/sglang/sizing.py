@@ -17,12 +17,14 @@ ledger pages, and its per-slot metadata on top:
   at most a window: :func:`engine_bytes_per_request`) is not in it: a few MB at most, taken
   from the memory outside ``mem_fraction_static`` like SGLang's own per-request buffers.
 
-A decoupled policy (RDKV) keeps every slot's rows (its requests read them until their routing,
-and the radix tree caches them at full precision, :mod:`.zones`) and a Zone A store of
+A decoupled policy (RDKV) keeps rows for :data:`DECOUPLED_ROW_SHARE` of its slots (its
+requests read rows until their routing, and the radix tree caches prefixes with rows; the rows
+of windows a routed request reads from its pages go when new tokens need them, the windows
+staying cached without rows: :meth:`.pool.TieredKVPool._unrow_paged`) and a Zone A store of
 ``ZONE_SLACK * f * full`` bytes a slot for the repacked requests' pages (pages pad each section
 to 16 bytes and each V width's last page to ``P`` tokens: more than the engine's byte count for
-short requests). Its cell is ``full + ZONE_SLACK * f * full`` plus tables and engine state: the
-budget bounds what a routed request reads, not how many tokens the pool holds.
+short requests). Its cell is ``(DECOUPLED_ROW_SHARE + ZONE_SLACK * f) * full`` plus tables and
+engine state.
 
 A decode step's index lists and gathered rows, and the decode graphs' fixed buffers
 (:func:`.graph.buffer_bytes`), live only while a step runs or are sized by the graphs' batch
@@ -72,6 +74,10 @@ SIGNAL_BYTES = 4  # float32 per token of each token signal kept (attn, colmass, 
 WINDOW_SUGGESTIONS = (16, 32, 64)  # window sizes a refused policy is pointed to
 SET_BYTES = 1  # bool per token: in a decoupled policy's K channel set (ChannelK.in_set)
 ZONE_SLACK = 2.0  # Zone A bytes per budget byte: pages pad sections to 16 bytes, V widths to P
+# a decoupled policy's row blocks per slot: the prompts in flight before their routing, the
+# tokens since a routing, and the radix tree's prefixes with rows (the rest of a slot's bytes
+# is its Zone A share)
+DECOUPLED_ROW_SHARE = MIN_FULL_SHARE
 
 
 @dataclass(frozen=True)
@@ -180,8 +186,8 @@ def slot_bytes(
     lay = Layout.of(policy)
     tables = lh * window_table_bytes(lay) / lay.window
     data = _fraction(budget) * full
-    if lay.tier_bits is not None:  # rows for every slot, and the Zone A store
-        data = full + ZONE_SLACK * data
+    if lay.tier_bits is not None:  # rows for a share of the slots, and the Zone A store
+        data = DECOUPLED_ROW_SHARE * full + ZONE_SLACK * data
     return data + tables + lh * engine_bytes_per_token(policy)
 
 
@@ -194,7 +200,7 @@ def check_metadata(
         PoolConfigError: metadata per slot >= what the budget saves per slot.
     """
     f = _fraction(budget)
-    if f >= 1 or not policy.coupled:  # decoupled: rows for every slot by design (.zones)
+    if f >= 1 or not policy.coupled:  # decoupled: a fixed row share and the Zone A store
         return
     full = 2 * layers * heads * head_dim * itemsize
     meta = slot_bytes(policy, budget, layers, heads, head_dim, itemsize) - f * full
@@ -218,11 +224,11 @@ def plan_blocks(
     lay = Layout.of(policy)
     W = lay.window
     row_bytes = 2 * W * head_dim * itemsize
-    if lay.tier_bits is not None:  # every slot's rows; Zone A: the budget's bytes, with slack
+    if lay.tier_bits is not None:  # a share of the slots' rows; Zone A: the budget's bytes
         fixed = 2 * row_bytes + head_num * window_table_bytes(lay)  # traps, padding window
         zone = ZONE_SLACK * _fraction(budget) * size * head_num * head_dim * 2 * itemsize
-        # window 0 (padding) never opens: a row block for every other window
-        return PoolBlocks(size // W * head_num, 0, max(16, int(zone - fixed) // 16 * 16))
+        rows = max(1, int(DECOUPLED_ROW_SHARE * size) // W) * head_num
+        return PoolBlocks(rows, 0, max(16, int(zone - fixed) // 16 * 16))
     q_bytes = (
         uniform_page_nbytes(lay.quant.bits, W, head_dim, min(lay.v_group, head_dim))
         if lay.quant is not None
@@ -265,7 +271,7 @@ def check_rows(blocks: PoolBlocks, head_num: int, policy: Policy) -> None:
     """
     lay = Layout.of(policy)
     have, need = blocks.full // head_num, min_row_windows(policy)
-    if lay.tier_bits is None and have < need:
+    if have < need:
         raise PoolConfigError(
             f"the tiered pool's full-precision rows hold {have} window(s) of {lay.window} tokens "
             f"a layer; it needs {need} (the protected tokens of a running request and of a "

@@ -3,10 +3,11 @@
 A decoupled request's tokens are full rows in the pool's windows (shared with the radix tree
 like any window) until its first routing. There the engine decides V widths per token and K
 widths per channel, and the request's layers are *repacked* into Zone A pages
-(:mod:`tiered_radix.formats.zone_a`) held here, privately: nobody else reads them. Its windows
-keep their rows (the tree caches them at full precision when the request finishes); after the
+(:mod:`tiered_radix.formats.zone_a`) held here, privately: nobody else reads them. After the
 routing the request reads its pages, and the rows of tokens outside them (written since, or
-kept full by a rule). A later routing repacks again from what the request reads then.
+kept full by a rule); a later routing repacks again from what the request reads then. The
+windows its pages cover whole it reads no row of: the tree may cache them at full precision
+until new tokens need their rows (:meth:`.pool.TieredKVPool._unrow_paged`).
 
 Storage: one uint8 byte store per layer, ``[nbytes]``; each (request, layer) holds one extent
 (16-byte aligned: pages keep the kernel's alignment), first fit, freed extents merged with their
