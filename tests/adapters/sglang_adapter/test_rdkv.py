@@ -808,3 +808,26 @@ def test_a_chunk_inserted_over_windows_without_rows_gives_them_its_rows():
     free = srv.alloc.available_size()
     srv.leave(c)
     assert srv.alloc.available_size() > free
+
+
+def test_a_requests_usage_counts_its_pages_and_the_rows_it_reads():
+    """``kv_usage`` of an RDKV request: before its routing every token is a row (bf16's bytes);
+    after it, its Zone A pages' bytes plus the one window of rows it reads (the tokens since),
+    the pages' tokens by V width, and every token accounted once."""
+    srv = Server()
+    a = srv.admit("a")
+    srv.forward([a], [_prompt(60, 256)], extend=True)
+    before = srv.cache.usage("a", 256)
+    assert before["held_vs_bf16"] == 1.0 and before["tokens_per_width"]["rows"] == 256
+    _decode(srv, [a], 3)  # routed at the first step: pages cover the 8 prompt windows
+    n = len(a.tokens)
+    got = srv.cache.usage("a", n)
+    pages = sum(p.zone.nbytes for p in srv.pool.zones.placed_layers("a"))
+    row_window = L * H * 2 * W * D * 2  # bf16 K and V of one window, every layer and head
+    assert got["bytes_held"] == pages + row_window
+    assert got["tokens_routed"] == 257  # the prompt and the first step's token
+    assert got["tokens_per_width"]["rows"] == n - 257  # the tokens since the routing
+    units = got["units_per_state"]
+    assert units["full"] + units["quantized"] + units["evicted"] == n * L * H
+    assert units["evicted"] > 0 and units["quantized"] > 0
+    assert got["held_vs_bf16"] < 0.5 and got["routed_steps"] == 1

@@ -433,14 +433,14 @@ class TieredKVPool(MHATokenToKVPool):
         other request holds (one reference: the owner's) lose their rows until the rows
         suffice: those of cached prefixes no running request holds first, in the order SGLang
         would evict them (:meth:`.radix.TieredRadixCache.cold_windows`), then running
-        requests' (whose next turn may match them), lowest window first. Their slots stay allocated and their radix nodes cached (a
-        running request's prompt stays locked, as SGLang keeps it): the owner state becomes
-        evicted, so the tree lends them to nobody (:meth:`.radix.TieredRadixCache.match_prefix`
-        stops before them) until a prefill of the same tokens gives them rows again
-        (:meth:`adopt_rows`). Windows a request matched and has not borrowed yet
-        (:meth:`.radix.TieredRadixCache.matched_windows`) are spared. Every layer and head of a
-        decoupled window holds alike (opened, borrowed and released together): layer 0's head 0
-        stands for all. One host sync."""
+        requests' (whose next turn may match them), lowest window first. Their slots stay
+        allocated and their radix nodes cached (a running request's prompt stays locked, as
+        SGLang keeps it): the owner state becomes evicted, so the tree lends them to nobody
+        (:meth:`.radix.TieredRadixCache.match_prefix` stops before them) until a prefill of the
+        same tokens gives them rows again (:meth:`adopt_rows`). Windows a request matched and
+        has not borrowed yet (:meth:`.radix.TieredRadixCache.matched_windows`) are spared.
+        Every layer and head of a decoupled window holds alike (opened, borrowed and released
+        together): layer 0's head 0 stands for all. One host sync."""
         short = self._short(need, layers)
         if short <= 0:
             return

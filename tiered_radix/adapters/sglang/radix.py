@@ -250,7 +250,13 @@ class TieredRadixCache(RadixCache):
             return None
         kv, pool = self.request_kv(rid), self.pool
         budget = total_budget(kv.budget, [n_tokens] * pool.layer_num, pool.head_num, pool.head_dim)
-        states = self.states_all(rid)[:, :, : -(-n_tokens // self.layout.window)]
+        n = -(-n_tokens // self.layout.window)
+        if pool.zones is not None:  # decoupled: its pages, and the rows it reads outside them
+            placed = pool.zones.placed_layers(rid)
+            rows = n - int(view.paged[:n].sum()) if placed else n
+            return usage.report_pages(pool, placed, rows, n_tokens, view.routes, budget,
+                                      kv.describe())  # fmt: skip
+        states = self.states_all(rid)[:, :, :n]
         return usage.report(pool, states, n_tokens, view.moved, view.routes, budget,
                             kv.describe())  # fmt: skip
 
@@ -476,8 +482,9 @@ class TieredRadixCache(RadixCache):
         then may lose its rows under pressure, :meth:`~.pool.TieredKVPool._unrow_paged`), and
         those it owns are marked paged in the pool (the tree that caches them keeps their rows
         until then). Later routings read covered windows from their pages too (Zone A repacks
-        what the request reads). One host sync."""
+        what the request reads). Counted in the view's routings. One host sync."""
         view = self.views[rid]
+        view.routes += 1  # a decoupled request's routings are its repacks that landed
         new = covered[: view.windows.numel()] & ~view.paged
         lend = (new & view.borrowed).nonzero().squeeze(1)
         if lend.numel():

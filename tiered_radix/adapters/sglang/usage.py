@@ -6,12 +6,16 @@ Every number comes from the pool's state, not from the tier engine's plan: the h
 of the request's windows (:meth:`~.radix.TieredRadixCache.states_all`, after any degraded move),
 and the representations each state references (:meth:`~.reps.Layout.reps`) at the pool's
 block sizes. A window two requests share counts in both reports (each holds its references).
+A decoupled (RDKV) request holds its Zone A pages and the rows it reads outside them
+(:func:`report_pages`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from tiered_radix.formats.layout import V_BITS
 
 from .reps import FULL, S_A, S_FULL, S_Q, S_R, STATE_NAMES, STATES, Q, R, reads
 
@@ -95,5 +99,53 @@ def report(pool, states: Tensor, n_tokens: int, moved: Tensor | None, routes: in
         "held_vs_bf16": round(held / bf16, 4) if bf16 else None,
         "budget_bytes": budget_bytes,
         **dict(zip(MOVES, moves, strict=True)),
+        "routed_steps": routes,
+    }
+
+
+def report_pages(pool, placed: list | None, rows_windows: int, n_tokens: int, routes: int,
+                 budget_bytes: int, request: dict) -> dict:  # fmt: skip
+    """:func:`report`'s fields for a decoupled request: its Zone A pages (``placed``: its
+    :class:`~.zones.Placed` layers, None before a routing landed) and the ``rows_windows``
+    windows it reads rows of (every layer and head; the last one counts whole). Tokens per
+    state: ``full`` its rows' and its 16-bit pages' tokens, ``quantized`` its 2/4/8-bit pages',
+    ``evicted`` those its routing dropped; ``tokens_per_width`` the pages' tokens by V width
+    (and ``rows``). Token-equivalents over layers and heads, as :func:`report`'s. Host reads
+    of the page lists (host tensors) and one of the kept masks."""
+    L, H = pool.layer_num, pool.head_num
+    per_width, paged_bytes, evicted, routed = torch.zeros(len(V_BITS), dtype=torch.long), 0, 0, 0
+    for p in placed or []:
+        z = p.zone
+        width = torch.arange(len(V_BITS)).repeat(H).repeat_interleave(z.pages.flatten())
+        per_width.index_add_(0, width, (z.page_tok >= 0).sum(1))
+        paged_bytes += z.nbytes
+        evicted += int((~p.kept).sum())
+        routed = p.n_tokens
+    lh = L * H
+    paged = per_width.tolist()
+    rows = max(0, n_tokens * lh - sum(paged) - evicted) if placed else n_tokens * lh
+    row_bytes = rows_windows * lh * 2 * pool.rows_k[0][0].nbytes
+    held = paged_bytes + row_bytes
+    bf16 = n_tokens * 2 * lh * pool.head_dim * pool.rows_k[0].element_size()
+    units = {name: 0 for name in STATE_NAMES}
+    units["full"] = rows + paged[V_BITS.index(16)]
+    units["quantized"] = sum(paged) - paged[V_BITS.index(16)]
+    units["evicted"] = evicted
+    return {
+        **request,
+        "tokens": n_tokens,
+        "tokens_per_state": {k: round(u / lh, 2) for k, u in units.items()},
+        "units_per_state": units,  # token units of every layer and head
+        "tokens_per_width": {
+            "rows": round(rows / lh, 2),
+            **{str(b): round(t / lh, 2) for b, t in zip(V_BITS, paged, strict=True)},
+        },
+        "tokens_routed": routed,
+        "bytes_held": held,
+        "archived_bytes": 0,
+        "bf16_bytes": bf16,
+        "held_vs_bf16": round(held / bf16, 4) if bf16 else None,
+        "budget_bytes": budget_bytes,
+        **dict.fromkeys(MOVES, 0),
         "routed_steps": routes,
     }

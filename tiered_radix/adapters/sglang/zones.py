@@ -152,6 +152,10 @@ class ZoneStore:
         got = self.placed.get(rid)
         return None if got is None else got[li]
 
+    def placed_layers(self, rid: str) -> list[Placed] | None:
+        """Request ``rid``'s placed layers, or None (no pages placed)."""
+        return self.placed.get(rid)
+
     def decode_lists(self, rid: str) -> PageLists | None:
         """Request ``rid``'s decode lists of every layer, or None (no pages placed)."""
         return self.lists.get(rid)
