@@ -546,11 +546,7 @@ class TieredRadixCache(RadixCache):
         then frees as duplicates: the prefix is cached with rows again, and every slot it frees
         is one the request allocated."""
         if self.pool.paged is not None and self.pool.rows_taken() and params.value is not None:
-            self._inserting = True
-            try:
-                had = super().match_prefix(MatchPrefixParams(key=params.key))
-            finally:
-                self._inserting = False
+            had = super().match_prefix(MatchPrefixParams(key=params.key))  # SGLang's, uncut
             n = min(len(had.device_indices), len(params.value))
             if n:
                 W = self.layout.window
