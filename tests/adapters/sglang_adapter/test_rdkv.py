@@ -383,6 +383,8 @@ def test_decode_through_the_trizone_kernel_reads_the_pages_and_rows(monkeypatch)
                         .unique()}  # fmt: skip
             assert len(v_widths - {0}) >= 2 and len(k_widths - {0}) >= 2, (v_widths, k_widths)
             assert srv.backend.stats()["kernel_steps"] == 3
+            plan = srv.backend.dbatch.plan  # Zone A's served plan: blocks, codes by magic
+            assert (plan.k_path, plan.dequant) == ("blocks", "magic")
     for k_step, g_step in zip(runs["kernel"], runs["gather"], strict=True):
         for k_req, g_req in zip(k_step, g_step, strict=True):
             for x, y in zip(k_req, g_req, strict=True):

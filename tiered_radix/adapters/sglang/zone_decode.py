@@ -245,11 +245,13 @@ def plan(lay: TriZoneLayout, num_q_heads: int, side_output: bool, max_rows: int,
     """The kernel's plan for decoupled layouts like ``lay``: every width, the general pages on
     Zone A's uniform path (``k_path="blocks"``: K widths as dense blocks of 32 channels, the
     fastest configuration that is right on sm_90; 128 registers, no spills under Triton 3.6, so
-    4 programs an SM; bench/decode_notes.md)."""
+    4 programs an SM), codes dequantized without conversions (``dequant="magic"``: the same
+    outputs bit for bit, 5-7% faster at batch 8-64 on an H100, 2% at batch 1;
+    bench/results/gpu-run30-kernels/, bench/decode_notes.md)."""
     return decode.plan(
         lay, num_q_heads=num_q_heads, side_output=side_output, v_bits=BITS, k_bits=BITS,
         max_rows=max_rows, num_splits=splits, uniform_pages=False, k_path="blocks",
-        max_regs=128,
+        max_regs=128, dequant="magic",
     )  # fmt: skip
 
 
