@@ -342,7 +342,7 @@ def run(
         whole = arena.numel() // 4 * 4  # (pages are multiples of 16 bytes)
         extra.update(arena32=arena[:whole].view(torch.int32), KG=True,
                      RAW_BF16=layout.dtype == torch.bfloat16)  # fmt: skip
-    if p.k_path == "blocks" and not p.uniform:
+    if p.q_perm is not None:  # k_path="blocks" on general pages (plan() made the buffer)
         # the query in each (request, head)'s permuted channel order, once a call: the blocks
         # then read it contiguously (no permutation load and dependent gather a block)
         _q_perm_kernel[(bh,)](q, q.stride(0), q.stride(1), layout.perm, p.q_perm, hkv, p.group,
