@@ -449,7 +449,7 @@ class TieredKVPool(MHATokenToKVPool):
         if spare.numel():
             free[spare] = False
         cold = list(tree.cold_windows())
-        first = torch.cat(cold) if cold else free.nonzero().squeeze(1)[:0]
+        first = torch.cat(cold) if cold else torch.zeros(0, dtype=torch.long, device=self.device)
         first = first[free[first]]
         free[first] = False
         w = torch.cat([first, free.nonzero().squeeze(1)])[: -(-short // self.head_num)]
@@ -460,6 +460,18 @@ class TieredKVPool(MHATokenToKVPool):
         self.owner_all[:, :, w] = S_EVICT
         self._reclaimed["paged_windows_unrowed"] += w.numel()
         log.info("tiered-radix: took the rows of %d windows read from Zone A pages", w.numel())
+
+    def mark_paged(self, windows: Tensor) -> None:
+        """Their slot owner reads ``windows`` from Zone A pages only from now on (its request
+        routed over them, or closed): :meth:`_unrow_paged` may take their rows once nobody
+        else holds them."""
+        self.paged[windows] = True
+
+    def without_rows(self, windows: Tensor) -> Tensor:
+        """bool, per window of ``windows``: its rows are gone (:meth:`_unrow_paged`; or nobody
+        owns it), so nobody may borrow it."""
+        own = self.owner_all[0, 0, windows]
+        return (own < 0) | (own == S_EVICT)
 
     def rows_taken(self) -> bool:
         """Whether :meth:`_unrow_paged` ever took a window's rows (host count): until then

@@ -59,8 +59,8 @@ class RequestView:
     request's state of borrowed windows; owned windows read ``pool.owner_all``);
     ``n_borrowed`` how many are borrowed (a host count: routing needs no read of ``borrowed``
     to know that the request shares no window); ``paged`` (decoupled layouts) those its pages
-    cover; ``moved`` int64 ``[3]`` the moves its
-    routings made (:func:`.usage.moves_of`), ``routes`` their count."""
+    cover; ``moved`` int64 ``[3]`` the moves its routings made (:func:`.usage.moves_of`),
+    ``routes`` their count."""
 
     windows: Tensor
     borrowed: Tensor
@@ -128,6 +128,7 @@ class TieredRadixCache(RadixCache):
         if not isinstance(pool, TieredKVPool):
             raise PoolConfigError(f"the tiered radix cache needs a TieredKVPool, got {type(pool)}")
         self.pool, self.layout, self.policy = pool, Layout.of(policy), policy
+        self.decoupled = self.layout.tier_bits is not None  # RDKV: requests repack (.zones)
         self.views: dict[str, RequestView] = {}
         # decoupled layouts: requests' matched prefixes not borrowed yet (match_prefix to
         # open_view), which the pool's row reclaim spares; and whether SGLang's own re-match
@@ -140,7 +141,7 @@ class TieredRadixCache(RadixCache):
         self._after_reset: Callable[[], None] | None = None  # the backend's, after reset()
         n_tiers = len(self.layout.engine_tiers)
         self._next = None  # decoupled windows never move: their requests repack (.zones)
-        if self.layout.tier_bits is None:  # [borrower?, holder state, engine tier] -> the next
+        if not self.decoupled:  # [borrower?, holder state, engine tier] -> the next
             self._next = torch.tensor(
                 [
                     [[self.layout.next_state(st, t, owner) for t in range(n_tiers)]
@@ -192,11 +193,11 @@ class TieredRadixCache(RadixCache):
         if req is not None:
             self._note(req)
         got = super().match_prefix(params)
-        if self.pool.paged is None or self._inserting:
+        if not self.decoupled or self._inserting:
             return got
         if self.pool.rows_taken() and len(got.device_indices):
             w = self._prefix_windows(got.device_indices)
-            rowless = (self.pool.owner_all[0, 0, w] < 0) | (self.pool.owner_all[0, 0, w] == S_EVICT)
+            rowless = self.pool.without_rows(w)
             first = int(torch.cat([rowless, rowless.new_ones(1)]).int().argmax())  # host sync
             if first < w.numel():
                 key = params.key
@@ -286,7 +287,7 @@ class TieredRadixCache(RadixCache):
         """Borrow the matched prefix (``req_to_token[req, :prefix_len]``, page aligned)."""
         assert prefix_len % self.layout.window == 0
         self._matched.pop(req.rid, None)
-        decoupled = self.pool.paged is not None
+        decoupled = self.decoupled
         if prefix_len == 0:  # nothing matched, nothing to borrow: no device work
             dev, L, H = self.pool.device, self.pool.layer_num, self.pool.head_num
             w = torch.empty(0, dtype=torch.long, device=dev)
@@ -491,7 +492,7 @@ class TieredRadixCache(RadixCache):
             w = view.windows[lend]
             self.pool.release(*self.pool.pairs(w), view.state[:, :, lend].flatten())
             view.state[:, :, lend] = S_EVICT
-        self.pool.paged[view.windows[new & ~view.borrowed]] = True
+        self.pool.mark_paged(view.windows[new & ~view.borrowed])
         view.paged = view.paged | new
 
     def close_view(self, rid: str) -> None:
@@ -507,7 +508,7 @@ class TieredRadixCache(RadixCache):
         w = view.windows[view.borrowed]
         self.pool.release(*self.pool.pairs(w), view.state[:, :, view.borrowed].flatten())
         if view.paged is not None:
-            self.pool.paged[view.windows[~view.borrowed]] = True
+            self.pool.mark_paged(view.windows[~view.borrowed])
 
     # -- SGLang entry points ---------------------------------------------------------------
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
@@ -545,7 +546,7 @@ class TieredRadixCache(RadixCache):
         windows for the same tokens (:meth:`~.pool.TieredKVPool.adopt_rows`), which SGLang
         then frees as duplicates: the prefix is cached with rows again, and every slot it frees
         is one the request allocated."""
-        if self.pool.paged is not None and self.pool.rows_taken() and params.value is not None:
+        if self.decoupled and self.pool.rows_taken() and params.value is not None:
             had = super().match_prefix(MatchPrefixParams(key=params.key))  # SGLang's, uncut
             n = min(len(had.device_indices), len(params.value))
             if n:
