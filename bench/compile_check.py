@@ -114,7 +114,7 @@ def _split(uniform: bool, mix: str, d: int, side: bool, ppi: int, warps: int | N
     cx = dict(DT=tl.bfloat16, D=d, G_PAD=gpad, P=page, VG=32, BLOCK_N=64 if d == 64 else 32,
               MASS=side, VBITS=sum(vb), KBITS=sum(kb))  # fmt: skip
     args.update(page_unit_ptr="*i32", full_units_ptr="*i32", fresh_units_ptr="*i32")
-    cx.update(UNIFORM=uniform, PPI=ppi if (uniform or kbl) and pages else 1, IL=il)
+    cx.update(UNIFORM=uniform, PPI=ppi if uniform and pages else 1, IL=il)
     if kg:  # plan(k_path="gather"): general pages, K as one gathered tile
         args["arena32"] = "*i32"
         cx.update(KG=True, RAW_BF16=True)
@@ -268,11 +268,6 @@ def configs() -> list[Config]:
         out.append(_split(False, "rdkv", d, True, 1, 4, 16, False, kbl=True))  # 16-token pages
         out.append(_split(False, "rdkv", d, False, 1, 4, 32, False, kbl=True, maxnreg=128))
         out.append(_split(False, "rdkv", d, False, 1, 4, kbl=True, stages=1, maxnreg=128))
-        # k_path="blocks" with 2 or 4 pages an iteration (_pages_bn), the served plan's options
-        for side in (False, True):
-            out += [_split(False, "rdkv", d, side, ppi, w, kbl=True, kc=32, maxnreg=r, magic=True)
-                    for ppi, w, r in ((2, 4, 128), (2, 4, None), (2, 8, None), (2, 8, 128),
-                                      (4, 8, None))]  # fmt: skip
         out += [c for c in dequant_configs(d) if c not in out]
         out += [_merge(d, s) for s in (4, 64)]
         out.append(_mass(d))

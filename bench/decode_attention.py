@@ -95,12 +95,6 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
         ("_blocks_r128", {"k_path": "blocks", "max_regs": 128}, (64, 128)),
         ("_blocks_r128_magic", {"k_path": "blocks", "max_regs": 128, "dequant": "magic"},
          (64, 128)),
-        # 2 pages of a list an iteration ([32, 2P] K blocks, [2P, D] V; 238-255 registers
-        # uncapped under Triton 3.6: 2 programs of 4 warps an SM, or 1 of 8)
-        ("_blocks_ppi2_magic", {"k_path": "blocks", "pages_per_iter": 2, "dequant": "magic"},
-         (64, 128)),
-        ("_blocks_ppi2_w8_magic", {"k_path": "blocks", "pages_per_iter": 2, "num_warps": 8,
-                                   "dequant": "magic"}, (64, 128)),
         ("_gather", {"k_path": "gather"}, (64, 128)),
         ("_blocks", {"k_path": "blocks"}, (64, 128)),
         ("_blocks_nopf_r128", {"k_path": "blocks", "page_prefetch": "none", "max_regs": 128},

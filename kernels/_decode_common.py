@@ -358,95 +358,6 @@ def _k_blocks(
 
 
 @triton.jit
-def _k_blocks_n(
-    s, qp_row, c0, n, arena8, arena16, arenadt, base, ok, o_code, o_sc, o_lo,
-    DT: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr, G_PAD: tl.constexpr, P: tl.constexpr,
-    D: tl.constexpr, PPI: tl.constexpr, IL: tl.constexpr = True, MAGIC: tl.constexpr = False,
-    one=0,
-):  # fmt: skip
-    """:func:`_k_blocks` for PPI pages of one list at once: s [G_PAD, PPI * P] plus the logits
-    of the n permuted K channels c0..c0+n of the pages at base [PPI] (ok [PPI]: pages that
-    exist; the others read nothing), all at KB bits.  The pages of a list share its K geometry
-    (k_table), so a block is [KC, PPI, P]: one load of KC code rows of every page, their
-    scale/lo [KC, PPI], and one dot of K = KC over PPI * P tokens, a chain of PPI times the
-    work between the same latencies."""
-    c = tl.arange(0, KC)
-    t = tl.arange(0, P)
-    g = tl.arange(0, G_PAD)
-    okc = ok[None, :, None]
-    for cb in range(0, n, KC):
-        cm = cb + c < n
-        qc = tl.load(qp_row + g[:, None] * D + (c0 + cb + c)[None, :],
-                     mask=cm[None, :], other=0.0)  # fmt: skip
-        if KB == 16:
-            k = tl.load(arenadt + ((base + o_code) // 2)[None, :, None]
-                        + ((cb + c) * P)[:, None, None] + t[None, None, :],
-                        mask=cm[:, None, None] & okc, other=0.0)  # fmt: skip
-        else:
-            PER: tl.constexpr = 8 // KB
-            NB: tl.constexpr = P // PER
-            byte = tl.load(arena8 + (base + o_code)[None, :, None]
-                           + ((cb + c) * NB)[:, None, None] + tl.arange(0, NB)[None, None, :],
-                           mask=cm[:, None, None] & okc, other=0)  # fmt: skip
-            if IL:
-                code = _unpack_il(byte, KB)  # [KC, PPI, P]
-            else:
-                code = _unpack_rows(byte, KB, KC, PPI, NB)
-            so = ((base + o_sc) // 2)[None, :] + (c0 + cb + c)[:, None]  # [KC, PPI]
-            lo_at = ((base + o_lo) // 2)[None, :] + (c0 + cb + c)[:, None]
-            sm = cm[:, None] & ok[None, :]
-            sc = tl.load(arena16 + so, mask=sm, other=0.0)
-            lo = tl.load(arena16 + lo_at, mask=sm, other=0.0)
-            if MAGIC:
-                mul, add = _magic_consts(sc, lo, KB)
-                k = _magic_codes(code, KB, one) * mul[:, :, None] + add[:, :, None]
-            else:
-                k = (code.to(tl.float32) * sc.to(tl.float32)[:, :, None]
-                     + lo.to(tl.float32)[:, :, None])  # fmt: skip
-        s += tl.dot(qc.to(DT), tl.reshape(k, (KC, PPI * P)).to(DT))
-    return s
-
-
-@triton.jit
-def _v_pages(arena8, arena16, arenadt, vbase, tm, DT: tl.constexpr, VB: tl.constexpr,
-             VG: tl.constexpr, D: tl.constexpr, P: tl.constexpr, PPI: tl.constexpr,
-             IL: tl.constexpr = True, MAGIC: tl.constexpr = False, one=0):  # fmt: skip
-    """:func:`_v_page` for PPI pages of one V width at once: V [PPI * P, D] of the pages whose
-    V parts start at bytes vbase [PPI] (rows where tm [PPI, P]; the rest read nothing and are
-    0)."""
-    c = tl.arange(0, D)
-    t = tl.arange(0, P)
-    if VB == 16:
-        v = tl.load(arenadt + (vbase // 2)[:, None, None] + (t * D)[None, :, None]
-                    + c[None, None, :], mask=tm[:, :, None], other=0.0)  # fmt: skip
-    else:
-        PER: tl.constexpr = 8 // VB
-        NG: tl.constexpr = D // VG
-        NB: tl.constexpr = D // PER
-        byte = tl.load(arena8 + vbase[:, None, None] + (t * NB)[None, :, None]
-                       + tl.arange(0, NB)[None, None, :], mask=tm[:, :, None], other=0)  # fmt: skip
-        if IL:
-            code = _unpack_il(byte, VB)  # [PPI, P, D]
-        else:
-            code = _unpack_rows(byte, VB, PPI, P, NB)
-        if MAGIC:
-            code = _magic_codes(code, VB, one)
-        else:
-            code = code.to(tl.float32)
-        code = tl.reshape(code, (PPI, P, NG, VG))
-        CB: tl.constexpr = (P * D // PER + 15) // 16 * 16
-        MB: tl.constexpr = (2 * P * D // VG + 15) // 16 * 16
-        mo = (((vbase + CB) // 2)[:, None, None] + (t * NG)[None, :, None]
-              + tl.arange(0, NG)[None, None, :])  # fmt: skip
-        sc = tl.load(arena16 + mo, mask=tm[:, :, None], other=0.0).to(tl.float32)
-        lo = tl.load(arena16 + mo + MB // 2, mask=tm[:, :, None], other=0.0).to(tl.float32)
-        if MAGIC:  # [PPI, P, NG]
-            sc, lo = _magic_consts(sc, lo, VB)
-        v = code * sc[:, :, :, None] + lo[:, :, :, None]
-    return tl.reshape(v, (PPI * P, D)).to(DT)
-
-
-@triton.jit
 def _prefetch_page(arena8, base, nbytes, NSEC: tl.constexpr, LEVEL: tl.constexpr):
     """Ask the memory system for the page bytes arena8[base : base + nbytes], one 32-byte sector
     a lane, NSEC lanes an iteration, ahead of their loads: into L1 (LEVEL 1) or L2 (2).
@@ -455,21 +366,6 @@ def _prefetch_page(arena8, base, nbytes, NSEC: tl.constexpr, LEVEL: tl.constexpr
     for at in range(0, nbytes, NSEC * 32):
         sec = at + tl.arange(0, NSEC) * 32
         ptr = arena8 + base + tl.where(sec < nbytes, sec, 0)
-        if LEVEL == 1:
-            tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [ptr], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-        else:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [ptr], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
-
-
-@triton.jit
-def _prefetch_pages(arena8, base, nbytes, NSEC: tl.constexpr, LEVEL: tl.constexpr):
-    """:func:`_prefetch_page` for the pages at base [PPI], nbytes each (one list's pages: the
-    same size; 0: none), NSEC sectors a page an iteration."""
-    for at in range(0, nbytes, NSEC * 32):
-        sec = at + tl.arange(0, NSEC) * 32
-        ptr = arena8 + base[:, None] + tl.where(sec < nbytes, sec, 0)[None, :]
         if LEVEL == 1:
             tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l",
                                       [ptr], dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip

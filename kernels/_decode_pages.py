@@ -10,12 +10,10 @@ import triton.language as tl
 from tiered_radix.kernels._decode_common import (
     _bcast,
     _k_blocks,
-    _k_blocks_n,
     _k_gather,
     _k_geometry,
     _k_section,
     _prefetch_page,
-    _prefetch_pages,
     _softmax_step,
     _store_logits,
     _store_lse,
@@ -24,7 +22,6 @@ from tiered_radix.kernels._decode_common import (
     _u_raw,
     _u_v,
     _v_page,
-    _v_pages,
 )
 from tiered_radix.kernels._dequant import _magic_one
 
@@ -337,95 +334,4 @@ def _pages_b(
         m, l_i, acc = _attend_page(s, m, l_i, acc, arena8, arena16, arenadt, base + k_bytes, tm,
                                    t, g, pid, page_unit_ptr, score_ptr, G, DT, VB, VG, D, P,
                                    MASS, IL, MAGIC)  # fmt: skip
-    return m, l_i, acc
-
-
-@triton.jit
-def _pages_bn(
-    m, l_i, acc, q_perm_ptr, arena8, arena16, arenadt, page_off_ptr,
-    page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps, pe, score_ptr, qk_scale, G,
-    DT: tl.constexpr, VB: tl.constexpr, VG: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr,
-    P: tl.constexpr, MASS: tl.constexpr, KBITS: tl.constexpr, IL: tl.constexpr, KC: tl.constexpr,
-    PF: tl.constexpr, MAGIC: tl.constexpr, PPI: tl.constexpr,
-):  # fmt: skip
-    """:func:`_pages_b` with PPI pages an iteration: the pages of one list share its K
-    geometry and V width, so each K block is [KC, PPI, P] (:func:`_k_blocks_n`) and V
-    [PPI * P, D] (:func:`_v_pages`): one online-softmax step over PPI * P tokens and PPI
-    times the loads in flight between the same dependent latencies, for twice the registers
-    (Triton 3.6, sm_90, PPI 2: 238-255 a thread uncapped, spills at 128; bench/decode_notes.md).
-    Pipeline: the next block's bytes are prefetched (PF) and the block after it's ids, offsets
-    and lengths loaded while a block is computed."""
-    kt = k_table_ptr + li * 12
-    n2 = tl.load(kt + 0)
-    n4 = tl.load(kt + 1)
-    n8 = tl.load(kt + 2)
-    n16 = tl.load(kt + 3)
-    o2 = tl.multiple_of(tl.load(kt + 4), 16)
-    o4 = tl.multiple_of(tl.load(kt + 5), 16)
-    o8 = tl.multiple_of(tl.load(kt + 6), 16)
-    o16 = tl.multiple_of(tl.load(kt + 7), 16)
-    o_sc = tl.multiple_of(tl.load(kt + 8), 16)
-    o_lo = tl.multiple_of(tl.load(kt + 9), 16)
-    k_bytes = tl.multiple_of(tl.load(kt + 10), 16)
-    if VB == 16:
-        VBY: tl.constexpr = (P * D * 2 + 15) // 16 * 16
-    else:
-        VBY: tl.constexpr = ((P * D * VB // 8 + 15) // 16 * 16
-                             + 2 * ((2 * P * D // VG + 15) // 16 * 16))  # fmt: skip
-    qp_row = q_perm_ptr + (li // 4) * (G_PAD * D)
-    kk = tl.arange(0, PPI)
-    t = tl.arange(0, P)
-    g = tl.arange(0, G_PAD)
-    gm = g < G
-    one = _magic_one(G)
-    ok0 = ps + kk < pe
-    id0 = tl.load(page_ids_ptr + ps + kk, mask=ok0, other=0)
-    off0 = tl.load(page_off_ptr + id0, mask=ok0, other=0)
-    nt0 = tl.load(page_ntok_ptr + id0, mask=ok0, other=0)
-    ok1 = ps + PPI + kk < pe
-    id1 = tl.load(page_ids_ptr + ps + PPI + kk, mask=ok1, other=0)
-    off1 = tl.load(page_off_ptr + id1, mask=ok1, other=0)
-    nt1 = tl.load(page_ntok_ptr + id1, mask=ok1, other=0)
-    if PF != 0:
-        _prefetch_pages(arena8, off0, tl.where(ps < pe, k_bytes + VBY, 0), 128, PF)
-    for i in range(ps, pe, PPI):
-        cur, base, ntok, ok = id0, tl.multiple_of(off0, 16), nt0, ok0
-        id0, off0, nt0, ok0 = id1, off1, nt1, ok1
-        if PF != 0:
-            _prefetch_pages(arena8, off0, tl.where(i + PPI < pe, k_bytes + VBY, 0), 128, PF)
-        ok1 = i + 2 * PPI + kk < pe
-        id1 = tl.load(page_ids_ptr + i + 2 * PPI + kk, mask=ok1, other=0)
-        off1 = tl.load(page_off_ptr + id1, mask=ok1, other=0)
-        nt1 = tl.load(page_ntok_ptr + id1, mask=ok1, other=0)
-        tm = t[None, :] < ntok[:, None]  # [PPI, P]; 0 tokens where not ok
-        s = tl.zeros([G_PAD, PPI * P], dtype=tl.float32)
-        if (KBITS & 2) != 0:
-            s = _k_blocks_n(s, qp_row, 0, n2, arena8, arena16, arenadt, base, ok, o2, o_sc, o_lo,
-                            DT, 2, KC, G_PAD, P, D, PPI, IL, MAGIC, one)  # fmt: skip
-        if (KBITS & 4) != 0:
-            s = _k_blocks_n(s, qp_row, n2, n4, arena8, arena16, arenadt, base, ok, o4, o_sc,
-                            o_lo, DT, 4, KC, G_PAD, P, D, PPI, IL, MAGIC, one)  # fmt: skip
-        if (KBITS & 8) != 0:
-            s = _k_blocks_n(s, qp_row, n2 + n4, n8, arena8, arena16, arenadt, base, ok, o8,
-                            o_sc, o_lo, DT, 8, KC, G_PAD, P, D, PPI, IL, MAGIC, one)  # fmt: skip
-        if (KBITS & 16) != 0:
-            s = _k_blocks_n(s, qp_row, n2 + n4 + n8, n16, arena8, arena16, arenadt, base, ok,
-                            o16, o_sc, o_lo, DT, 16, KC, G_PAD, P, D, PPI, IL, MAGIC,
-                            one)  # fmt: skip
-        tmf = tl.reshape(tm, (PPI * P,))
-        s = tl.where(tmf[None, :], s * qk_scale, float("-inf"))
-        v = _v_pages(arena8, arena16, arenadt, base + k_bytes, tm, DT, VB, VG, D, P, PPI, IL,
-                     MAGIC, one)  # fmt: skip
-        m, l_i, acc, p = _softmax_step(s, v, m, l_i, acc, DT)
-        if MASS:  # as _pages_u: one log2-sum-exp2 per (single-unit page, head), else logits
-            unit = tl.load(page_unit_ptr + cur, mask=ok, other=-1)
-            single = unit >= 0
-            psum = tl.sum(tl.reshape(p, (G_PAD, PPI, P)), 2)
-            row0 = cur * P
-            tl.store(score_ptr + row0[None, :] * G + g[:, None], m[:, None] + tl.log2(psum),
-                     mask=gm[:, None] & (single & (ntok > 0))[None, :])  # fmt: skip
-            rows = tl.reshape(row0[:, None] + t[None, :], (PPI * P,))
-            multi = tl.reshape((~single)[:, None] & tm, (PPI * P,))
-            tl.store(score_ptr + rows[None, :] * G + g[:, None], s,
-                     mask=gm[:, None] & multi[None, :])  # fmt: skip
     return m, l_i, acc

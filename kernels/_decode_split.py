@@ -14,14 +14,7 @@ from tiered_radix.kernels._decode_common import (
     _store_logits,
     _store_lse,
 )
-from tiered_radix.kernels._decode_pages import (
-    _pages,
-    _pages_b,
-    _pages_bn,
-    _pages_g,
-    _pages_u,
-    _pages_up,
-)
+from tiered_radix.kernels._decode_pages import _pages, _pages_b, _pages_g, _pages_u, _pages_up
 
 
 @triton.jit
@@ -107,8 +100,7 @@ def _decode_split_kernel(
     hand-written prefetch (Triton's pipeliner stages them); KG: general pages with K gathered
     as one [D, P] tile through arena32 (the arena as int32; RAW_BF16: 16-bit K is bf16, else
     fp16); KBL: general pages with K channels in dense [KC, P] blocks of one compile-time width
-    (:func:`_pages_b`, PPI > 1: :func:`_pages_bn`; PF: next page(s) prefetched into L1 (1) or
-    L2 (2)), and the split cutting
+    (:func:`_pages_b`; PF: next page prefetched into L1 (1) or L2 (2)), and the split cutting
     the (request, head)'s pages across its V-width lists (one contiguous range, mostly one
     list a program) instead of every list into S parts; KBL reads the query in each (request,
     head)'s permuted channel order from q_perm_ptr ([B*H_kv, G_PAD, D], :func:`_q_perm_kernel`,
@@ -152,13 +144,6 @@ def _decode_split_kernel(
                     m, l_i, acc, q, arena8, arena16, page_off_ptr, page_ntok_ptr, page_ids_ptr,
                     page_unit_ptr, ps, pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, PPI,
                     MASS, IL, MAGIC,
-                )  # fmt: skip
-            elif KBL and PPI > 1:
-                m, l_i, acc = _pages_bn(
-                    m, l_i, acc, q_perm_ptr, arena8, arena16, arenadt,
-                    page_off_ptr, page_ntok_ptr, page_ids_ptr, k_table_ptr, page_unit_ptr, li, ps,
-                    pe, score_ptr, qk_scale, G, DT, 2 << w, VG, D, G_PAD, P, MASS, KBITS, IL, KC,
-                    PF, MAGIC, PPI,
                 )  # fmt: skip
             elif KBL:
                 m, l_i, acc = _pages_b(

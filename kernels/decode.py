@@ -151,9 +151,8 @@ def plan(
     v_bits / k_bits: bit widths the kernel is compiled for (default: those present in
     ``layout``); pass (2, 4, 8, 16) to serve every layer of a model with one plan.
     max_rows: longest per-head token count (default: from ``layout``, a CPU read).
-    pages_per_iter (uniform pages: default 32 // page_size; ``k_path="blocks"``: default 1,
-    more reads that many pages of a list as one [k_block, pages * P] tile) and num_warps
-    override the built-in choices.
+    pages_per_iter (uniform pages; default 32 // page_size) and num_warps override the
+    built-in choices.
     uniform_pages: use the specialised path for ``layout.k_uniform`` layouts (False: the
     general page path, as for per-channel K); bench/compile_check.py compiles every config.
     unpack: ``"interleave"`` or ``"shift"`` (see :class:`DecodePlan`); default
@@ -230,9 +229,8 @@ def plan(
     # 128K x 8, 73% at 16; the first kernel generation's 16 per SM -> 33 splits, 86%)
     s = num_splits or _splits(layout.batch, hkv, max_rows, num_sms, 32)
     # 1 page (P=32) an iteration: 128 registers at 4 warps, 4 programs per SM (sm_90 compile);
-    # 2 pages need 215 (2 programs per SM), 4 spill. k_path="blocks": 1 unless asked
-    blocks = k_path == "blocks" and not uniform
-    ppi = pages_per_iter or (1 if blocks else max(1, 32 // layout.page_size))
+    # 2 pages need 215 (2 programs per SM), 4 spill
+    ppi = pages_per_iter or max(1, 32 // layout.page_size)
     if ppi & (ppi - 1):
         raise DecodeInputError(f"pages_per_iter={ppi} must be a power of two")
     if num_warps is None:
@@ -248,6 +246,7 @@ def plan(
         + layout.fresh_slots.numel() * hkv
     )
     f32 = dict(dtype=torch.float32, device=dev)
+    blocks = k_path == "blocks" and not uniform
     q_perm = torch.zeros(bh, g_pad, d, dtype=layout.dtype, device=dev) if blocks else None
     return DecodePlan(
         batch=layout.batch,
@@ -335,8 +334,7 @@ def run(
     extra = dict(
         page_unit_ptr=layout.page_unit, full_units_ptr=layout.full_units,
         fresh_units_ptr=layout.fresh_units, UNIFORM=p.uniform,
-        PPI=p.pages_per_iter if (p.uniform or p.q_perm is not None) and layout.page_ids.numel()
-        else 1,
+        PPI=p.pages_per_iter if p.uniform and layout.page_ids.numel() else 1,
         IL=p.unpack == "interleave", UPIPE=p.prefetch == "pipeliner",
         MAGIC=p.dequant == "magic",
     )  # fmt: skip

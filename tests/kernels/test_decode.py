@@ -214,9 +214,8 @@ def test_k_blocks_rdkv_pages(d, grp, page, dt, dequant):
     """k_path="blocks" (Zone A's uniform path) on RDKV-shaped pages: every V width, K channels
     at 0/2/4/8/16 bits with more 2-bit channels than one block holds (several blocks a width,
     the last one partial), blocks of 16 and 32 channels; 1 split (every list in one program)
-    and 3 (splits cut across the V-width lists); 1, 2 and 4 pages an iteration (the last
-    iteration of a list part-empty); output and side output against the twin; codes
-    dequantised by conversion or from their bits (dequant)."""
+    and 3 (splits cut across the V-width lists); output and side output against the twin;
+    codes dequantised by conversion or from their bits (dequant)."""
     lens, hkv = [150, 97], 2
     q, k, v, tp = make_case(50 + d, lens, hkv, grp, d, dt, [0, 2, 4, 8, 16],
                             [0, 2, 2, 2, 4, 8, 16], [4, 0], 1)  # fmt: skip
@@ -225,12 +224,11 @@ def test_k_blocks_rdkv_pages(d, grp, page, dt, dequant):
     assert not lay.k_uniform and int(n[:, 0].min()) > 16 and bool((n[:, 0] % 16 != 0).any())
     ro, rm = decode_attention_ref(q, lay)
     tol = 2e-2 if dt == torch.bfloat16 else 4e-3
-    for kc, splits, ppi in ((16, 3, None), (32, 1, None), (32, 3, 2), (16, 1, 4)):
+    for kc, splits in ((16, 3), (32, 1)):
         p = decode.plan(lay, num_q_heads=hkv * grp, side_output=True, num_splits=splits,
-                        k_path="blocks", k_block=kc, dequant=dequant,
-                        pages_per_iter=ppi)  # fmt: skip
-        assert (p.k_path, p.k_block, p.page_prefetch, p.pages_per_iter) == (
-            "blocks", kc, "none" if DEV == "cpu" else "l1", ppi or 1)  # fmt: skip
+                        k_path="blocks", k_block=kc, dequant=dequant)  # fmt: skip
+        assert (p.k_path, p.k_block, p.page_prefetch) == ("blocks", kc, "none" if DEV == "cpu"
+                                                          else "l1")  # fmt: skip
         poison(p)
         mass = torch.zeros(len(lens), lay.max_units, device=DEV)
         out = decode.run(q, lay, p, mass=mass)
