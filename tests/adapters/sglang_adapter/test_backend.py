@@ -1042,6 +1042,52 @@ def test_overlapped_decode_leaves_the_other_requests_as_serial_decode_does(monke
     assert set(sim.pool.blocks_in_use().values()) == {0}
 
 
+@pytest.mark.parametrize("decoupled", [False, True], ids=["coupled", "rdkv"])
+def test_replays_after_an_insert_frees_duplicates_read_the_trees_windows(monkeypatch, decoupled):
+    """GPU run 31's soak: two requests prefill the same prompt; the first's goes into the tree,
+    then SGLang's insert after the second's prefill (which, under the overlap scheduler, runs
+    after its first decode step's metadata) frees the second's duplicates, NaN-poisoning their
+    rows, and points it at the tree's windows. Replays whose lists were built before that
+    used to stay steady and read the freed rows (NaN). The insert's remap rebuilds the lists:
+    every step is finite and equals a server where the second request prefilled alone. rdkv as
+    shipped (first routing at the first decode step, landing a step late under the overlap
+    scheduler) reads rows until then, as the soak's second turns did."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from test_rdkv import DEFERRED, RDKV_TEXT
+
+    policy = RDKV_TEXT.replace("budget: 10%", "budget: 40%") if decoupled else KERNEL_POLICY
+    assert DEFERRED in policy or not decoupled
+
+    def serve(twin: bool) -> tuple[Harness, list]:
+        h = Harness(policy=policy, head_dim=64, pages=40, context=512,
+                    options=KVOptions(decode="kernel"), overlap_schedule=decoupled)  # fmt: skip
+        h.backend.init_cuda_graph_state(1, 1)
+        h.capture(1)
+        prompt = [(5 * j) % 97 + 1 for j in range(3 * h.sim.W)]
+        c = h.start("c", prompt + [7, 8, 9])
+        if twin:  # the same prompt in the same batch, into the tree first
+            a = h.start("a", prompt)
+            h.step([a, c], [prompt, c.origin_input_ids], extend=True)
+            a.get_fill_ids = lambda: list(a.tokens)
+            h.sim.cache.cache_unfinished_req(a)
+        else:
+            h.step([c], [c.origin_input_ids], extend=True)
+        c.get_fill_ids = lambda: list(c.tokens)
+        outs = [h.replay([c], [[40]], 1)]
+        h.sim.cache.cache_unfinished_req(c)  # twin: c's 3 windows are duplicates of a's
+        outs += [h.replay([c], [[41 + t]], 1) for t in range(3)]
+        return h, outs
+
+    h, got = serve(True)
+    view = h.sim.cache.views["c"]
+    assert view.remaps == 1 and bool(view.borrowed[:3].all())
+    _, want = serve(False)
+    for step_got, step_want in zip(got, want, strict=True):
+        for g, w in zip(step_got, step_want, strict=True):
+            assert torch.isfinite(g).all()
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_a_batch_over_the_graph_capacity_runs_eagerly(monkeypatch, caplog):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     h = Harness(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=PoolBlocks(64, 64), context=64,

@@ -287,7 +287,7 @@ class TieredAttnBackend(AttentionBackend):
         self.pool_of: dict[str, int] = {}  # rid -> req_pool_idx, for the same
         self.replay_rids: list[str] | None = None  # the next replay's, from the plugin's hook
         self.noted: tuple | None = None  # (rids, slots) of the next forward: note_slots
-        self.graph_last: tuple | None = None  # the last replay's (bs, pools, seqs)
+        self.graph_last: tuple | None = None  # the last replay's (bs, pools, seqs, remaps)
         self.relist = False  # blocks moved since the last replay's lists: rebuild them
         self.mass_rows: list[_Req] = []  # whose engines the graphs' side output rows are for
         timing = options.device_times and torch.device(pool.device).type == "cuda"
@@ -517,7 +517,11 @@ class TieredAttnBackend(AttentionBackend):
             seqs = fb.seq_lens_cpu[:raw].tolist()
             prev = [s - 1 for s in seqs]  # each request's length before its new token
             W = self.pool.layout.window
-            same = self.graph_last == (bs, pools, prev)  # the same requests, a token more each
+            # an insert that replaced a request's windows by the tree's freed its duplicates'
+            # rows (SGLang's insert after a prefill runs after the next step's metadata)
+            remaps = [self.tree.views[r].remaps if r in self.tree.views else -1 for r in rids]
+            # the same requests, a token more each, none of whose windows were replaced
+            same = self.graph_last == (bs, pools, prev, remaps)
             # and neither a routing's moves nor a new window since: the lists stand
             steady = same and not self.relist and all(p % W for p in prev)
             self._graph_step(bs, same)
@@ -540,7 +544,7 @@ class TieredAttnBackend(AttentionBackend):
                     ls = trizone.candidates(self.pool, views, seqs, g.n_max, ahead=True)
                 g.load(bs, ls, carry=same)
                 self.relist = False
-        self.graph_last, self.mass_rows = (bs, pools, seqs), self.batch
+        self.graph_last, self.mass_rows = (bs, pools, seqs, remaps), self.batch
         self.pending = True
         self.timer.count("decode_steps")
         self.timer.count("graph_steps")

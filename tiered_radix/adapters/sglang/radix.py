@@ -60,7 +60,9 @@ class RequestView:
     ``n_borrowed`` how many are borrowed (a host count: routing needs no read of ``borrowed``
     to know that the request shares no window); ``paged`` (decoupled layouts) those its pages
     cover; ``moved`` int64 ``[3]`` the moves its routings made (:func:`.usage.moves_of`),
-    ``routes`` their count."""
+    ``routes`` their count; ``remaps`` how often an insert replaced some of its windows by the
+    tree's (:meth:`TieredRadixCache.cache_unfinished_req`): index lists built before a remap
+    name rows that SGLang freed as duplicates."""
 
     windows: Tensor
     borrowed: Tensor
@@ -70,6 +72,7 @@ class RequestView:
     # it reads none of their rows, and holds no reference to a borrowed one's
     paged: Tensor | None = None
     routes: int = 0
+    remaps: int = 0
     # the routings' move counts not summed yet: (int64 [R, 3] of R requests routed together,
     # this request's row); summed when read, so a routing adds none of its own ops per request
     moves: list[tuple[Tensor, int]] = field(default_factory=list)
@@ -539,6 +542,7 @@ class TieredRadixCache(RadixCache):
             view.state[:, :, moved] = st
             view.windows, view.borrowed = now, view.borrowed | moved
             view.n_borrowed = int(view.borrowed.sum())
+            view.remaps += 1  # its duplicates' rows are freed: lists naming them are stale
 
     def insert(self, params):
         """SGLang's insert. In a decoupled layout where the pool took rows of cached windows, the
