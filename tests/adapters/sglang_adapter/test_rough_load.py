@@ -5,13 +5,16 @@ pool, allocator, radix cache and attention backend by a scheduler stand-in.
 Seeded random sessions arrive in bursts: prompts of 1 to ~300 tokens, 1-3 turns whose later
 prompts extend the earlier ones (radix hits), ``max_new_tokens`` of 1 (finished by its prefill)
 to 12, some requests aborted mid-decode, on a pool small enough that admission cuts chunks,
-the tree gives cached slots back and decode retracts requests. After it: nothing raised, every
-request finished or was aborted, every forward's outputs finite, no routing over the budget,
-promotions within demotions and borrowed copies, and once the tree's cache is dropped the
-allocator, the row and ledger blocks, Zone A and every reference count are back where they
-started. Also: decode routings landing one step late (SGLang's overlap scheduler), rdkv with a
-Zone A store too small for its repacks, a launch serving two policies at per-request budgets,
-and the three ways rows ran out that this load found (each failing before its fix).
+the tree gives cached slots back and decode retracts requests; every chunk and every prefilled
+prompt that goes on decoding is inserted into the tree as SGLang does (``cache_unfinished_req``:
+where the tree held those tokens, the request's duplicates are freed). After it: nothing
+raised, every request finished or was aborted, every forward's outputs finite, no routing over
+the budget, promotions within demotions and borrowed copies, and once the tree's cache is
+dropped the allocator, the row and ledger blocks, Zone A and every reference count are back
+where they started. Also: decode routings landing one step late (SGLang's overlap
+scheduler), rdkv with a Zone A store too small for its repacks, a launch serving two policies
+at per-request budgets, and the three ways rows ran out that this load found (each failing
+before its fix).
 Locally, more seeds: ``RoughLoad(harness(name, late), sessions(seed, n=24)).run()``.
 """
 
@@ -166,6 +169,10 @@ class RoughLoad:
                 evict(sim, sum(len(t) + W for t in new))
                 self._forward(batch, new, extend=True)
                 for req in batch:
+                    # SGLang inserts a chunk, or a prefilled prompt that goes on decoding, into
+                    # the tree (others match it; where the tree held the tokens already, the
+                    # request's duplicates are freed and it reads the tree's windows)
+                    req.get_fill_ids = lambda req=req: list(req.tokens)
                     if len(req.tokens) == len(self.turns[req.rid].prompt):
                         self.waiting.remove(self.turns[req.rid])
                         self.running.append(req)
@@ -173,6 +180,10 @@ class RoughLoad:
                         if self.turns[req.rid].max_new == 1:
                             self._finish(req, "length")
                             held = False
+                        else:
+                            sim.cache.cache_unfinished_req(req)
+                    else:
+                        sim.cache.cache_unfinished_req(req, chunked=True)
                 continue
             held = self._decode(held)
         raise AssertionError(f"not done after {rounds} rounds: {len(self.waiting)} waiting")
