@@ -17,7 +17,7 @@ from sglang_sim import POLICY, Sim, require
 require("sglang.srt.mem_cache.radix_cache")
 
 from tiered_radix.adapters.sglang import backend as backend_module  # noqa: E402
-from tiered_radix.adapters.sglang import plugin  # noqa: E402
+from tiered_radix.adapters.sglang import plugin, trizone  # noqa: E402
 from tiered_radix.adapters.sglang.backend import TieredAttnBackend, window_starts  # noqa: E402
 from tiered_radix.adapters.sglang.options import KVOptions, OptionsError  # noqa: E402
 from tiered_radix.adapters.sglang.profile import StepProfiler  # noqa: E402
@@ -862,9 +862,11 @@ def test_token_units_run_the_kernels_eagerly_and_under_graphs(monkeypatch, polic
     spent ~0.57 s a decode step of 32 requests there.)"""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    runs = {}
+    runs, whole = {}, trizone.CHUNK_ENTRIES
     for name, kernel, graphs in (("gather", False, False), ("kernel", True, False),
-                                 ("graphed", True, True)):  # fmt: skip
+                                 ("graphed", True, True), ("by layer", True, True)):  # fmt: skip
+        # "by layer": every step's lists built a layer at a time (a batch too large for one)
+        monkeypatch.setattr(trizone, "CHUNK_ENTRIES", 1 if name == "by layer" else whole)
         options = KVOptions(decode="kernel" if kernel else "gather",
                             extend="kernel" if kernel else "exact")  # fmt: skip
         h = Harness(policy=policy, head_dim=64, pages=400, blocks=PoolBlocks(1024, 8),
@@ -883,7 +885,7 @@ def test_token_units_run_the_kernels_eagerly_and_under_graphs(monkeypatch, polic
         tiers = [h.backend.sessions[r].store.tiers(li) for r in "ab" for li in range(h.sim.L)]
         runs[name] = outs, tiers, h.backend.stats()
     go, gt, gs = runs["gather"]
-    for name in ("kernel", "graphed"):
+    for name in ("kernel", "graphed", "by layer"):
         ko, kt, ks = runs[name]
         for x, y in zip(go, ko, strict=True):
             for u, v in zip(x, y, strict=True):  # bf16 outputs: at most about one ulp apart
@@ -893,6 +895,7 @@ def test_token_units_run_the_kernels_eagerly_and_under_graphs(monkeypatch, polic
         assert (ks["decode"], ks["extend"], ks["kernel_steps"]) == ("kernel", "kernel", 5), name
         assert (gs["decode"], gs["extend"]) == ("gather", "gather")
     assert runs["graphed"][2]["host_s"]["graph_steps"] == 5
+    assert runs["by layer"][2]["host_s"]["graph_steps"] == 5
 
 
 def _eager_and_graphed(monkeypatch, policy: str):

@@ -49,14 +49,22 @@ def _routed_pair():
     return h.sim.pool, h.backend.graph, views, seqs
 
 
-def test_scattered_lists_are_the_packed_lists():
+@pytest.mark.parametrize("runs", ["one", "a layer each"])
+def test_scattered_lists_are_the_packed_lists(runs):
+    """All layers' candidates at once, or one layer a run (:func:`~.trizone.candidate_chunks`
+    as a large batch takes them), scatter to the same buffers."""
     pool, g, views, seqs = _routed_pair()
     c = trizone.candidates(pool, views, seqs, g.n_max, ahead=True)
     packed = c.compact()
     assert int(c.quant.sum()) > 0 and int(c.listed.sum()) > 0  # pages and rows both listed
     g.clear(4)
     g.slots.fill_(-7)  # stale entries a step must not read
-    g.load(4, c)
+    if runs == "one":
+        g.load(4, c)
+    else:
+        chunks = list(trizone.candidate_chunks(pool, views, seqs, g.n_max, True, max_entries=1))
+        assert [ch.layers for ch in chunks] == [range(i, i + 1) for i in range(pool.layer_num)]
+        g.load(4, iter(chunks))
     L, H, B = pool.layer_num, pool.head_num, len(views)
     lists = B * H
     for li in range(L):
@@ -78,6 +86,37 @@ def test_scattered_lists_are_the_packed_lists():
         assert torch.equal(g.page_units[li, : p1 - p0], units)
 
 
+def test_candidates_span_the_batch_and_number_units_by_the_graph():
+    """A step's candidates span the batch's longest request, not the graph's context (token
+    units at a 32K context listed 32K positions a request: GPU run 32's gigabytes a step);
+    their units keep the graph's numbering ``h * n_max + j``."""
+    pool, g, views, seqs = _routed_pair()
+    c = trizone.candidates(pool, views, seqs, g.n_max, ahead=True)
+    most = max(int(v.windows.numel()) for v in views)
+    assert most < g.n_max and c.listed.shape[3] == most
+    H = pool.head_num
+    want = torch.arange(H)[:, None] * g.n_max + torch.arange(most)
+    assert torch.equal(c.unit[0, 0], want)
+
+
+@pytest.mark.parametrize("spare", [0, -1])
+def test_packed_lists_in_layer_runs_are_the_lists_of_all_layers(spare):
+    """Runs of one layer (its entries exactly the limit, or the limit under them) pack to the
+    lists of all layers at once."""
+    pool, g, views, seqs = _routed_pair()
+    n = [int(v.windows.numel()) for v in views]
+    whole = trizone.lists(pool, views, seqs, g.n_max, ahead=True, max_entries=1 << 30)
+    per_layer = len(n) * pool.head_num * max(n) * pool.layout.window
+    max_entries = per_layer + spare
+    runs = trizone.layer_chunks(pool, n, max_entries)
+    assert runs == [range(i, i + 1) for i in range(pool.layer_num)]
+    assert trizone.layer_chunks(pool, n, 2 * per_layer)[0] == range(min(2, pool.layer_num))
+    parts = trizone.lists(pool, views, seqs, g.n_max, ahead=True, max_entries=max_entries)
+    for f in ("full_ptr", "slots", "units", "page_ptr", "pages", "page_unit", "ahead"):
+        a, b = getattr(whole, f), getattr(parts, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+
+
 def test_a_list_rebuild_reads_nothing_back():
     """Building a step's candidates and scattering them: no op whose result the host waits for
     (the packed lists need one per mask)."""
@@ -86,6 +125,7 @@ def test_a_list_rebuild_reads_nothing_back():
     pool, g, views, seqs = _routed_pair()
     with profile(activities=[ProfilerActivity.CPU]) as p:
         g.load(4, trizone.candidates(pool, views, seqs, g.n_max, ahead=True))
+        g.load(4, trizone.candidate_chunks(pool, views, seqs, g.n_max, True, max_entries=1))
     assert not _reads(p.events())
     with profile(activities=[ProfilerActivity.CPU]) as p:
         trizone.lists(pool, views, seqs, g.n_max, ahead=True)
@@ -110,6 +150,15 @@ def test_the_default_capacity_holds_every_captured_request_at_full_context_when_
     assert big == (64 << 30) // graph.GRAPH_MEMORY_SHARE // per < 160 * (131_072 + W)
     assert graph.auto_tokens(32, ctx, W, per, free=0) == graph.GRAPH_TOKENS  # CPU: the floor
     assert graph.auto_tokens(2, 64, 16, per, free=0) == 2 * (64 + 16)  # small batches: their need
+    # h2o's shape at batch 256: row lists only (no quantized tier), 8 bytes a token, layer and
+    # head; the side output's 1.5 GiB come off the share first
+    tok = graph.token_bytes(24, 2, 64, 1, 256, paged=False)
+    assert tok == 24 * 2 * 8 < graph.token_bytes(24, 2, 64, 1, 256) // 2
+    mass = graph.mass_bytes(24, 2, 256, 32768)
+    assert mass == 3 << 29
+    share = (32 << 30) // graph.GRAPH_MEMORY_SHARE
+    assert graph.auto_tokens(256, 32768, 1, tok, 32 << 30, mass) == (share - mass) // tok
+    assert graph.auto_tokens(256, 32768, 1, tok, 8 << 30, mass) == graph.GRAPH_TOKENS
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 31, 32, 1000, 26_092, 1 << 20])

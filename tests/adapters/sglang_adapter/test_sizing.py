@@ -177,20 +177,34 @@ schedule: after_prefill
     sizing.check_metadata(w, Budget("fraction", 0.1), 24, 2, 16, 1)
 
 
+@pytest.mark.parametrize("units", ["windows", "tokens"])
 @pytest.mark.parametrize("side_output", [False, True])
-def test_graph_buffers_are_what_buffer_bytes_says(side_output):
+def test_graph_buffers_are_what_buffer_bytes_says(side_output, units):
     """The decode graphs' fixed buffers (outside the pool: SGLang's CUDA-graph memory) are
-    exactly :func:`~.graph.buffer_bytes`."""
+    exactly :func:`~.graph.buffer_bytes`; token units with no quantized tier (h2o's shape)
+    keep no page buffers but the dump entry, and their side output is
+    :func:`~.graph.mass_bytes` of a unit a token."""
     from sglang_sim import Sim
-    from test_backend import KERNEL_POLICY
+    from test_backend import KERNEL_POLICY, TOKEN_POLICY
 
     from tiered_radix.adapters.sglang import graph
 
-    sim = Sim(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=sizing.PoolBlocks(64, 64))
+    if units == "windows":
+        sim = Sim(policy=KERNEL_POLICY, head_dim=64, pages=30, blocks=sizing.PoolBlocks(64, 64))
+    else:
+        sim = Sim(policy=TOKEN_POLICY, head_dim=64, pages=400, blocks=sizing.PoolBlocks(1024, 8))
+    paged = graph.lists_pages(sim.pool)
+    assert paged == (units == "windows")
     g = graph.GraphDecode(sim.pool, 4, 1000, 300, side_output, 0.9 if side_output else None)
     held = sum(t.nbytes for t in vars(g).values() if isinstance(t, torch.Tensor))
-    want = graph.buffer_bytes(sim.L, sim.H, 64, sim.W, 4, 1000, 300, side_output)
+    want = graph.buffer_bytes(sim.L, sim.H, 64, sim.W, 4, 1000, 300, side_output, paged)
     assert held == want
+    n_max = graph.unit_count(sim.pool, 300)
+    assert n_max == (300 if units == "tokens" else -(-300 // sim.W))
+    assert (g.mass is None) != side_output
+    assert not side_output or g.mass.nbytes == graph.mass_bytes(sim.L, sim.H, 4, n_max)
+    if not paged:  # page lists of the dump entry alone
+        assert g.page_off.shape == (sim.L, 1) and g.page_units.shape == (sim.L, 1, 1)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

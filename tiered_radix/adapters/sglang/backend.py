@@ -442,12 +442,14 @@ class TieredAttnBackend(AttentionBackend):
         tokens = self.options.graph_tokens
         if tokens is None:  # sized by the batches and the memory free now (graph.auto_tokens)
             pool, dev = self.pool, torch.device(self.pool.device)
-            per = graph.token_bytes(pool.layer_num, pool.head_num, pool.head_dim,
-                                    pool.layout.window, max_bs)  # fmt: skip
+            L, H, W = pool.layer_num, pool.head_num, pool.layout.window
+            per = graph.token_bytes(L, H, pool.head_dim, W, max_bs, graph.lists_pages(pool))
+            n_max = graph.unit_count(pool, self.context_len)
+            mass = graph.mass_bytes(L, H, max_bs, n_max) if self.decode_attn else 0
             free = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
             if self.shard is not None:  # one capacity on every rank: they replay alike
                 free = int(self.shard.least(torch.tensor([free], device=dev))[0])
-            tokens = graph.auto_tokens(max_bs, self.context_len, pool.layout.window, per, free)
+            tokens = graph.auto_tokens(max_bs, self.context_len, W, per, free, mass)
         tokens = graph.capacity(self.context_len, tokens)
         self.graph = graph.GraphDecode(self.pool, max_bs, tokens, self.context_len,
                                        self.decode_attn, self.fold_decay,
@@ -541,7 +543,8 @@ class TieredAttnBackend(AttentionBackend):
                     rids = [r.rid for r in self.batch]
                     ls = zone_decode.lists(self.pool, rids, views, seqs, g.n_max, ahead=True)
                 else:
-                    ls = trizone.candidates(self.pool, views, seqs, g.n_max, ahead=True)
+                    # a few layers at a time: bounded temporaries at any batch
+                    ls = trizone.candidate_chunks(self.pool, views, seqs, g.n_max, ahead=True)
                 g.load(bs, ls, carry=same)
                 self.relist = False
         self.graph_last, self.mass_rows = (bs, pools, seqs, remaps), self.batch

@@ -42,24 +42,45 @@ from . import trizone, zone_decode
 
 GRAPH_TOKENS = 1 << 18  # the default capacity's floor
 GRAPH_MEMORY_SHARE = 8  # the default capacity takes at most 1/8 of the free device memory
+ALL = slice(None)  # every layer of a buffer
 
 
-def auto_tokens(max_bs: int, context_len: int, window: int, token_bytes: int, free: int) -> int:
+def auto_tokens(
+    max_bs: int, context_len: int, window: int, token_bytes: int, free: int, fixed: int = 0
+) -> int:
     """``--kv-graph-tokens``' default: ``max_bs`` requests of ``context_len`` tokens and a
-    window of future rows each, as far as ``1 / GRAPH_MEMORY_SHARE`` of ``free`` device bytes
-    pays for at ``token_bytes`` a token (:func:`token_bytes`), and at least
-    :data:`GRAPH_TOKENS` (``free = 0``, on CPU: exactly that unless the batches need less)."""
+    window of future rows each, as far as ``1 / GRAPH_MEMORY_SHARE`` of ``free`` device bytes,
+    less the ``fixed`` bytes the buffers take whatever their tokens (the side output:
+    :func:`mass_bytes`), pays for at ``token_bytes`` a token (:func:`token_bytes`), and at
+    least :data:`GRAPH_TOKENS` (``free = 0``, on CPU: exactly that unless the batches need
+    less)."""
     want = max_bs * (context_len + window)
-    return min(want, max(free // GRAPH_MEMORY_SHARE // max(token_bytes, 1), GRAPH_TOKENS))
+    share = max(free // GRAPH_MEMORY_SHARE - fixed, 0)
+    return min(want, max(share // max(token_bytes, 1), GRAPH_TOKENS))
 
 
-def token_bytes(layers: int, heads: int, head_dim: int, window: int, max_bs: int) -> int:
+def token_bytes(
+    layers: int, heads: int, head_dim: int, window: int, max_bs: int, paged: bool = True
+) -> int:
     """Bytes of :class:`GraphDecode`'s buffers per token of capacity (:func:`buffer_bytes`' slope,
-    rounded up: index lists per layer and head for rows and pages)."""
+    rounded up: index lists per layer and head for rows, and for pages if ``paged``)."""
     span = window * 1024
-    grow = buffer_bytes(layers, heads, head_dim, window, max_bs, span, window, False)
-    base = buffer_bytes(layers, heads, head_dim, window, max_bs, 0, window, False)
+    grow = buffer_bytes(layers, heads, head_dim, window, max_bs, span, window, False, paged)
+    base = buffer_bytes(layers, heads, head_dim, window, max_bs, 0, window, False, paged)
     return -(-(grow - base) // span)
+
+
+def mass_bytes(layers: int, heads: int, max_bs: int, n_max: int) -> int:
+    """Bytes of the side output (float32 ``[L, max_bs, H * n_max]``, :func:`unit_count`): 1.5
+    GiB for token units at batch 256 and a 32K context on Qwen2.5-0.5B's 24 layers."""
+    return 4 * layers * max_bs * heads * n_max
+
+
+def unit_count(pool, context_len: int) -> int:
+    """A request's units per head at ``context_len`` (``n_max``: units are ``h * n_max + j``):
+    its windows, or its tokens over a decoupled pool (units are tokens there,
+    :mod:`.zone_decode`)."""
+    return context_len if pool.zones is not None else -(-context_len // pool.layout.window)
 
 
 def capacity(context_len: int, tokens: int) -> int:
@@ -70,13 +91,15 @@ def capacity(context_len: int, tokens: int) -> int:
 
 def buffer_bytes(
     layers: int, heads: int, head_dim: int, window: int, max_bs: int, tokens: int,
-    context_len: int, side_output: bool,
+    context_len: int, side_output: bool, paged: bool = True,
 ) -> int:  # fmt: skip
     """Device bytes of :class:`GraphDecode`'s buffers (sized by batch and token capacity, not by
-    the pool's slots: they come out of the memory SGLang keeps for CUDA graphs)."""
+    the pool's slots: they come out of the memory SGLang keeps for CUDA graphs). ``paged``:
+    the pool has pages to list (:func:`lists_pages`)."""
     L, H, W, d = layers, heads, window, head_dim
     lists, n_max = max_bs * H, -(-context_len // W)
-    rows, pages = H * tokens + 1, H * (-(-tokens // W) + max_bs) + 1  # with the dump entries
+    rows = H * tokens + 1  # with the dump entry
+    pages = (H * (-(-tokens // W) + max_bs) if paged else 0) + 1
     i32 = 4 * (
         L * (lists + 1) + L * lists + 2 * L * rows + L * (4 * lists + 1)
         + L * pages + L * pages * W + 2 * pages + 4 * lists * 12 + lists * d
@@ -84,6 +107,12 @@ def buffer_bytes(
     i64 = 8 * (L * pages + L * lists)  # page offsets, dest
     mass = 4 * L * max_bs * H * n_max if side_output else 0
     return i32 + i64 + mass
+
+
+def lists_pages(pool) -> bool:
+    """Whether a pool's decode lists hold pages: a decoupled pool's (Zone A), or a coupled one
+    with a quantized tier."""
+    return pool.zones is not None or pool.layout.quant is not None
 
 
 class GraphDecode:
@@ -110,9 +139,13 @@ class GraphDecode:
         # units are tokens, each (request, head) ends up to 4 pages short (one per V width),
         # and pages, K sections and channel orders are per layer
         self.decoupled = pool.zones is not None
-        self.n_max = context_len if self.decoupled else -(-context_len // W)  # units h*n_max+j
+        self.n_max = unit_count(pool, context_len)  # units h * n_max + j
         per_list = 4 if self.decoupled else 1
-        self.rows, self.pages = H * tokens, H * (-(-tokens // W) + per_list * max_bs)
+        self.rows = H * tokens
+        # a pool without a quantized tier (h2o, snapkv, streaming) lists no page: its page
+        # buffers hold the dump entry alone (at token units they were most of the buffers)
+        paged = lists_pages(pool)
+        self.pages = H * (-(-tokens // W) + per_list * max_bs) if paged else 0
         i32 = dict(dtype=torch.int32, device=dev)
         self.full_ptr = torch.zeros(L, max_bs * H + 1, **i32)
         self.full_end = torch.zeros(L, max_bs * H, **i32)
@@ -243,25 +276,32 @@ class GraphDecode:
         return max(self.row_steps, default=0)
 
     def load(self, bs: int, ls, carry: bool = False) -> None:
-        """Take one step's lists (``len(ls.n) <= bs`` requests, units numbered with ``n_max``,
+        """Take one step's lists (``len(n) <= bs`` requests, units numbered with ``n_max``,
         built with ``ahead``: each list ends in its last window's future rows) into the buffers
         of batch size ``bs``; the rest of ``bs`` lists nothing. ``ls``: a coupled pool's
-        :class:`~.trizone.Candidates` (scattered into place: no host sync) or a decoupled one's
-        :class:`~.zone_decode.ZoneLists`. ``carry``: the same requests in the same order as the
-        last step (a window opened), so the side output not folded yet stays and this step's
-        adds to it (:meth:`_start_mass`)."""
-        assert ls.n_max == self.n_max and len(ls.n) <= bs and ls.ahead is not None
-        lists, self.bs = len(ls.n) * self.pool.head_num, bs
+        :class:`~.trizone.Candidates`, or several of them covering every layer in runs
+        (:func:`~.trizone.candidate_chunks`), each scattered into place (no host sync); or a
+        decoupled pool's :class:`~.zone_decode.ZoneLists`. ``carry``: the same requests in the
+        same order as the last step (a window opened), so the side output not folded yet stays
+        and this step's adds to it (:meth:`_start_mass`)."""
+        self.bs = bs
         if not self.decoupled:
-            self._scatter(bs, ls, lists)
+            for c in [ls] if isinstance(ls, trizone.Candidates) else ls:
+                self._check(bs, c)
+                self._scatter(bs, c, len(c.n) * self.pool.head_num)
             self._start_mass(bs, carry)
             return
+        self._check(bs, ls)
+        lists = len(ls.n) * self.pool.head_num
         local, at = self._place(ls.full_ptr, lists, self.rows, ls.slots.numel())
         self.slots.view(-1).index_copy_(0, at, ls.slots)
         self.units.view(-1).index_copy_(0, at, ls.units)
         self._row_ends(bs, local, ls.ahead)
         self._load_pages(bs, ls, lists)
         self._start_mass(bs, carry)
+
+    def _check(self, bs: int, ls) -> None:
+        assert ls.n_max == self.n_max and len(ls.n) <= bs and ls.ahead is not None
 
     def _start_mass(self, bs: int, carry: bool) -> None:
         """The side output before a step with new lists: summed on (``carry`` and a decayed sum
@@ -281,39 +321,42 @@ class GraphDecode:
             self.mass[:, :bs] *= self.decay
         self.row_steps = [n + 1 for n in self.row_steps]
 
-    def _row_ends(self, bs: int, local: Tensor, ahead: Tensor) -> None:
+    def _row_ends(self, bs: int, local: Tensor, ahead: Tensor, at: slice = ALL) -> None:
         """The row lists' pointers of batch size ``bs`` from each layer's ``local`` ones (``[L,
-        lists + 1]``), their written ends (less ``ahead``, the future rows each list holds);
-        the padded requests' lists empty."""
+        lists + 1]``, the layers ``at``), their written ends (less ``ahead``, the future rows
+        each list holds); the padded requests' lists empty."""
         L, lists = local.shape[0], local.shape[1] - 1
-        _pad(self.full_ptr, local, bs * self.pool.head_num + 1)
-        self.full_end[:, :lists] = local[:, 1:] - ahead.view(L, lists)
-        self.full_end[:, lists : bs * self.pool.head_num] = local[:, -1:]
+        _pad(self.full_ptr[at], local, bs * self.pool.head_num + 1)
+        self.full_end[at, :lists] = local[:, 1:] - ahead.view(L, lists)
+        self.full_end[at, lists : bs * self.pool.head_num] = local[:, -1:]
 
     def _scatter(self, bs: int, c: trizone.Candidates, lists: int) -> None:
-        """:meth:`load` of a coupled pool's candidates: each listed row and page goes to its
-        position in its layer's list (a running count over the layer's candidates, which are in
-        list order), the others to the layer's dump entry. Device ops only."""
-        L, H, W = self.pool.layer_num, self.pool.head_num, self.pool.layout.window
+        """:meth:`load` of a coupled pool's candidates of ``c.layers``: each listed row and page
+        goes to its position in its layer's list (a running count over the layer's candidates,
+        which are in list order), the others to the layer's dump entry. Device ops only."""
+        H, W = self.pool.head_num, self.pool.layout.window
+        layers = c.layers or range(self.pool.layer_num)
+        at, L = slice(layers.start, layers.stop), len(layers)
         listed = c.listed.reshape(L, -1)
         counts = c.listed.sum((-1, -2)).view(L, lists)
         local = _local_ptr(counts)
         over = "decode lists over the graph capacity"
         torch._assert_async((local[:, -1] <= self.rows).all(), over)
-        at = _positions(listed, self.rows)
+        pos = _positions(listed, self.rows)
         i = torch.arange(W, device=listed.device)
-        self.slots.view(-1).index_copy_(0, at, (c.slot + i).reshape(-1).to(torch.int32))
+        slots, units = self.slots[at].view(-1), self.units[at].view(-1)
+        slots.index_copy_(0, pos, (c.slot + i).reshape(-1).to(torch.int32))
         unit = c.unit[..., None].expand(*c.unit.shape, W)
-        self.units.view(-1).index_copy_(0, at, unit.reshape(-1).to(torch.int32))
-        self._row_ends(bs, local, c.ahead)
+        units.index_copy_(0, pos, unit.reshape(-1).to(torch.int32))
+        self._row_ends(bs, local, c.ahead, at)
         plocal = _local_ptr(c.page_counts.view(L, lists * 4))
         torch._assert_async((plocal[:, -1] <= self.pages).all(), over)
-        at = _positions(c.quant.reshape(L, -1), self.pages)
-        self.page_off.view(-1).index_copy_(0, at, c.page.reshape(-1) * self.pool.page_bytes)
+        pos = _positions(c.quant.reshape(L, -1), self.pages)
+        self.page_off[at].view(-1).index_copy_(0, pos, c.page.reshape(-1) * self.pool.page_bytes)
         unit = c.unit.reshape(-1).to(torch.int32)
-        self.page_unit.view(-1).index_copy_(0, at, unit)
-        self.page_units.view(-1, W).index_copy_(0, at, unit[:, None].expand(-1, W))
-        _pad(self.page_ptr, plocal, bs * H * 4 + 1)
+        self.page_unit[at].view(-1).index_copy_(0, pos, unit)
+        self.page_units[at].view(-1, W).index_copy_(0, pos, unit[:, None].expand(-1, W))
+        _pad(self.page_ptr[at], plocal, bs * H * 4 + 1)
 
     def _load_pages(self, bs: int, ls: zone_decode.ZoneLists, lists: int) -> None:
         """:meth:`load`'s zone A over a decoupled pool: every layer's pages, K sections and

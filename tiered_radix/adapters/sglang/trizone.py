@@ -23,6 +23,7 @@ eager path) they cost a host sync for their sizes; the decode graphs take them u
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,11 @@ from tiered_radix.kernels import decode, extend
 from .reps import FULL, S_EVICT, S_FULL, S_Q, S_R, Q, R
 
 PAGE_SIZES = (16, 32, 64)  # windows whose ledger pages the kernels read
+# entries (layer, request, head, window, row) one :func:`candidates` builds at most: a step's
+# lists come a few layers at a time (:func:`candidate_chunks`), so their temporaries stay at a
+# few hundred MB whatever the batch (GPU run 32: token units' lists of every layer at once took
+# gigabytes a step, and a server sharing the GPU ran out of memory)
+CHUNK_ENTRIES = 1 << 23
 HEAD_DIMS = (64, 128)
 
 
@@ -83,6 +89,27 @@ class Lists:
     n_max: int
     ahead: Tensor | None = None
 
+    @staticmethod
+    def concat(parts: list[Lists]) -> Lists:
+        """One :class:`Lists` of ``parts``' layers in order (each part's offsets moved past the
+        entries before it)."""
+
+        def ptrs(ps: list[Tensor]) -> Tensor:
+            ends = torch.stack([p[-1] for p in ps]).cumsum(0).to(ps[0].dtype)
+            moved = [p[:-1] + (ends[i - 1] if i else 0) for i, p in enumerate(ps)]
+            return torch.cat([*moved, ends[-1:]])
+
+        def cat(ts: list[Tensor | None]) -> Tensor | None:
+            return None if ts[0] is None else torch.cat(ts)
+
+        first = parts[0]
+        return Lists(
+            ptrs([p.full_ptr for p in parts]), cat([p.slots for p in parts]),
+            cat([p.units for p in parts]), ptrs([p.page_ptr for p in parts]),
+            cat([p.pages for p in parts]), cat([p.page_unit for p in parts]), first.n,
+            first.n_max, cat([p.ahead for p in parts]),
+        )  # fmt: skip
+
 
 @dataclass
 class Candidates:
@@ -93,7 +120,9 @@ class Candidates:
     1]``: ``slot + i``) and unit ``unit`` int64 ``[L, B, H, N]``; pages: ``quant`` bool ``[L,
     B, H, N]`` (window read from its ledger page ``page`` int64, same shape) and
     ``page_counts`` int64 ``[L, B, H, 4]`` (per V width, as ``page_ptr`` counts); ``ahead`` as
-    :class:`Lists`'."""
+    :class:`Lists`'. ``N`` is the batch's most windows (``max(n)``), ``n_max`` numbers the units
+    (at least ``N``). ``layers``: the layers these are of (:func:`candidate_chunks`: a few at a
+    time), all of them by default."""
 
     listed: Tensor
     slot: Tensor
@@ -104,6 +133,7 @@ class Candidates:
     n: list[int]
     n_max: int
     ahead: Tensor | None = None
+    layers: range | None = None
 
     def compact(self) -> Lists:
         """The listed entries packed (:class:`Lists`; one host sync per mask for the sizes)."""
@@ -119,22 +149,28 @@ class Candidates:
 
 
 def candidates(
-    pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False
-) -> Candidates:
-    """:class:`Candidates` for requests with ``views`` (``RequestView``) and lengths ``seqs``;
-    ``n_max`` (default: the most windows of a request) numbers the units. ``ahead``: each
-    request's last window lists all its ``W`` rows, the ones past ``seqs`` too (the next decode
-    steps write there), and ``ahead`` counts them per list. Device ops only, no host sync (the
-    window counts and lengths are host values, copied from pinned memory)."""
-    L, H, W, dev = pool.layer_num, pool.head_num, pool.layout.window, pool.device
-    B = len(views)
+    pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False,
+    layers: range | None = None,
+) -> Candidates:  # fmt: skip
+    """:class:`Candidates` for requests with ``views`` (``RequestView``) and lengths ``seqs``, of
+    ``layers`` (default: every layer); ``n_max`` (default: the most windows of a request)
+    numbers the units. ``ahead``: each request's last window lists all its ``W`` rows, the ones
+    past ``seqs`` too (the next decode steps write there), and ``ahead`` counts them per list.
+    Device ops only, no host sync (the window counts and lengths are host values, copied from
+    pinned memory)."""
+    H, W, dev = pool.head_num, pool.layout.window, pool.device
+    layers = layers or range(pool.layer_num)
+    L, B = len(layers), len(views)
     n = [int(v.windows.numel()) for v in views]
-    N = n_max or max(n)
-    win, st = _window_states(pool, views, n, N)
-    blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4).long()  # [L, K, B, H, N]
+    N = max(n)  # the span built; units are numbered with n_max (a graph's context, in windows)
+    n_max = n_max or N
+    assert N <= n_max, f"a request of {N} windows past the {n_max} its units are numbered for"
+    win, st = _window_states(pool, views, n, N, layers)
+    at = slice(layers.start, layers.stop)
+    blk = pool.block_all[at, :, :, win].permute(0, 1, 3, 2, 4).long()  # [L, K, B, H, N]
     j = torch.arange(N, device=dev)
     ntok = (to_device(seqs, dev)[:, None] - j * W).clamp(0, W)  # [B, N]
-    unit = (torch.arange(H, device=dev)[:, None] * N + j).expand(L, B, H, N)
+    unit = (torch.arange(H, device=dev)[:, None] * n_max + j).expand(L, B, H, N)
 
     rows = (st == S_FULL) | (st == S_R)
     quant = pool.layout.quant
@@ -150,13 +186,40 @@ def candidates(
     per_list = torch.zeros(L, B, H, 4, dtype=torch.long, device=dev)
     if quant is not None:
         per_list[..., V_BITS.index(quant.bits)] = qm.sum(-1)
-    return Candidates(listed, (rowblk * W)[..., None], unit, qm, pageblk, per_list, n, N, future)
+    return Candidates(listed, (rowblk * W)[..., None], unit, qm, pageblk, per_list, n, n_max,
+                      future, layers)  # fmt: skip
 
 
-def lists(pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False) -> Lists:
+def layer_chunks(pool, n: list[int], max_entries: int | None = None) -> list[range]:
+    """The layers in runs whose candidates (:func:`candidates` of requests with ``n`` windows:
+    ``B * H * max(n) * W`` entries a layer) stay within ``max_entries`` (default
+    :data:`CHUNK_ENTRIES`), at least one layer a run."""
+    max_entries = max_entries or CHUNK_ENTRIES
+    per_layer = len(n) * pool.head_num * max(n, default=1) * pool.layout.window
+    step = max(1, max_entries // max(per_layer, 1))
+    L = pool.layer_num
+    return [range(lo, min(lo + step, L)) for lo in range(0, L, step)]
+
+
+def candidate_chunks(
+    pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False,
+    max_entries: int | None = None,
+) -> Iterator[Candidates]:  # fmt: skip
+    """:func:`candidates` of every layer, a :func:`layer_chunks` run at a time, made as they are
+    taken: what one run's temporaries hold is freed before the next is built."""
+    n = [int(v.windows.numel()) for v in views]
+    for layers in layer_chunks(pool, n, max_entries):
+        yield candidates(pool, views, seqs, n_max, ahead, layers)
+
+
+def lists(
+    pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False,
+    max_entries: int | None = None,
+) -> Lists:  # fmt: skip
     """:class:`Lists` for requests with ``views`` and lengths ``seqs`` (:func:`candidates`,
-    packed)."""
-    return candidates(pool, views, seqs, n_max, ahead).compact()
+    packed a :func:`layer_chunks` run at a time)."""
+    parts = [c.compact() for c in candidate_chunks(pool, views, seqs, n_max, ahead, max_entries)]
+    return parts[0] if len(parts) == 1 else Lists.concat(parts)
 
 
 def _blocks_read(pool, st: Tensor, blk: Tensor) -> tuple[Tensor, Tensor]:
@@ -169,20 +232,25 @@ def _blocks_read(pool, st: Tensor, blk: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(st == S_FULL, blk[:, FULL], blk[:, R]), blk[:, Q]
 
 
-def _window_states(pool, views, n: list[int], N: int) -> tuple[Tensor, Tensor]:
+def _window_states(
+    pool, views, n: list[int], N: int, layers: range | None = None
+) -> tuple[Tensor, Tensor]:
     """The batch's windows ``win`` int64 ``[B, N]`` (padding: window 0) and the state each
-    request reads them in, int8 ``[L, B, H, N]`` (padding: evicted). No host sync."""
-    L, H, dev = pool.layer_num, pool.head_num, pool.device
+    request reads them in, int8 ``[L, B, H, N]`` of ``layers`` (default: all; padding:
+    evicted). No host sync."""
+    layers = layers or range(pool.layer_num)
+    at = slice(layers.start, layers.stop)
+    L, H, dev = len(layers), pool.head_num, pool.device
     B = len(views)
     # every request's windows side by side, then scattered to [B, N]
     flat = torch.cat([v.windows for v in views])
-    mine = torch.cat([v.state for v in views], 2)  # [L, H, sum n]
+    mine = torch.cat([v.state[at] for v in views], 2)  # [L, H, sum n]
     borrowed = torch.cat([v.borrowed for v in views])
     counts, total = to_device(n, dev), sum(n)
     shift = torch.arange(B, device=dev) * N - (counts.cumsum(0) - counts)
     pos = torch.arange(total, device=dev) + shift.repeat_interleave(counts, output_size=total)
     win = torch.zeros(B * N, dtype=torch.long, device=dev).index_copy_(0, pos, flat).view(B, N)
-    read = torch.where(borrowed, mine, pool.owner_all[:, :, flat])  # [L, H, sum n]
+    read = torch.where(borrowed, mine, pool.owner_all[at, :, flat])  # [L, H, sum n]
     st = torch.full((L, H, B * N), S_EVICT, dtype=torch.int8, device=dev)
     return win, st.index_copy_(2, pos, read).view(L, H, B, N).transpose(1, 2)
 

@@ -1,0 +1,125 @@
+"""Peak host memory of one decode step's list rebuild under CUDA graphs (CPU, no GPU needed).
+
+GPU run 32's soak lost snapkv's and streaming's servers to CUDA out-of-memory: a token-unit
+step built its decode candidates (:func:`tiered_radix.adapters.sglang.trizone.candidates`)
+for every layer at once, spanning the context (``n_max``) per request. This measures what one
+rebuild (``GraphDecode.load``) allocates at its peak, on tensors in host memory with the same
+shapes as on the GPU, three ways:
+
+- ``context``: every layer at once, each request spanning the context (the build of run 32,
+  reproduced by listing a padding request of the context's length, which the kernel skips);
+- ``batch``: every layer at once, spanning the batch's longest request;
+- ``runs``: a few layers at a time (``trizone.candidate_chunks``, the build served now).
+
+The pool is Qwen2.5-0.5B's attention shape (24 layers, 2 KV heads, head dim 64) with h2o's
+layout (token units, rows only); ``--batch`` requests of ``--min``-``--max`` tokens, every
+token kept. Each way runs in a fresh process; the peak is the process's peak resident memory
+less its resident memory before the rebuild (the pool and buffers already allocated).
+
+    python bench/decode_lists_memory.py --batch 64 --out bench/results/decode-lists-memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+WAYS = ("context", "batch", "runs")
+L, H, D, W = 24, 2, 64, 1
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def pool_and_views(lengths: list[int]):
+    """A pool namespace with the fields the list build reads (block tables, owner states, the
+    layout), every request's windows its own at full precision."""
+    from tiered_radix.adapters.sglang.reps import S_FULL
+
+    total = sum(lengths)
+    layout = SimpleNamespace(window=W, quant=None)
+    pool = SimpleNamespace(
+        layer_num=L, head_num=H, head_dim=D, device="cpu", layout=layout, zones=None,
+        page_bytes=0,
+        block_all=torch.arange(total, dtype=torch.int32).repeat(L, 1, H, 1),  # [L, K=1, H, n]
+        owner_all=torch.full((L, H, total), S_FULL, dtype=torch.int8),
+    )  # fmt: skip
+    views, at = [], 0
+    for n in lengths:
+        views.append(SimpleNamespace(
+            windows=torch.arange(at, at + n), borrowed=torch.zeros(n, dtype=torch.bool),
+            state=torch.zeros(L, H, n, dtype=torch.int8),
+        ))  # fmt: skip
+        at += n
+    return pool, views
+
+
+def one(way: str, lengths: list[int], context: int) -> dict:
+    """One rebuild the ``way`` says, in this process: its peak bytes over the resident ones
+    before it, its wall seconds and the candidate entries it built."""
+    from tiered_radix.adapters.sglang import graph, trizone
+
+    if way == "context":  # a padding request of the context's length: every span is n_max
+        lengths = [*lengths, context]
+    pool, views = pool_and_views(lengths)
+    seqs = list(lengths)
+    bs = len(lengths)
+    g = graph.GraphDecode(pool, bs, sum(seqs) + W * bs, context, side_output=False)
+    entries = L * bs * H * max(lengths) * W
+    before, t0 = rss_bytes(), time.perf_counter()
+    if way == "runs":
+        g.load(bs, trizone.candidate_chunks(pool, views, seqs, g.n_max, ahead=True))
+    else:
+        g.load(bs, trizone.candidates(pool, views, seqs, g.n_max, ahead=True))
+    return {"way": way, "peak_over_resident_bytes": max(peak_bytes() - before, 0),
+            "seconds": time.perf_counter() - t0, "entries": entries,
+            "runs": len(trizone.layer_chunks(pool, lengths)) if way == "runs" else 1}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--min", type=int, default=1000)
+    p.add_argument("--max", type=int, default=30000)
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a child process's way
+    args = p.parse_args()
+    step = (args.max - args.min) // max(args.batch - 1, 1)
+    lengths = [args.min + i * step for i in range(args.batch)]
+    if args.one:
+        print(json.dumps(one(args.one, lengths, args.context)))
+        return
+    rows = []
+    for way in WAYS:
+        cmd = [sys.executable, __file__, "--one", way, "--batch", str(args.batch), "--min",
+               str(args.min), "--max", str(args.max), "--context", str(args.context)]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+        r = rows[-1]
+        print(f"{way:8s} peak {r['peak_over_resident_bytes'] / 2**30:6.2f} GiB  "
+              f"{r['seconds']:6.2f} s  {r['entries'] / 1e6:7.1f} M entries  {r['runs']} run(s)")
+    result = {"shape": {"layers": L, "kv_heads": H, "head_dim": D, "window": W},
+              "batch": args.batch, "tokens": [args.min, args.max], "context": args.context,
+              "torch": torch.__version__, "rows": rows}  # fmt: skip
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode-lists-memory.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
