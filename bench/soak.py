@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `serving`, also under python -P
 
-from serving.servers import Server, ServerError  # noqa: E402
+from serving.servers import GpuMemory, Server, ServerError  # noqa: E402
 from serving.soak_checks import ROW_KEYS, check_schema, merge, parse_prometheus, row  # noqa: E402
 from serving.soak_client import SoakRun  # noqa: E402
 from serving.soak_workload import SoakScale, plan  # noqa: E402
@@ -145,41 +145,47 @@ def soak_policy(
     args, policy: str, scale: SoakScale, sizer: TokenSizer, started: threading.Event | None = None
 ) -> dict:
     """One policy's soak on its own server (``args.port``): its row. ``started`` is set once
-    the server is healthy or gave up (the next parallel server starts then)."""
+    the server is healthy or gave up (the next parallel server starts then). The row's
+    ``gpu_peak_mib``: the most GPU memory the server's processes held (``nvidia-smi``, every
+    2 s; None without it): a server beside others must stay near its pool and graphs (GPU run
+    32's h2o server grew to 53.5 GiB beside an 8 GiB pool)."""
     sessions, bursts = plan(args.seed, scale, sizer)
     log = args.out / f"{policy}.log"
     server = Server(server_command(args, policy), args.port, log)
-    try:
-        server.start()
+    memory = GpuMemory(every_s=2.0, pid=lambda: server.proc.pid if server.proc else None)
+    with memory:  # polls while the server runs
         try:
-            startup = server.wait_healthy(args.startup_timeout)
-        finally:
-            if started is not None:
-                started.set()
-        start = snapshot(server)
-        from tqdm import tqdm
+            server.start()
+            try:
+                startup = server.wait_healthy(args.startup_timeout)
+            finally:
+                if started is not None:
+                    started.set()
+            start = snapshot(server)
+            from tqdm import tqdm
 
-        bar = tqdm(total=scale.requests, desc=policy, unit="req", disable=args.no_progress,
-                   mininterval=2)  # fmt: skip
-        deadline = args.minutes * 60
-        run = SoakRun(server.url, "default", deadline, deadline + args.grace, bar)
-        records = asyncio.run(run.run(sessions, bursts, scale.clients))
-        bar.close()
-        alive = server.healthy()
-        end = snapshot(server) if alive else {}
-        alive = alive and server.healthy()
-        out = row(policy, records, start, end, alive=alive, not_sent=run.not_sent)
-        out |= {"startup_s": round(startup, 1), "load_s": round(run.now(), 1),
-                "probe_status": [start.get("probe_status"), end.get("probe_status")],
-                "flushed": [start.get("flushed"), end.get("flushed")]}  # fmt: skip
-        rec = args.out / "records" / f"{policy}.jsonl"
-        rec.parent.mkdir(parents=True, exist_ok=True)
-        rec.write_text("".join(json.dumps(r) + "\n" for r in records))
-    except ServerError as err:
-        out = dict.fromkeys(ROW_KEYS) | {"policy": policy, "ok": False, "crashes": 1,
-                                          "error": str(err)[-4000:]}  # fmt: skip
-    finally:
-        server.stop()
+            bar = tqdm(total=scale.requests, desc=policy, unit="req", disable=args.no_progress,
+                       mininterval=2)  # fmt: skip
+            deadline = args.minutes * 60
+            run = SoakRun(server.url, "default", deadline, deadline + args.grace, bar)
+            records = asyncio.run(run.run(sessions, bursts, scale.clients))
+            bar.close()
+            alive = server.healthy()
+            end = snapshot(server) if alive else {}
+            alive = alive and server.healthy()
+            out = row(policy, records, start, end, alive=alive, not_sent=run.not_sent)
+            out |= {"startup_s": round(startup, 1), "load_s": round(run.now(), 1),
+                    "probe_status": [start.get("probe_status"), end.get("probe_status")],
+                    "flushed": [start.get("flushed"), end.get("flushed")]}  # fmt: skip
+            rec = args.out / "records" / f"{policy}.jsonl"
+            rec.parent.mkdir(parents=True, exist_ok=True)
+            rec.write_text("".join(json.dumps(r) + "\n" for r in records))
+        except ServerError as err:
+            out = dict.fromkeys(ROW_KEYS) | {"policy": policy, "ok": False, "crashes": 1,
+                                              "error": str(err)[-4000:]}  # fmt: skip
+        finally:
+            server.stop()
+    out["gpu_peak_mib"] = memory.peak_mib
     tail = log.read_text(errors="replace") if log.exists() else ""
     out["log_tracebacks"] = tail.count("Traceback (most recent call last)")
     out["log_leak_warnings"] = tail.count("memory leak detected")
@@ -210,7 +216,18 @@ def backend_paths(log_text: str) -> dict | None:
     return {k: stats.get(k) for k in keys} | {
         "decode_log_lines": len(decodes),
         "graphed_share": round(graphed / len(decodes), 3) if decodes else None,
-    }
+    } | graph_buffers(log_text)
+
+
+def graph_buffers(log_text: str) -> dict:
+    """The decode graphs' capacity and buffers from the backend's startup line (``tiered-radix:
+    decode CUDA graphs up to batch B, T tokens, M MiB of buffers``): ``graph_tokens`` and
+    ``graph_buffers_mib``, None without the line (graphs off)."""
+    import re
+
+    m = re.search(r"decode CUDA graphs up to batch \d+, (\d+) tokens, ([\d.]+) MiB", log_text)
+    return {"graph_tokens": int(m[1]) if m else None,
+            "graph_buffers_mib": float(m[2]) if m else None}  # fmt: skip
 
 
 def soak_together(args, policies: list[str], scale: SoakScale, sizer: TokenSizer) -> list[dict]:

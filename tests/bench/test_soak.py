@@ -264,6 +264,7 @@ def test_the_soak_runs_a_policy_end_to_end_and_catches_a_leak(tmp_path, monkeypa
     assert row["probe_status"] == [200, 200] and row["flushed"] == [True, True]
     records = (out / "records" / "qevict.jsonl").read_text().splitlines()
     assert len(records) == row["requests"]
+    assert row["gpu_peak_mib"] is None  # no nvidia-smi here: not measured, not 0
     if leak:
         assert status == 1 and not row["checks"]["free_slots_back"]
         assert row["free_slots_start"] - row["free_slots_end"] == leak
@@ -329,5 +330,11 @@ def test_the_row_says_which_paths_the_backend_ran():
     ])  # fmt: skip
     got = soak.backend_paths(log)
     assert got == {"decode": "kernel", "extend": "kernel", "kernel_steps": 40,
-                   "kernel_error": None, "decode_log_lines": 3, "graphed_share": 0.667}  # fmt: skip
+                   "kernel_error": None, "decode_log_lines": 3, "graphed_share": 0.667,
+                   "graph_tokens": None, "graph_buffers_mib": None}  # fmt: skip
     assert soak.backend_paths("no stats here") is None
+    # run 32's h2o server: the graphs' capacity and buffers from its startup line
+    line = ("[2026-12-07 15:16:14] tiered-radix: decode CUDA graphs up to batch 256, 8129984 "
+            "tokens, 10592.7 MiB of buffers")  # fmt: skip
+    got = soak.backend_paths(line + "\n" + log)
+    assert (got["graph_tokens"], got["graph_buffers_mib"]) == (8129984, 10592.7)
