@@ -350,12 +350,14 @@ class GraphDecode:
         units.index_copy_(0, pos, unit.reshape(-1).to(torch.int32))
         self._row_ends(bs, local, c.ahead, at)
         plocal = _local_ptr(c.page_counts.view(L, lists * 4))
-        torch._assert_async((plocal[:, -1] <= self.pages).all(), over)
-        pos = _positions(c.quant.reshape(L, -1), self.pages)
-        self.page_off[at].view(-1).index_copy_(0, pos, c.page.reshape(-1) * self.pool.page_bytes)
-        unit = c.unit.reshape(-1).to(torch.int32)
-        self.page_unit[at].view(-1).index_copy_(0, pos, unit)
-        self.page_units[at].view(-1, W).index_copy_(0, pos, unit[:, None].expand(-1, W))
+        if self.pages:  # a pool without pages lists none (:func:`lists_pages`): nothing to place
+            torch._assert_async((plocal[:, -1] <= self.pages).all(), over)
+            pos = _positions(c.quant.reshape(L, -1), self.pages)
+            off = c.page.reshape(-1) * self.pool.page_bytes
+            self.page_off[at].view(-1).index_copy_(0, pos, off)
+            unit = c.unit.reshape(-1).to(torch.int32)
+            self.page_unit[at].view(-1).index_copy_(0, pos, unit)
+            self.page_units[at].view(-1, W).index_copy_(0, pos, unit[:, None].expand(-1, W))
         _pad(self.page_ptr[at], plocal, bs * H * 4 + 1)
 
     def _load_pages(self, bs: int, ls: zone_decode.ZoneLists, lists: int) -> None:

@@ -227,8 +227,8 @@ def _blocks_read(pool, st: Tensor, blk: Tensor) -> tuple[Tensor, Tensor]:
     read from in state ``st`` (``[...]``), given its block ids ``blk`` (``[..., K, ...]`` with
     the kinds at dim 1). Eviction-only layouts hold ``FULL`` blocks only (``K = 1``): no
     restored rows, pages all 0."""
-    if pool.layout.quant is None:
-        return blk[:, FULL], torch.zeros_like(blk[:, FULL])
+    if pool.layout.quant is None:  # pages all 0: a broadcast view, no memory an entry
+        return blk[:, FULL], blk.new_zeros(()).expand_as(blk[:, FULL])
     return torch.where(st == S_FULL, blk[:, FULL], blk[:, R]), blk[:, Q]
 
 
