@@ -1,4 +1,4 @@
-"""The decode batch's TriZone index lists, built from the pool's blocks for every layer at once.
+"""The decode batch's TriZone index lists, built from the pool's blocks for every layer.
 
 The TriZone decode kernel (``kernels/decode.py``) reads one layer of a batch from three zones; the
 pool's storage maps onto two of them without copying anything:
@@ -11,12 +11,14 @@ pool's storage maps onto two of them without copying anything:
 - zone C (fresh rows) stays empty: new tokens are written to their window's ``FULL`` block.
 
 Evicted windows are in no list. Units for the side output are ``h * N + j`` (head ``h``, the
-request's window ``j``, ``N`` the batch's most windows), so ``mass [B, H * N]`` gives the
-attention mass per (head, window): the per-window ``attn`` signal, put on the window's first token
-(window scores sum their tokens, so they see the same value).
+request's window ``j``; ``N`` the batch's most windows eagerly, a context's under decode graphs,
+:class:`Candidates`' ``n_max``), so ``mass [B, H * N]`` gives the attention mass per (head,
+window): the per-window ``attn`` signal, put on the window's first token (window scores sum
+their tokens, so they see the same value).
 
-Lists for all layers are built with a handful of batched ops and sliced per layer: index
-pointers hold global offsets into shared slot and page tensors. Packed (:class:`Lists`, the
+Lists for all layers are built with a handful of batched ops, a run of layers at a time
+(:func:`candidate_chunks`: their temporaries stay bounded at any batch), and sliced per layer:
+index pointers hold global offsets into shared slot and page tensors. Packed (:class:`Lists`, the
 eager path) they cost a host sync for their sizes; the decode graphs take them unpacked
 (:class:`Candidates`, fixed shapes) and scatter them into place, with no host sync.
 """
