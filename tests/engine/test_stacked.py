@@ -12,6 +12,7 @@ import torch
 from test_store import FILES, RULES, signals
 
 from tiered_radix import load_policy
+from tiered_radix.engine import planner
 from tiered_radix.engine.pending import PendingRoutes
 from tiered_radix.engine.stacked import StackedMoves
 from tiered_radix.engine.store import TierStore
@@ -109,6 +110,32 @@ def test_stores_moved_together_equal_each_alone(name):
     assert stacked > 0
     if len(reqs[0].store.tier_names) > 1:  # something moved
         assert any(len(ev.transitions) for r in reqs for ev in r.store.events.steps)
+
+
+@pytest.mark.parametrize("name", ["h2o", "qevict"])
+def test_stores_planned_in_bounded_passes_equal_each_alone(name, monkeypatch):
+    """Many long requests routed at one step are planned in passes of like lengths, each
+    pass's allocator tables within ``planner._RANK_TABLE_BYTES`` (GPU run 33: one pass over a
+    server's token-unit requests ran it out of memory); every request still ends where it
+    ends routed alone, and every pass stays within the bound."""
+    lengths = [300, 40, 410, 96, 64, 350, 128, 200]
+    specs = [(name, 0.3, t) for t in lengths]
+    reqs = _requests(specs, 5)
+    for r, t in zip(reqs, lengths, strict=True):
+        r.feed(t, torch.Generator().manual_seed(1), True)
+    stores = [r.store for r in reqs]
+    s0 = stores[0]
+    per_unit = s0.n_layers * s0.n_heads * len(s0.tier_set.names) * 8
+    longest = max(s.stack.n_units(0) for s in stores)
+    monkeypatch.setattr(planner, "_RANK_TABLE_BYTES", 3 * per_unit * longest)
+    passes = planner._rank_passes(stores)
+    assert sorted(i for part in passes for i in part) == list(range(len(stores)))
+    assert 1 < len(passes) < len(stores)
+    for part in passes:
+        units = [stores[i].stack.n_units(0) for i in part]
+        assert units == sorted(units)  # like lengths together, the last the longest
+        assert len(part) == 1 or len(part) * per_unit * units[-1] <= planner._RANK_TABLE_BYTES
+    _drive(specs)
 
 
 @pytest.mark.parametrize("device", DEVICES)

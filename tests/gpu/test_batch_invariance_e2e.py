@@ -1,8 +1,8 @@
 """Batch invariance end to end on a GPU: under each shipped policy (and plain SGLang, the
 reference), ``N`` prompts sent as one batch and then one at a time get the same greedy texts, and
 the policy moves the same units both ways (issue 21, failure 3); then ``CHATS`` conversations of
-three turns each (``chat_turns``: radix hits on their own history), every turn sent as one
-batch and then one conversation at a time, get the same answers.
+three turns each (``chat_turns``: radix hits on their own history, none on another's), every
+turn sent as one batch and then one conversation at a time, get the same answers.
 
 The prompts (~1.3K to ~2.6K tokens each, a distinct passphrase at a distinct depth, and distinct
 first words so that no two share a radix prefix) are longer than ``--chunked-prefill-size``
@@ -119,11 +119,17 @@ def chat_turns(together: bool) -> list[list[str]]:
     a locker code), each turn sent with the conversation so far through the model's chat
     template (a later turn hits the radix cache of the earlier ones). ``together``: every
     conversation's turn ``k`` in one batch; else one conversation at a time. Each
-    conversation's answers, turn by turn."""
+    conversation's answers, turn by turn.
+
+    Each conversation opens with its own system line, so that none reuses another's prefix:
+    under a lossy policy a reused prefix is read at the tiers its first owner's routings left,
+    and the two orders share different spans (GPU run 33, qevict: the notes' first 1,024 tokens
+    batched, 1,056 to 1,536 one at a time), which is the cache's history, not the batch."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(e2e.MODEL)
-    history = [[] for _ in range(CHATS)]
+    history = [[{"role": "system", "content": f"{FIRST[i % len(FIRST)]} desk. You are a "
+                 "helpful assistant."}] for i in range(CHATS)]  # fmt: skip
     for turn in TURNS:
         for i in range(CHATS):
             said = turn.format(notes=FILLER * (40 + 9 * i), code=4100 + 37 * i)

@@ -198,11 +198,12 @@ def plan_routes(stores: list) -> list[Plan]:
     server routes at one step). Under rank allocation, where each store's layers hold one token
     count, the stores' layers are stacked (``[B * L, H, U]``, units padded to the longest: a
     padding unit is evicted or scores ``-inf``, holds nothing and costs nothing, so it is never
-    placed, and rows never see each other) and planned in one pass: constraints, budgets and
+    placed, and rows never see each other) and planned together: constraints, budgets and
     one allocator call for all of them, the op count not growing with the stores but for each
-    one's scores and inputs; under RDKV's decoupled allocation likewise where every layer of
-    every store holds one token count (:func:`_rd_stores`); else one by one. Equal to one
-    :func:`plan_route` per store."""
+    one's scores and inputs (in passes of stores of like lengths, each pass's tables within
+    :data:`_RANK_TABLE_BYTES`: :func:`_rank_passes`); under RDKV's decoupled allocation
+    likewise where every layer of every store holds one token count (:func:`_rd_stores`); else
+    one by one. Equal to one :func:`plan_route` per store."""
     pol = stores[0].policy if stores else None
     if len(stores) > 1 and isinstance(pol.allocate, RateDistortion):
         plans = _rd_stores(stores)
@@ -214,6 +215,42 @@ def plan_routes(stores: list) -> list[Plan]:
         or any(len(set(s.stack.n_tokens)) > 1 for s in stores)
     ):
         return [plan_route(s) for s in stores]
+    plans: list[Plan | None] = [None] * len(stores)
+    for part in _rank_passes(stores):
+        some = [stores[i] for i in part]
+        got = _rank_stacked(some) if len(some) > 1 else [plan_route(some[0])]
+        for i, plan in zip(part, got, strict=True):
+            plans[i] = plan
+    return plans
+
+
+# the rank allocator's tables over several stores' rows at most this size a pass (float64
+# [rows, units, J] costs, a few tables of that shape live at once): a step that routes many
+# long token-unit requests goes in parts (bench/routing_memory.py: 32 h2o requests of 1K-30K
+# tokens at Qwen-0.5B's shape peak at 3.6 GiB in one pass, 0.85 GiB in passes)
+_RANK_TABLE_BYTES = 1 << 27
+
+
+def _rank_passes(stores: list) -> list[list[int]]:
+    """Indices of ``stores`` in the passes :func:`plan_routes` stacks: by length, each pass's
+    stores padded to its longest within :data:`_RANK_TABLE_BYTES` (one store at least)."""
+    s0 = stores[0]
+    per_unit = s0.n_layers * s0.n_heads * len(s0.tier_set.names) * 8
+    order = sorted(range(len(stores)), key=lambda i: stores[i].stack.n_units(0))
+    passes: list[list[int]] = []
+    for i in order:  # ascending: the store joining a pass is its longest
+        grown = passes[-1] + [i] if passes else [i]
+        if passes and len(grown) * per_unit * stores[i].stack.n_units(0) <= _RANK_TABLE_BYTES:
+            passes[-1] = grown
+        else:
+            passes.append([i])
+    return passes
+
+
+def _rank_stacked(stores: list) -> list[Plan]:
+    """:func:`plan_routes`' one pass over ``stores`` (two or more, every layer of each holding
+    one token count) under rank allocation."""
+    pol = stores[0].policy
     s0, B, L = stores[0], len(stores), stores[0].n_layers
     ts, dev, layers = s0.tier_set, s0.device, list(range(L))
     us = [s.stack.n_units(0) for s in stores]
