@@ -196,8 +196,10 @@ def soak_policy(
 def backend_paths(log_text: str) -> dict | None:
     """What the tiered backend ran, from the last stats line of its server log (``tiered-radix:
     {...}``, every 30 s): its decode and extend paths (``kernel`` or ``gather``), kernel steps,
-    a kernel error if one sent it to PyTorch, and the share of decode steps under CUDA graphs
-    (SGLang's ``Decode batch`` lines, ``cuda graph: True``). None without a stats line."""
+    a kernel error if one sent it to PyTorch, its CUDA memory (``device_memory``: MiB allocated,
+    the peak allocated, and reserved by PyTorch's cache), and the share of decode steps under
+    CUDA graphs (SGLang's ``Decode batch`` lines, ``cuda graph: True``). None without a stats
+    line."""
     import ast
 
     stats = None
@@ -212,7 +214,7 @@ def backend_paths(log_text: str) -> dict | None:
         return None
     decodes = [x for x in log_text.splitlines() if "Decode batch" in x]
     graphed = sum("cuda graph: True" in x for x in decodes)
-    keys = ("decode", "extend", "kernel_steps", "kernel_error")
+    keys = ("decode", "extend", "kernel_steps", "kernel_error", "device_memory")
     return {k: stats.get(k) for k in keys} | {
         "decode_log_lines": len(decodes),
         "graphed_share": round(graphed / len(decodes), 3) if decodes else None,

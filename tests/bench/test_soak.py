@@ -325,13 +325,16 @@ def test_the_row_says_which_paths_the_backend_ran():
         "[t] Decode batch, #running-req: 8, cuda graph: True, gen throughput (token/s): 900.0",
         "[t] Decode batch, #running-req: 8, cuda graph: True, gen throughput (token/s): 910.0",
         "[t] tiered-radix: {'requests': 1, 'decode': 'kernel', 'kernel_steps': 40, "
-        "'kernel_error': None, 'extend': 'kernel'}",
+        "'kernel_error': None, 'extend': 'kernel', 'device_memory': {'allocated': 9000.5, "
+        "'peak_allocated': 30000.0, 'reserved': 48000.0}}",
         "[t] tiered-radix: {'cut off",
     ])  # fmt: skip
     got = soak.backend_paths(log)
     assert got == {"decode": "kernel", "extend": "kernel", "kernel_steps": 40,
                    "kernel_error": None, "decode_log_lines": 3, "graphed_share": 0.667,
-                   "graph_tokens": None, "graph_buffers_mib": None}  # fmt: skip
+                   "graph_tokens": None, "graph_buffers_mib": None,
+                   "device_memory": {"allocated": 9000.5, "peak_allocated": 30000.0,
+                                     "reserved": 48000.0}}  # fmt: skip
     assert soak.backend_paths("no stats here") is None
     # run 32's h2o server: the graphs' capacity and buffers from its startup line
     line = ("[2026-12-07 15:16:14] tiered-radix: decode CUDA graphs up to batch 256, 8129984 "

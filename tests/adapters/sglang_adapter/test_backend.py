@@ -591,6 +591,7 @@ def test_stats_file_is_rewritten_after_each_routing(tmp_path):
     assert got["routes"] == 1 and got["demote"] + got["evict"] > 0
     # tokens the allocator holds, in whole windows: 38 tokens -> 10 windows of 4
     assert got["peak_tokens"] == 40 and got["peak_bytes"] >= got["pool_bytes_used"] > 0
+    assert got["device_memory"] is None  # a CPU pool: no CUDA allocator to read
     h.step([req], [[50]], extend=False)  # the tiny policy routes only after prefill
     assert json.loads(path.read_text()) == got  # not rewritten without a routing
     host = h.backend.stats()["host_s"]  # host time per phase, and the steps it divides by

@@ -29,6 +29,22 @@ COUNTS = (*KINDS, "ledger_writes", "over_budget_routings", "borrowed_quantized")
 COUNT_EVERY = 64  # routings counted together: ~17 device ops per count, not per routing
 
 
+def device_memory(device) -> dict[str, float] | None:
+    """The server process's CUDA memory on ``device`` (MiB, PyTorch's caching allocator):
+    ``allocated`` now, ``peak_allocated`` since startup (the most its tensors ever held at once)
+    and ``reserved`` (what the cache holds, freed tensors' blocks included: what ``nvidia-smi``
+    shows, less the CUDA context). A reserve far above the peak is the cache's, not demand.
+    None off CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    mib = 1 << 20
+    return {
+        "allocated": round(torch.cuda.memory_allocated(device) / mib, 1),
+        "peak_allocated": round(torch.cuda.max_memory_allocated(device) / mib, 1),
+        "reserved": round(torch.cuda.memory_reserved(device) / mib, 1),
+    }
+
+
 @dataclass
 class BackendStats:
     """Counters since startup. ``peak_bytes``: the most pool bytes held at the end of a forward
@@ -156,6 +172,7 @@ class BackendStats:
             "decode": decode,
             "kernel_steps": self.kernel_steps,
             "kernel_error": kernel_error,
+            "device_memory": device_memory(pool.device),
         }
 
     def publish(self, snapshot, routed: bool) -> None:
