@@ -31,6 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 WAYS = ("context", "batch", "runs")
 L, H, D, W = 24, 2, 64, 1
@@ -68,9 +69,22 @@ def pool_and_views(lengths: list[int]):
     return pool, views
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the ATen ops run under it: each is a kernel launch (or more) on the GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 def one(way: str, lengths: list[int], context: int) -> dict:
     """One rebuild the ``way`` says, in this process: its peak bytes over the resident ones
-    before it, its wall seconds and the candidate entries it built."""
+    before it, its wall seconds, the candidate entries it built and the ATen ops of a second
+    rebuild (the host's launches a step, whatever the CPU's speed)."""
     from tiered_radix.adapters.sglang import graph, trizone
 
     if way == "context":  # a padding request of the context's length: every span is n_max
@@ -80,14 +94,20 @@ def one(way: str, lengths: list[int], context: int) -> dict:
     bs = len(lengths)
     g = graph.GraphDecode(pool, bs, sum(seqs) + W * bs, context, side_output=False)
     entries = L * bs * H * max(lengths) * W
+    def rebuild() -> None:
+        if way == "runs":
+            g.load(bs, trizone.candidate_chunks(pool, views, seqs, g.n_max, ahead=True))
+        else:
+            g.load(bs, trizone.candidates(pool, views, seqs, g.n_max, ahead=True))
+
     before, t0 = rss_bytes(), time.perf_counter()
-    if way == "runs":
-        g.load(bs, trizone.candidate_chunks(pool, views, seqs, g.n_max, ahead=True))
-    else:
-        g.load(bs, trizone.candidates(pool, views, seqs, g.n_max, ahead=True))
-    return {"way": way, "peak_over_resident_bytes": max(peak_bytes() - before, 0),
-            "seconds": time.perf_counter() - t0, "entries": entries,
-            "runs": len(trizone.layer_chunks(pool, lengths)) if way == "runs" else 1}  # fmt: skip
+    rebuild()
+    out = {"way": way, "peak_over_resident_bytes": max(peak_bytes() - before, 0),
+           "seconds": time.perf_counter() - t0, "entries": entries,
+           "runs": len(trizone.layer_chunks(pool, lengths)) if way == "runs" else 1}  # fmt: skip
+    with OpCount() as count:
+        rebuild()
+    return out | {"aten_ops": count.ops}
 
 
 def main() -> None:
@@ -112,7 +132,8 @@ def main() -> None:
         rows.append(json.loads(out.strip().splitlines()[-1]))
         r = rows[-1]
         print(f"{way:8s} peak {r['peak_over_resident_bytes'] / 2**30:6.2f} GiB  "
-              f"{r['seconds']:6.2f} s  {r['entries'] / 1e6:7.1f} M entries  {r['runs']} run(s)")
+              f"{r['seconds']:6.2f} s  {r['entries'] / 1e6:7.1f} M entries  {r['runs']} run(s)"
+              f"  {r['aten_ops']} ops")
     result = {"shape": {"layers": L, "kv_heads": H, "head_dim": D, "window": W},
               "batch": args.batch, "tokens": [args.min, args.max], "context": args.context,
               "torch": torch.__version__, "rows": rows}  # fmt: skip

@@ -150,46 +150,81 @@ class Candidates:
         )  # fmt: skip
 
 
+@dataclass
+class _Batch:
+    """What a step's lists share across layers (:func:`_batch`): ``n`` windows a request, ``N =
+    max(n)`` the span built, ``n_max`` the units' numbering; the batch's windows ``win`` int64
+    ``[B, N]`` (padding: window 0), where each request's windows land in ``[B * N]`` (``pos``,
+    of their concatenation ``flat``; ``borrowed`` bool and the request's own states ``mine``
+    int8 ``[L, H, sum n]``, the same order), tokens a window holds
+    ``ntok`` ``[B, N]``, units ``unit`` ``[H, N]`` (``h * n_max + j``) and, ``ahead``, each
+    request's last window ``last`` bool ``[B, N]``."""
+
+    n: list[int]
+    N: int
+    n_max: int
+    win: Tensor
+    pos: Tensor
+    flat: Tensor
+    borrowed: Tensor
+    mine: Tensor
+    ntok: Tensor
+    unit: Tensor
+    last: Tensor | None
+
+
+def _batch(pool, views, seqs: list[int], n_max: int | None, ahead: bool) -> _Batch:
+    """:class:`_Batch` of requests with ``views`` and lengths ``seqs``; no host sync (the window
+    counts and lengths are host values, copied from pinned memory)."""
+    H, W, dev = pool.head_num, pool.layout.window, pool.device
+    n = [int(v.windows.numel()) for v in views]
+    N = max(n)  # the span built; units are numbered with n_max (a graph's context, in windows)
+    n_max = n_max or N
+    assert N <= n_max, f"a request of {N} windows past the {n_max} its units are numbered for"
+    win, pos, flat, borrowed = _batch_windows(pool, views, n, N)
+    mine = torch.cat([v.state for v in views], 2)  # [L, H, sum n]: one op, not one a run
+    j = torch.arange(N, device=dev)
+    ntok = (to_device(seqs, dev)[:, None] - j * W).clamp(0, W)  # [B, N]
+    unit = torch.arange(H, device=dev)[:, None] * n_max + j  # [H, N]
+    last = to_device([x - 1 for x in n], dev)[:, None] == j if ahead else None  # [B, N]
+    return _Batch(n, N, n_max, win, pos, flat, borrowed, mine, ntok, unit, last)
+
+
 def candidates(
     pool, views, seqs: list[int], n_max: int | None = None, ahead: bool = False,
-    layers: range | None = None,
+    layers: range | None = None, batch: _Batch | None = None,
 ) -> Candidates:  # fmt: skip
     """:class:`Candidates` for requests with ``views`` (``RequestView``) and lengths ``seqs``, of
     ``layers`` (default: every layer); ``n_max`` (default: the most windows of a request)
     numbers the units. ``ahead``: each request's last window lists all its ``W`` rows, the ones
     past ``seqs`` too (the next decode steps write there), and ``ahead`` counts them per list.
-    Device ops only, no host sync (the window counts and lengths are host values, copied from
-    pinned memory)."""
+    ``batch``: the step's :func:`_batch` if already made (:func:`candidate_chunks` makes it once
+    for every run of layers). Device ops only, no host sync (the window counts and lengths are
+    host values, copied from pinned memory)."""
     H, W, dev = pool.head_num, pool.layout.window, pool.device
     layers = layers or range(pool.layer_num)
-    L, B = len(layers), len(views)
-    n = [int(v.windows.numel()) for v in views]
-    N = max(n)  # the span built; units are numbered with n_max (a graph's context, in windows)
-    n_max = n_max or N
-    assert N <= n_max, f"a request of {N} windows past the {n_max} its units are numbered for"
-    win, st = _window_states(pool, views, n, N, layers)
+    bt = batch or _batch(pool, views, seqs, n_max, ahead)
+    L, B, N = len(layers), len(views), bt.N
+    st = _states(pool, bt.mine, bt.flat, bt.pos, bt.borrowed, B, N, layers)
     at = slice(layers.start, layers.stop)
-    blk = pool.block_all[at, :, :, win].permute(0, 1, 3, 2, 4).long()  # [L, K, B, H, N]
-    j = torch.arange(N, device=dev)
-    ntok = (to_device(seqs, dev)[:, None] - j * W).clamp(0, W)  # [B, N]
-    unit = (torch.arange(H, device=dev)[:, None] * n_max + j).expand(L, B, H, N)
+    blk = pool.block_all[at, :, :, bt.win].permute(0, 1, 3, 2, 4).long()  # [L, K, B, H, N]
+    unit = bt.unit.expand(L, B, H, N)
 
     rows = (st == S_FULL) | (st == S_R)
     quant = pool.layout.quant
     rowblk, pageblk = _blocks_read(pool, st, blk)
     i = torch.arange(W, device=dev)
-    tok = rows[..., None] & (i < ntok[None, :, None, :, None])  # [L, B, H, N, W]
+    tok = rows[..., None] & (i < bt.ntok[None, :, None, :, None])  # [L, B, H, N, W]
     listed, future = tok, None
     if ahead:  # the last window's future rows too (the request's last window is always rows)
-        last = to_device([x - 1 for x in n], dev)[:, None] == j  # [B, N]
-        listed = tok | (rows & last[None, :, None, :])[..., None]
+        listed = tok | (rows & bt.last[None, :, None, :])[..., None]
         future = (listed & ~tok).sum((-1, -2)).flatten().to(torch.int32)
     qm = st == S_Q
     per_list = torch.zeros(L, B, H, 4, dtype=torch.long, device=dev)
     if quant is not None:
         per_list[..., V_BITS.index(quant.bits)] = qm.sum(-1)
-    return Candidates(listed, (rowblk * W)[..., None], unit, qm, pageblk, per_list, n, n_max,
-                      future, layers)  # fmt: skip
+    return Candidates(listed, (rowblk * W)[..., None], unit, qm, pageblk, per_list, bt.n,
+                      bt.n_max, future, layers)  # fmt: skip
 
 
 def layer_chunks(pool, n: list[int], max_entries: int | None = None) -> list[range]:
@@ -208,10 +243,11 @@ def candidate_chunks(
     max_entries: int | None = None,
 ) -> Iterator[Candidates]:  # fmt: skip
     """:func:`candidates` of every layer, a :func:`layer_chunks` run at a time, made as they are
-    taken: what one run's temporaries hold is freed before the next is built."""
-    n = [int(v.windows.numel()) for v in views]
-    for layers in layer_chunks(pool, n, max_entries):
-        yield candidates(pool, views, seqs, n_max, ahead, layers)
+    taken: what one run's temporaries hold is freed before the next is built; what the runs
+    share (:func:`_batch`) is made once."""
+    bt = _batch(pool, views, seqs, n_max, ahead)
+    for layers in layer_chunks(pool, bt.n, max_entries):
+        yield candidates(pool, views, seqs, n_max, ahead, layers, bt)
 
 
 def lists(
@@ -234,27 +270,46 @@ def _blocks_read(pool, st: Tensor, blk: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(st == S_FULL, blk[:, FULL], blk[:, R]), blk[:, Q]
 
 
+def _batch_windows(pool, views, n: list[int], N: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The batch's windows ``win`` int64 ``[B, N]`` (padding: window 0), and where each
+    request's windows land in ``[B * N]`` (``pos``) of their concatenation ``flat`` (and
+    ``borrowed``, the same order). No host sync."""
+    dev, B = pool.device, len(views)
+    # every request's windows side by side, then scattered to [B, N]
+    flat = torch.cat([v.windows for v in views])
+    borrowed = torch.cat([v.borrowed for v in views])
+    counts, total = to_device(n, dev), sum(n)
+    shift = torch.arange(B, device=dev) * N - (counts.cumsum(0) - counts)
+    pos = torch.arange(total, device=dev) + shift.repeat_interleave(counts, output_size=total)
+    win = torch.zeros(B * N, dtype=torch.long, device=dev).index_copy_(0, pos, flat).view(B, N)
+    return win, pos, flat, borrowed
+
+
+def _states(
+    pool, mine: Tensor, flat: Tensor, pos: Tensor, borrowed: Tensor, B: int, N: int,
+    layers: range | None = None,
+) -> Tensor:  # fmt: skip
+    """The state each request reads its windows in, int8 ``[L, B, H, N]`` of ``layers``
+    (default: all; padding: evicted), given :func:`_batch_windows`' placement and the
+    requests' own states ``mine`` (int8 ``[L_all, H, sum n]``, concatenated). No host sync."""
+    layers = layers or range(pool.layer_num)
+    at = slice(layers.start, layers.stop)
+    L, H, dev = len(layers), pool.head_num, pool.device
+    read = torch.where(borrowed, mine[at], pool.owner_all[at, :, flat])  # [L, H, sum n]
+    st = torch.full((L, H, B * N), S_EVICT, dtype=torch.int8, device=dev)
+    return st.index_copy_(2, pos, read).view(L, H, B, N).transpose(1, 2)
+
+
 def _window_states(
     pool, views, n: list[int], N: int, layers: range | None = None
 ) -> tuple[Tensor, Tensor]:
     """The batch's windows ``win`` int64 ``[B, N]`` (padding: window 0) and the state each
     request reads them in, int8 ``[L, B, H, N]`` of ``layers`` (default: all; padding:
     evicted). No host sync."""
+    win, pos, flat, borrowed = _batch_windows(pool, views, n, N)
     layers = layers or range(pool.layer_num)
-    at = slice(layers.start, layers.stop)
-    L, H, dev = len(layers), pool.head_num, pool.device
-    B = len(views)
-    # every request's windows side by side, then scattered to [B, N]
-    flat = torch.cat([v.windows for v in views])
-    mine = torch.cat([v.state[at] for v in views], 2)  # [L, H, sum n]
-    borrowed = torch.cat([v.borrowed for v in views])
-    counts, total = to_device(n, dev), sum(n)
-    shift = torch.arange(B, device=dev) * N - (counts.cumsum(0) - counts)
-    pos = torch.arange(total, device=dev) + shift.repeat_interleave(counts, output_size=total)
-    win = torch.zeros(B * N, dtype=torch.long, device=dev).index_copy_(0, pos, flat).view(B, N)
-    read = torch.where(borrowed, mine, pool.owner_all[at, :, flat])  # [L, H, sum n]
-    st = torch.full((L, H, B * N), S_EVICT, dtype=torch.int8, device=dev)
-    return win, st.index_copy_(2, pos, read).view(L, H, B, N).transpose(1, 2)
+    mine = torch.cat([v.state[layers.start : layers.stop] for v in views], 2)
+    return win, _states(pool, mine, flat, pos, borrowed, len(views), N, layers)
 
 
 def extend_lists(pool, views) -> extend.WindowLists:
