@@ -228,6 +228,19 @@ def dequant_configs(d: int) -> list[Config]:
     return out
 
 
+def register_budget_configs(d: int) -> list[Config]:
+    """The served plans (qevict's uniform pages, rdkv's blocks of 32 channels; magic dequant)
+    under tighter register caps than 128: 96 fits 5 programs of 4 warps an SM, 80 six, against
+    4 at 128 (run 31: resident warps x latency binds rdkv's pages), at the price of spills."""
+    out = []
+    for r in (96, 80):
+        out += [_split(True, "qevict2", d, side, 1, None, maxnreg=r, magic=True)
+                for side in (False, True)]  # fmt: skip
+        out += [_split(False, "rdkv", d, side, 1, 4, kbl=True, kc=32, maxnreg=r, magic=True)
+                for side in (False, True)]  # fmt: skip
+    return out
+
+
 def configs() -> list[Config]:
     out = []
     for d in (64, 128):
@@ -269,6 +282,7 @@ def configs() -> list[Config]:
         out.append(_split(False, "rdkv", d, False, 1, 4, 32, False, kbl=True, maxnreg=128))
         out.append(_split(False, "rdkv", d, False, 1, 4, kbl=True, stages=1, maxnreg=128))
         out += [c for c in dequant_configs(d) if c not in out]
+        out += register_budget_configs(d)
         out += [_merge(d, s) for s in (4, 64)]
         out.append(_mass(d))
         out.append(_q_perm(d))

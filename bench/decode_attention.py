@@ -79,6 +79,9 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
         ("_magic", {"dequant": "magic"}, (64, 128)),
         ("_r128", {"max_regs": 128}, (64, 128)),
         ("_r128_magic", {"max_regs": 128, "dequant": "magic"}, (64, 128)),
+        # 96 registers: 5 programs of 4 warps an SM instead of 4 (spills under Triton 3.6:
+        # none at d64 without the side output, 52/44 B with it, 96/96 B at d128)
+        ("_r96_magic", {"max_regs": 96, "dequant": "magic"}, (64, 128)),
         ("_pipe8", {"prefetch": "pipeliner", "num_stages": 8}, (128,)),  # d64: = _pipe8_r128
         ("_pipe8_r128", {"prefetch": "pipeliner", "num_stages": 8, "max_regs": 128}, (64, 128)),
         # d64: the scale/lo pairs of one page are 2 bytes a thread (synchronous); two pages, 4
@@ -94,6 +97,12 @@ TARGET_VARIANTS = {  # mix -> [(suffix, plan options, head_dims timed)]
         # 32-channel row the fastest (1.080 ms at Llama 128K x 8)
         ("_blocks_r128", {"k_path": "blocks", "max_regs": 128}, (64, 128)),
         ("_blocks_r128_magic", {"k_path": "blocks", "max_regs": 128, "dequant": "magic"},
+         (64, 128)),
+        # tighter caps: 5 / 6 programs an SM instead of 4 (run 31: resident warps x latency
+        # binds these pages), spilling 48-124 / 148-280 B a thread under Triton 3.6
+        ("_blocks_r96_magic", {"k_path": "blocks", "max_regs": 96, "dequant": "magic"},
+         (64, 128)),
+        ("_blocks_r80_magic", {"k_path": "blocks", "max_regs": 80, "dequant": "magic"},
          (64, 128)),
         ("_gather", {"k_path": "gather"}, (64, 128)),
         ("_blocks", {"k_path": "blocks"}, (64, 128)),
