@@ -462,7 +462,8 @@ def test_extend_kernel_matches_the_gather_path(monkeypatch, policy):
             torch.testing.assert_close(v.float(), u.float(), rtol=2**-7, atol=1e-2)
     assert all(torch.equal(x, y) for x, y in zip(gt, kt, strict=True))
     assert geb is None and keb is not None and ks["extend"] == "kernel" and gs["extend"] == "gather"
-    kinds = keb.lists.pages.sum(), keb.lists.rows.sum()
+    assert keb.runs == [range(h.sim.L)]  # a small batch: every layer's lists in one run
+    kinds = keb.held.pages.sum(), keb.held.rows.sum()
     assert kinds[0] > 0 and kinds[1] > 0  # the second chunks read pages and rows
     assert h.backend.extend_kernel_batches == 2 and gs["routes"] == ks["routes"] >= 2
     reads = set(keb.sig)
@@ -866,7 +867,8 @@ def test_token_units_run_the_kernels_eagerly_and_under_graphs(monkeypatch, polic
     runs, whole = {}, trizone.CHUNK_ENTRIES
     for name, kernel, graphs in (("gather", False, False), ("kernel", True, False),
                                  ("graphed", True, True), ("by layer", True, True)):  # fmt: skip
-        # "by layer": every step's lists built a layer at a time (a batch too large for one)
+        # "by layer": every step's lists (decode and extend) built a layer at a time (a batch
+        # too large for one)
         monkeypatch.setattr(trizone, "CHUNK_ENTRIES", 1 if name == "by layer" else whole)
         options = KVOptions(decode="kernel" if kernel else "gather",
                             extend="kernel" if kernel else "exact")  # fmt: skip

@@ -117,6 +117,29 @@ def test_packed_lists_in_layer_runs_are_the_lists_of_all_layers(spare):
         assert a.dtype == b.dtype and torch.equal(a, b), f
 
 
+def test_extend_lists_in_layer_runs_are_the_lists_of_all_layers():
+    """The extend kernel's window lists built a run of layers at a time (as an extend batch
+    takes them, :meth:`~.trizone.ExtendBatch.lists_of`) equal every layer's built at once; the
+    batch holds one run's at a time."""
+    pool, g, views, seqs = _routed_pair()
+    n = [int(v.windows.numel()) for v in views]
+    whole = trizone.extend_lists(pool, views)
+    assert int(whole.rows.sum()) > 0 and int(whole.pages.sum()) > 0  # rows and pages listed
+    per_layer = len(n) * pool.head_num * max(n)
+    assert trizone.extend_runs(pool, n, per_layer) == [
+        range(i, i + 1) for i in range(pool.layer_num)
+    ]
+    assert trizone.extend_runs(pool, n, 2 * per_layer)[0] == range(min(2, pool.layer_num))
+    assert trizone.extend_runs(pool, n) == [range(pool.layer_num)]  # a small batch: one run
+    eb = trizone.build_extend(pool, views, [1, 1], seqs, 7, frozenset())
+    eb.runs = trizone.extend_runs(pool, n, per_layer)
+    for li in range(pool.layer_num):
+        a, b = whole.layer(li), eb.lists_of(li)
+        assert eb.run == range(li, li + 1) and eb.held.blk.shape[0] == 1
+        for f in ("blk", "win", "rows", "pages"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), (li, f)
+
+
 def test_a_list_rebuild_reads_nothing_back():
     """Building a step's candidates and scattering them: no op whose result the host waits for
     (the packed lists need one per mask)."""

@@ -205,8 +205,8 @@ def candidates(
     layers = layers or range(pool.layer_num)
     bt = batch or _batch(pool, views, seqs, n_max, ahead)
     L, B, N = len(layers), len(views), bt.N
-    st = _states(pool, bt.mine, bt.flat, bt.pos, bt.borrowed, B, N, layers)
     at = slice(layers.start, layers.stop)
+    st = _states(pool, bt.mine[at], bt.flat, bt.pos, bt.borrowed, B, N, layers)
     blk = pool.block_all[at, :, :, bt.win].permute(0, 1, 3, 2, 4).long()  # [L, K, B, H, N]
     unit = bt.unit.expand(L, B, H, N)
 
@@ -291,11 +291,12 @@ def _states(
 ) -> Tensor:  # fmt: skip
     """The state each request reads its windows in, int8 ``[L, B, H, N]`` of ``layers``
     (default: all; padding: evicted), given :func:`_batch_windows`' placement and the
-    requests' own states ``mine`` (int8 ``[L_all, H, sum n]``, concatenated). No host sync."""
+    requests' own states of those layers ``mine`` (int8 ``[L, H, sum n]``, concatenated). No
+    host sync."""
     layers = layers or range(pool.layer_num)
     at = slice(layers.start, layers.stop)
     L, H, dev = len(layers), pool.head_num, pool.device
-    read = torch.where(borrowed, mine[at], pool.owner_all[at, :, flat])  # [L, H, sum n]
+    read = torch.where(borrowed, mine, pool.owner_all[at, :, flat])  # [L, H, sum n]
     st = torch.full((L, H, B * N), S_EVICT, dtype=torch.int8, device=dev)
     return st.index_copy_(2, pos, read).view(L, H, B, N).transpose(1, 2)
 
@@ -312,18 +313,34 @@ def _window_states(
     return win, _states(pool, mine, flat, pos, borrowed, len(views), N, layers)
 
 
-def extend_lists(pool, views) -> extend.WindowLists:
-    """The extend kernel's window lists of every layer (``[L, ...]``, :meth:`~tiered_radix.
-    kernels.extend.WindowLists.layer` slices one) for requests with ``views``: per (request,
-    head) the windows read full or restored (row blocks ``FULL``/``R``) in window order, then
-    those read quantized (ledger pages); evicted windows in neither. Device ops only, no host
-    sync (the window counts are host values)."""
+def extend_lists(pool, views, layers: range | None = None) -> extend.WindowLists:
+    """The extend kernel's window lists of ``layers`` (default: every layer; ``[L, ...]``,
+    :meth:`~tiered_radix.kernels.extend.WindowLists.layer` slices one, counted from the range's
+    first) for requests with ``views``: per (request, head) the windows read full or restored
+    (row blocks ``FULL``/``R``) in window order, then those read quantized (ledger pages);
+    evicted windows in neither. Device ops only, no host sync (the window counts are host
+    values)."""
+    layers = layers or range(pool.layer_num)
     n = [int(v.windows.numel()) for v in views]
-    win, st = _window_states(pool, views, n, max(n))
-    blk = pool.block_all[:, :, :, win].permute(0, 1, 3, 2, 4)  # [L, K, B, H, N]
+    win, st = _window_states(pool, views, n, max(n), layers)
+    at = slice(layers.start, layers.stop)
+    blk = pool.block_all[at, :, :, win].permute(0, 1, 3, 2, 4)  # [L, K, B, H, N]
     rows = (st == S_FULL) | (st == S_R)
     kind = torch.where(rows, extend.ROW, torch.where(st == S_Q, extend.PAGE, extend.ABSENT))
     return extend.window_lists(kind, *_blocks_read(pool, st, blk))
+
+
+def extend_runs(pool, n: list[int], max_entries: int | None = None) -> list[range]:
+    """The layers in runs whose extend lists (:func:`extend_lists` of requests with ``n``
+    windows: ``B * H * max(n)`` windows a layer, a few int64 temporaries each) stay within
+    ``max_entries`` (default :data:`CHUNK_ENTRIES`), at least one layer a run: for 32
+    token-unit requests of 1K-30K tokens at Qwen-0.5B's shapes (CPU tensors), 1.56 GiB at the
+    peak for every layer at once, 0.37 GiB in runs."""
+    max_entries = max_entries or CHUNK_ENTRIES
+    per_layer = len(n) * pool.head_num * max(n, default=1)
+    step = max(1, max_entries // max(per_layer, 1))
+    L = pool.layer_num
+    return [range(lo, min(lo + step, L)) for lo in range(0, L, step)]
 
 
 def k_table(pool, lists: int) -> Tensor:
@@ -423,20 +440,35 @@ def window_attn(batch: DecodeBatch, window: int) -> Tensor:
 
 @dataclass
 class ExtendBatch:
-    """One extend forward through the extend kernel: the plan, every layer's window lists, and
-    per layer the signals the policy reads (``sig[name]`` float32 ``[L, rows, H, T_max]`` at
-    token positions, each request's partial sums in ``splits.n[b]`` rows, :meth:`signals`;
-    ``qnorm_sq`` the attention kernel's per-tile sums of q^2, float32 ``[L, B, tiles, H, d]``,
-    :meth:`qnorm`), filled by :func:`extend_layer`. ``in_run``: the attention launch fills the
-    signals itself (``attn``/``obs_attn`` without ``colmass``: one launch a layer, not two)."""
+    """One extend forward through the extend kernel: the plan, the window lists (built a run of
+    layers at a time as the layers come, :meth:`lists_of`), and per layer the signals the
+    policy reads (``sig[name]`` float32 ``[L, rows, H, T_max]`` at token positions, each
+    request's partial sums in ``splits.n[b]`` rows, :meth:`signals`; ``qnorm_sq`` the attention
+    kernel's per-tile sums of q^2, float32 ``[L, B, tiles, H, d]``, :meth:`qnorm`), filled by
+    :func:`extend_layer`. ``in_run``: the attention launch fills the signals itself
+    (``attn``/``obs_attn`` without ``colmass``: one launch a layer, not two). ``pool``,
+    ``views``: what the lists are read from; ``runs``: :func:`extend_runs`."""
 
     plan: extend.ExtendPlan
-    lists: extend.WindowLists
     need: frozenset[str]
     sig: dict[str, Tensor]
     qnorm_sq: Tensor | None
     splits: extend.SignalSplits
-    in_run: bool = False
+    in_run: bool
+    pool: object
+    views: list
+    runs: list[range]
+    run: range | None = None  # the run whose lists are held
+    held: extend.WindowLists | None = None  # its lists, ``[len(run), ...]``
+
+    def lists_of(self, li: int) -> extend.WindowLists:
+        """Layer ``li``'s window lists: the run holding it is built when first asked for (the
+        run before is let go: one run's lists and temporaries at a time)."""
+        if self.run is None or li not in self.run:
+            self.run = next(r for r in self.runs if li in r)
+            self.held = None  # freed before the next run's are built
+            self.held = extend_lists(self.pool, self.views, self.run)
+        return self.held.layer(li - self.run.start)
 
     def signals(self) -> dict[str, Tensor]:
         """float32 ``[L, B, H, T_max]`` per signal: every layer's at once (after the last
@@ -468,7 +500,8 @@ def build_extend(pool, views, q_lens: list[int], seqs: list[int], group: int,
     if "qnorm" in need:  # zeroed: requests with fewer tiles leave theirs
         qsq = torch.zeros(L, p.batch, p.tiles_max, H, pool.head_dim, dtype=torch.float32,
                           device=dev)  # fmt: skip
-    return ExtendBatch(p, extend_lists(pool, views), frozenset(need), sig, qsq, splits, in_run)
+    runs = extend_runs(pool, [int(v.windows.numel()) for v in views])
+    return ExtendBatch(p, frozenset(need), sig, qsq, splits, in_run, pool, list(views), runs)
 
 
 def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> Tensor:
@@ -479,7 +512,7 @@ def extend_layer(pool, eb: ExtendBatch, li: int, q: Tensor, sm_scale: float) -> 
         pool.rows_k[li], pool.rows_v[li], pool.pages[li] if pool.pages else None,
         quant.bits if quant else 2, pool.v_group or 8,
     )  # fmt: skip
-    H, ls = pool.head_num, eb.lists.layer(li)
+    H, ls = pool.head_num, eb.lists_of(li)
     qsq = None if eb.qnorm_sq is None else eb.qnorm_sq[li]
     into = {n: x[li] for n, x in eb.sig.items()}
     if eb.in_run:  # one launch: the tiles of observed rows sum their own probabilities
