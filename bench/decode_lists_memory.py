@@ -23,27 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import subprocess
-import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
+import host_peak
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 WAYS = ("context", "batch", "runs")
 L, H, D, W = 24, 2, 64, 1
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def pool_and_views(lengths: list[int]):
@@ -94,15 +82,16 @@ def one(way: str, lengths: list[int], context: int) -> dict:
     bs = len(lengths)
     g = graph.GraphDecode(pool, bs, sum(seqs) + W * bs, context, side_output=False)
     entries = L * bs * H * max(lengths) * W
+
     def rebuild() -> None:
         if way == "runs":
             g.load(bs, trizone.candidate_chunks(pool, views, seqs, g.n_max, ahead=True))
         else:
             g.load(bs, trizone.candidates(pool, views, seqs, g.n_max, ahead=True))
 
-    before, t0 = rss_bytes(), time.perf_counter()
+    before, t0 = host_peak.rss_bytes(), time.perf_counter()
     rebuild()
-    out = {"way": way, "peak_over_resident_bytes": max(peak_bytes() - before, 0),
+    out = {"way": way, "peak_over_resident_bytes": max(host_peak.peak_bytes() - before, 0),
            "seconds": time.perf_counter() - t0, "entries": entries,
            "runs": len(trizone.layer_chunks(pool, lengths)) if way == "runs" else 1}  # fmt: skip
     with OpCount() as count:
@@ -112,28 +101,22 @@ def one(way: str, lengths: list[int], context: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--min", type=int, default=1000)
-    p.add_argument("--max", type=int, default=30000)
+    host_peak.batch_args(p, WAYS, batch=64)
     p.add_argument("--context", type=int, default=32768)
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a child process's way
     args = p.parse_args()
-    step = (args.max - args.min) // max(args.batch - 1, 1)
-    lengths = [args.min + i * step for i in range(args.batch)]
+    lengths = host_peak.lengths(args)
     if args.one:
         print(json.dumps(one(args.one, lengths, args.context)))
         return
-    rows = []
-    for way in WAYS:
-        cmd = [sys.executable, __file__, "--one", way, "--batch", str(args.batch), "--min",
-               str(args.min), "--max", str(args.max), "--context", str(args.context)]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-        r = rows[-1]
-        print(f"{way:8s} peak {r['peak_over_resident_bytes'] / 2**30:6.2f} GiB  "
-              f"{r['seconds']:6.2f} s  {r['entries'] / 1e6:7.1f} M entries  {r['runs']} run(s)"
-              f"  {r['aten_ops']} ops")
+    argv = ["--batch", str(args.batch), "--min", str(args.min), "--max", str(args.max),
+            "--context", str(args.context)]  # fmt: skip
+    rows = host_peak.run_ways(__file__, WAYS, argv)
+    for r in rows:
+        print(
+            f"{r['way']:8s} peak {r['peak_over_resident_bytes'] / 2**30:6.2f} GiB  "
+            f"{r['seconds']:6.2f} s  {r['entries'] / 1e6:7.1f} M entries  {r['runs']} run(s)"
+            f"  {r['aten_ops']} ops"
+        )
     result = {"shape": {"layers": L, "kv_heads": H, "head_dim": D, "window": W},
               "batch": args.batch, "tokens": [args.min, args.max], "context": args.context,
               "torch": torch.__version__, "rows": rows}  # fmt: skip

@@ -25,25 +25,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import resource
-import subprocess
 import sys
 import time
-from pathlib import Path
 
+import host_peak
 import torch
 
 WAYS = ("one-pass", "passes")
 L, H, D = 24, 2, 64
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def stores(policy_name: str, lengths: list[int]) -> list:
@@ -79,13 +68,13 @@ def one(way: str, policy: str, lengths: list[int]) -> dict:
     if way == "one-pass":
         planner._RANK_TABLE_BYTES = 1 << 62
     passes = len(planner._rank_passes(ss))
-    before, t0 = rss_bytes(), time.perf_counter()
+    before, t0 = host_peak.rss_bytes(), time.perf_counter()
     plans = planner.plan_routes(ss)
     seconds = time.perf_counter() - t0
     digest = hashlib.sha256()
     for p in plans:
         digest.update(p.tiers.numpy().tobytes())
-    return {"way": way, "peak_over_resident_bytes": max(peak_bytes() - before, 0),
+    return {"way": way, "peak_over_resident_bytes": max(host_peak.peak_bytes() - before, 0),
             "seconds": seconds, "passes": passes, "units": L * H * sum(lengths),
             "stacked_units": L * H * len(lengths) * max(lengths),
             "tiers_sha256": digest.hexdigest()[:16]}  # fmt: skip
@@ -93,27 +82,19 @@ def one(way: str, policy: str, lengths: list[int]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    host_peak.batch_args(p, WAYS, batch=32)
     p.add_argument("--policy", default="h2o")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--min", type=int, default=1000)
-    p.add_argument("--max", type=int, default=30000)
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a child process's way
     args = p.parse_args()
-    step = (args.max - args.min) // max(args.batch - 1, 1)
-    lengths = [args.min + i * step for i in range(args.batch)]
+    lengths = host_peak.lengths(args)
     if args.one:
         print(json.dumps(one(args.one, args.policy, lengths)))
         return
-    rows = []
-    for way in WAYS:
-        cmd = [sys.executable, __file__, "--one", way, "--policy", args.policy, "--batch",
-               str(args.batch), "--min", str(args.min), "--max", str(args.max)]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
-        r = rows[-1]
+    argv = ["--policy", args.policy, "--batch", str(args.batch), "--min", str(args.min),
+            "--max", str(args.max)]  # fmt: skip
+    rows = host_peak.run_ways(__file__, WAYS, argv)
+    for r in rows:
         print(
-            f"{way:9s} peak {r['peak_over_resident_bytes'] / 2**30:6.2f} GiB  "
+            f"{r['way']:9s} peak {r['peak_over_resident_bytes'] / 2**30:6.2f} GiB  "
             f"{r['seconds']:6.2f} s  {r['passes']:2d} pass(es)  tiers {r['tiers_sha256']}"
         )
     same = len({r["tiers_sha256"] for r in rows}) == 1
