@@ -279,19 +279,36 @@ class StepEvents:
 
 
 class EventLog:
-    """Every routing step of a store, and transition counts by kind plus "ledger_write"."""
+    """Every routing step of a store, and transition counts by kind plus "ledger_write".
 
-    def __init__(self) -> None:
+    ``keep``: only the last ``keep`` steps are held (None: all). A step holds every moved unit's
+    columns, on the store's device: a server's stores keep one, since their moves are counted
+    where they happen (the SGLang backend's stats); holding them all kept ~1 KB a token of
+    every running token-unit request for its life (a first routing moves ~90% of its units).
+    Such a log counts nothing: :attr:`counters` refuses."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"an event log keeps at least one step, got keep={keep}")
+        self.keep = keep
         self.steps: list[StepEvents] = []
         self._counters: Counter = Counter()
         self._pending: list[StepEvents] = []
 
     def record(self, ev: StepEvents) -> None:
         self.steps.append(ev)
-        self._pending.append(ev)
+        if self.keep is None:
+            self._pending.append(ev)
+        elif len(self.steps) > self.keep:
+            del self.steps[: -self.keep]
 
     @property
     def counters(self) -> Counter:
+        if self.keep is not None:
+            raise ValueError(
+                f"this event log keeps its last {self.keep} step(s) and counts nothing; "
+                "count the transitions where they are applied, or keep every step"
+            )
         for ev in self._pending:
             self._counters.update(ev.transitions.counts())
             self._counters["ledger_write"] += int(ev.transitions.ledger_write.sum())

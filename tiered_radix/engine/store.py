@@ -87,6 +87,7 @@ class TierStore:
         budget_override: Budget | None = None,
         reader: Callable[[int], tuple[Tensor, Tensor, Tensor]] | None = None,
         shard: HeadShard | None = None,
+        history: int | None = None,
     ) -> None:
         self.policy, self.n_layers, self.n_heads, self.head_dim = (
             policy,
@@ -146,7 +147,7 @@ class TierStore:
             policy, n_layers, n_heads, cache=self._cache_state,
             gather_heads=self.shard.gather_heads if self.shard.world > 1 else None,
         )  # fmt: skip
-        self.events = EventLog()
+        self.events = EventLog(keep=history)  # history: routing steps held (None: all)
         self.step = 0
         self.deferred = False  # a prefill chunk's routing waits for the next decode step
 

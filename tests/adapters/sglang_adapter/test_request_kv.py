@@ -474,7 +474,7 @@ def test_isolation_holds_through_the_decode_kernel_under_cuda_graphs(monkeypatch
         for x, y in zip(s1, s2, strict=True):
             assert torch.equal(x, y)
     sa, sb = (h.backend.sessions["a"].store for h in (alone, beside))
-    assert sa.events.steps and len(sa.events.steps) == len(sb.events.steps)
+    assert sa.step > 0 and sa.step == sb.step  # as many routings applied
     for li in range(alone.sim.L):
         assert torch.equal(sa.tiers(li), sb.tiers(li))
     n = sa.n_tokens(0)
@@ -541,4 +541,5 @@ def test_mixed_requests_routed_together_decide_as_each_alone(monkeypatch):
         n = s1.n_tokens(0)
         assert one.sim.cache.usage(rid, n) == h.sim.cache.usage(rid, n)
         assert s1.events.steps[-1].bytes_used == s2.events.steps[-1].bytes_used
-    assert sum(len(e.transitions) for e in s2.events.steps) > 0  # the routings move units
+    moved = h.backend.stats()
+    assert moved["demote"] + moved["evict"] > 0  # the routings move units

@@ -625,7 +625,7 @@ class TieredAttnBackend(AttentionBackend):
             kv.policy, n_layers=self.layers, n_heads=self.pool.head_num,
             head_dim=self.pool.head_dim, dtype=self.pool.dtype, device=self.pool.device,
             budget_override=kv.budget, reader=lambda li: self._read(req.rid, li),
-            shard=self.shard, max_tokens=n_tokens,
+            shard=self.shard, max_tokens=n_tokens, history=1,  # moves are counted in stats
         )  # fmt: skip
         n = view.windows.numel()
         if n:
