@@ -103,7 +103,7 @@ def _run(clock: str, args) -> dict:
         for t in range(gap):
             h.step(running, [[60 + t % 30]] * len(running), extend=False)
     stores = [h.backend.sessions[r.rid].store for r in running]
-    routed0 = [len(s.events.steps) for s in stores]
+    routed0 = [s.step for s in stores]
     steps_with_routing = 0
     if args.graphs:  # SGLang captures its batch sizes after the pool is set up
         h.backend.init_cuda_graph_state(B, B)
@@ -116,12 +116,12 @@ def _run(clock: str, args) -> dict:
     stacks = {"experimental_config": _ExperimentalConfig(verbose=True)} if args.by_function else {}
     with profile(activities=[ProfilerActivity.CPU], with_stack=args.by_function, **stacks) as prof:
         for t in range(args.steps):
-            before = sum(len(s.events.steps) for s in stores)
+            before = sum(s.step for s in stores)
             if args.graphs:
                 h.replay(running, [[60 + t % 30]] * B, B, rids=True)
             else:
                 h.step(running, [[60 + t % 30]] * B, extend=False)
-            steps_with_routing += sum(len(s.events.steps) for s in stores) > before
+            steps_with_routing += sum(s.step for s in stores) > before
     wall = time.perf_counter() - t0
     events = prof.events()
     meta = [e.time_range for e in events if e.name == "X:init_forward_metadata_out_graph"]
@@ -143,7 +143,7 @@ def _run(clock: str, args) -> dict:
     kernels = [e for e in kernel_events if inside(e)]
     ops += len(kernels)
     syncs = sum(1 for e in events if e.name in SYNCS and inside(e))
-    routed = sum(len(s.events.steps) for s in stores) - sum(routed0)
+    routed = sum(s.step for s in stores) - sum(routed0)
     graphs = {}
     if args.graphs:  # the step's metadata and lists (a fold there included), rows folded
         in_meta = [e for e in top if e.name not in VIEWS and any(

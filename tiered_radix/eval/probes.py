@@ -69,7 +69,7 @@ class DecodeProbe:
 
     def routed(self, store) -> None:
         """Call after every possible routing: snapshots tiers when ``store`` routed."""
-        n = len(store.events.steps)
+        n = store.step  # routings applied
         if n == self._routes:
             return
         self._routes = n
