@@ -1,6 +1,6 @@
-"""The event log: every routing step by default; with ``keep`` (a server's stores: ``TierStore(
-history=1)``) only the last ones, so a request's moved units do not stay on the device for its
-life, and then no counters."""
+"""The event log: every routing step with its transitions by default; with ``keep`` (a server's
+stores: ``TierStore(history=1)``) only the last ones keep their transitions, so a request's moved
+units do not stay on the device for its life, and then no counters."""
 
 from __future__ import annotations
 
@@ -35,12 +35,14 @@ def _routed(history: int | None, routings: int = 4) -> TierStore:
     return store
 
 
-def test_a_log_that_keeps_one_step_holds_the_last_and_counts_nothing():
+def test_a_log_that_keeps_one_step_holds_the_last_transitions_and_counts_nothing():
     full, last = _routed(None), _routed(1)
-    assert len(full.events.steps) == full.step == 4 and last.step == 4
-    assert len(last.events.steps) == 1
+    assert len(full.events.steps) == len(last.events.steps) == full.step == last.step == 4
+    for a, b in zip(full.events.steps, last.events.steps, strict=True):
+        assert (a.reason, a.bytes_used, a.over_budget) == (b.reason, b.bytes_used, b.over_budget)
+    assert len(full.events.steps[0].transitions) > 0  # the first routing moved units
+    assert [len(e.transitions) for e in last.events.steps[:-1]] == [0, 0, 0]  # let go
     a, b = full.events.steps[-1], last.events.steps[-1]
-    assert (a.reason, a.bytes_used, a.over_budget) == (b.reason, b.bytes_used, b.over_budget)
     assert list(a.transitions) == list(b.transitions)
     assert sum(full.events.counters.values()) > 0  # the routings moved units
     with pytest.raises(ValueError, match="counts nothing"):

@@ -237,6 +237,15 @@ class StepEvents:
         self.step, self.reason, self.transitions, self.budget = step, reason, transitions, budget
         self._bytes_used, self._over, self.forced = bytes_used, over_budget, forced
 
+    def release(self) -> None:
+        """Let the transitions go (an :class:`EventLog` with ``keep``): the step keeps its
+        reason, bytes and flags, and lists no transition."""
+        t = self.transitions
+        empty = torch.zeros(0, dtype=torch.long)
+        self.transitions = Transitions(
+            t.tier_names, t.evict_index, empty, empty, empty, empty, empty, empty.bool()
+        )
+
     @property
     def bytes_used(self) -> int:
         if isinstance(self._bytes_used, Tensor):
@@ -281,11 +290,13 @@ class StepEvents:
 class EventLog:
     """Every routing step of a store, and transition counts by kind plus "ledger_write".
 
-    ``keep``: only the last ``keep`` steps are held (None: all). A step holds every moved unit's
-    columns, on the store's device: a server's stores keep one, since their moves are counted
-    where they happen (the SGLang backend's stats); holding them all kept ~1 KB a token of
-    every running token-unit request for its life (a first routing moves ~90% of its units).
-    Such a log counts nothing: :attr:`counters` refuses."""
+    ``keep``: only the last ``keep`` steps hold their transitions (None: all); older steps keep
+    their reason, bytes and flags, their transitions let go (:meth:`StepEvents.release`). A
+    step's transitions are every moved unit's columns, on the store's device: a server's stores
+    keep one, since their moves are counted where they happen (the SGLang backend's stats);
+    holding them all kept ~1 KB a token of every running token-unit request for its life (a
+    first routing moves ~90% of its units). Such a log counts nothing: :attr:`counters`
+    refuses."""
 
     def __init__(self, keep: int | None = None) -> None:
         if keep is not None and keep < 1:
@@ -300,7 +311,7 @@ class EventLog:
         if self.keep is None:
             self._pending.append(ev)
         elif len(self.steps) > self.keep:
-            del self.steps[: -self.keep]
+            self.steps[-self.keep - 1].release()  # the step that just left the window
 
     @property
     def counters(self) -> Counter:
