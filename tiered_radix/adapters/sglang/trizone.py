@@ -231,11 +231,15 @@ def layer_chunks(pool, n: list[int], max_entries: int | None = None) -> list[ran
     """The layers in runs whose candidates (:func:`candidates` of requests with ``n`` windows:
     ``B * H * max(n) * W`` entries a layer) stay within ``max_entries`` (default
     :data:`CHUNK_ENTRIES`), at least one layer a run."""
-    max_entries = max_entries or CHUNK_ENTRIES
     per_layer = len(n) * pool.head_num * max(n, default=1) * pool.layout.window
-    step = max(1, max_entries // max(per_layer, 1))
-    L = pool.layer_num
-    return [range(lo, min(lo + step, L)) for lo in range(0, L, step)]
+    return _runs(pool.layer_num, per_layer, max_entries)
+
+
+def _runs(layers: int, per_layer: int, max_entries: int | None) -> list[range]:
+    """``layers`` layers in runs of at most ``max_entries`` (default :data:`CHUNK_ENTRIES`)
+    entries at ``per_layer`` a layer, at least one layer a run."""
+    step = max(1, (max_entries or CHUNK_ENTRIES) // max(per_layer, 1))
+    return [range(lo, min(lo + step, layers)) for lo in range(0, layers, step)]
 
 
 def candidate_chunks(
@@ -336,11 +340,7 @@ def extend_runs(pool, n: list[int], max_entries: int | None = None) -> list[rang
     ``max_entries`` (default :data:`CHUNK_ENTRIES`), at least one layer a run: for 32
     token-unit requests of 1K-30K tokens at Qwen-0.5B's shapes (CPU tensors), 1.56 GiB at the
     peak for every layer at once, 0.37 GiB in runs."""
-    max_entries = max_entries or CHUNK_ENTRIES
-    per_layer = len(n) * pool.head_num * max(n, default=1)
-    step = max(1, max_entries // max(per_layer, 1))
-    L = pool.layer_num
-    return [range(lo, min(lo + step, L)) for lo in range(0, L, step)]
+    return _runs(pool.layer_num, len(n) * pool.head_num * max(n, default=1), max_entries)
 
 
 def k_table(pool, lists: int) -> Tensor:
