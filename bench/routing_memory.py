@@ -11,6 +11,12 @@ peak, on tensors in host memory with the GPU's shapes, two ways:
 - ``passes``: stores of like lengths in passes of at most ``planner._RANK_TABLE_BYTES`` of
   allocator tables (the build served now).
 
+``--step land`` measures the step after the plan instead: the moves of the planned tiers
+(:meth:`~tiered_radix.engine.store.TierStore.begin_routes` then ``land``: masks and counts over
+every unit slot of the stores moving together), ``one-pass`` as one
+:class:`~tiered_radix.engine.stacked.StackedMoves`, ``passes`` in parts of at most
+``pending._MOVE_SLOTS`` unit slots. Both ways' tiers after the move are compared.
+
 The stores are Qwen2.5-0.5B's attention shape (24 layers, 2 KV heads, head dim 64) under the
 named shipped policy at its default budget, rows held elsewhere (as the SGLang pool's),
 ``--batch`` requests of ``--min``-``--max`` tokens with random prefill signals. Each way runs in
@@ -18,6 +24,7 @@ a fresh process; the peak is the process's peak resident memory less its residen
 before the plan (the stores already built). Both ways' plans are compared (equal tiers).
 
     python bench/routing_memory.py --policy h2o --batch 32 --out bench/results/routing-memory
+    python bench/routing_memory.py --step land --policy h2o --batch 32 --out bench/results/routing-memory
 """
 
 from __future__ import annotations
@@ -59,21 +66,30 @@ def stores(policy_name: str, lengths: list[int]) -> list:
     return out
 
 
-def one(way: str, policy: str, lengths: list[int]) -> dict:
-    """One plan of every store the ``way`` says, in this process: its peak bytes over the
-    resident ones before it, its wall seconds, the passes and a digest of the tiers."""
-    from tiered_radix.engine import planner
+def one(way: str, policy: str, lengths: list[int], step: str = "plan") -> dict:
+    """One plan (or move: ``step``) of every store the ``way`` says, in this process: its peak
+    bytes over the resident ones before it, its wall seconds, the passes and a digest of the
+    tiers."""
+    from tiered_radix.engine import pending, planner
+    from tiered_radix.engine.store import TierStore
 
     ss = stores(policy, lengths)
     if way == "one-pass":
         planner._RANK_TABLE_BYTES = 1 << 62
-    passes = len(planner._rank_passes(ss))
-    before, t0 = host_peak.rss_bytes(), time.perf_counter()
-    plans = planner.plan_routes(ss)
+        pending._MOVE_SLOTS = 1 << 62
+    if step == "plan":
+        passes = len(planner._rank_passes(ss))
+        before, t0 = host_peak.rss_bytes(), time.perf_counter()
+        tiers = [p.tiers for p in planner.plan_routes(ss)]
+    else:
+        passes = len(pending.move_parts([s.stack for s in ss]))
+        before, t0 = host_peak.rss_bytes(), time.perf_counter()
+        TierStore.begin_routes(ss, ["bench"] * len(ss)).land()
+        tiers = [s.stack.tier for s in ss]
     seconds = time.perf_counter() - t0
     digest = hashlib.sha256()
-    for p in plans:
-        digest.update(p.tiers.numpy().tobytes())
+    for t in tiers:
+        digest.update(t.numpy().tobytes())
     return {"way": way, "peak_over_resident_bytes": max(host_peak.peak_bytes() - before, 0),
             "seconds": seconds, "passes": passes, "units": L * H * sum(lengths),
             "stacked_units": L * H * len(lengths) * max(lengths),
@@ -84,13 +100,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     host_peak.batch_args(p, WAYS, batch=32)
     p.add_argument("--policy", default="h2o")
+    p.add_argument("--step", choices=("plan", "land"), default="plan",
+                   help="plan: the routing's plan; land: the moves of the planned tiers")
     args = p.parse_args()
     lengths = host_peak.lengths(args)
     if args.one:
-        print(json.dumps(one(args.one, args.policy, lengths)))
+        print(json.dumps(one(args.one, args.policy, lengths, args.step)))
         return
     argv = ["--policy", args.policy, "--batch", str(args.batch), "--min", str(args.min),
-            "--max", str(args.max)]  # fmt: skip
+            "--max", str(args.max), "--step", args.step]  # fmt: skip
     rows = host_peak.run_ways(__file__, WAYS, argv)
     for r in rows:
         print(
@@ -99,12 +117,14 @@ def main() -> None:
         )
     same = len({r["tiers_sha256"] for r in rows}) == 1
     print("plans equal" if same else "PLANS DIFFER")
-    result = {"shape": {"layers": L, "kv_heads": H, "head_dim": D}, "policy": args.policy,
+    result = {"step": args.step, "shape": {"layers": L, "kv_heads": H, "head_dim": D},
+              "policy": args.policy,
               "batch": args.batch, "tokens": [args.min, args.max], "torch": torch.__version__,
               "plans_equal": same, "rows": rows}  # fmt: skip
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"routing-memory-{args.policy}-b{args.batch}.json"
+        step = "" if args.step == "plan" else f"-{args.step}"
+        name = f"routing-memory{step}-{args.policy}-b{args.batch}.json"
         (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
     if not same:
         sys.exit(1)

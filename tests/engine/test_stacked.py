@@ -13,6 +13,7 @@ from test_store import FILES, RULES, signals
 
 from tiered_radix import load_policy
 from tiered_radix.engine import planner
+from tiered_radix.engine import pending as pending_mod
 from tiered_radix.engine.pending import PendingRoutes
 from tiered_radix.engine.stacked import StackedMoves
 from tiered_radix.engine.store import TierStore
@@ -136,6 +137,30 @@ def test_stores_planned_in_bounded_passes_equal_each_alone(name, monkeypatch):
         assert units == sorted(units)  # like lengths together, the last the longest
         assert len(part) == 1 or len(part) * per_unit * units[-1] <= planner._RANK_TABLE_BYTES
     _drive(specs)
+
+
+def test_large_groups_move_in_bounded_parts_equal_each_alone(monkeypatch):
+    """A group of stores moving together moves in parts of at most ``pending._MOVE_SLOTS``
+    unit slots, in order (its masks cover every slot at once: 32 long token-unit requests in
+    one part peaked at ~1.8 GiB of one routing's moves); every request still ends where it ends
+    routed alone."""
+    lengths = [300, 40, 410, 96, 64, 350, 128, 200]
+    specs = [("h2o", 0.3, t) for t in lengths]
+    reqs = _requests(specs, 5)
+    for r, t in zip(reqs, lengths, strict=True):
+        r.feed(t, torch.Generator().manual_seed(1), True)
+    stacks = [r.store.stack for r in reqs]
+    s0 = stacks[0]
+    bound = 3 * s0.n_layers * s0.n_heads * max(s.capacity for s in stacks)
+    monkeypatch.setattr(pending_mod, "_MOVE_SLOTS", bound)
+    parts = pending_mod.move_parts(stacks)
+    assert [i for part in parts for i in part] == list(range(len(stacks)))
+    assert 1 < len(parts) < len(stacks)
+    for part in parts:
+        slots = sum(s0.n_layers * s0.n_heads * stacks[i].capacity for i in part)
+        assert len(part) == 1 or slots <= bound
+    _, stacked = _drive(specs)
+    assert stacked > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -4,8 +4,9 @@ masks and move counts on the device until the host reads the counts once and lan
 Stores whose stacks can move together (:func:`~.stacked.stackable`: rows kept elsewhere, one
 tier set and shape; here also one rank and a coupled policy) begin and finish in one
 :class:`~.stacked.StackedMoves` per such group (requests of one policy; per-request policies
-form one group each), the others each through its own stack. Their counts travel to the host
-as one flat tensor.
+form one group each), the others each through its own stack; a group's masks cover every unit
+slot of its stores at once, so a large group moves in parts of at most :data:`_MOVE_SLOTS` unit
+slots (:func:`move_parts`). Their counts travel to the host as one flat tensor.
 """
 
 from __future__ import annotations
@@ -15,6 +16,28 @@ import torch
 from .events import Transitions
 from .routing import to_device
 from .stacked import StackedMoves, stack_key, stackable
+
+# unit slots (layers x heads x units, summed over the stores) one StackedMoves covers at most:
+# its masks are a few bool and int tensors of that many elements (bench/routing_memory.py
+# --step land: 32 h2o requests of 1K-30K tokens at Qwen-0.5B's shape in one StackedMoves peak
+# at ~1.8 GiB)
+_MOVE_SLOTS = 1 << 24
+
+
+def move_parts(stacks: list) -> list[list[int]]:
+    """Indices of ``stacks`` (one group) in the parts that move together, in order, each
+    within :data:`_MOVE_SLOTS` unit slots (one stack at least)."""
+    parts: list[list[int]] = []
+    slots = 0
+    for i, s in enumerate(stacks):
+        n = s.n_layers * s.n_heads * s.capacity
+        if parts and slots + n <= _MOVE_SLOTS:
+            parts[-1].append(i)
+            slots += n
+        else:
+            parts.append([i])
+            slots = n
+    return parts
 
 
 class PendingRoutes:
@@ -53,12 +76,16 @@ class PendingRoutes:
             key = stack_key(s.stack) if s.stacks_with_others else (i,)
             groups.setdefault(key, []).append(i)
         movers = []
-        for idx in groups.values():
-            stacks = [stores[i].stack for i in idx]
-            if stackable(stacks):
-                movers.append((idx, StackedMoves(stacks, [plans[i].tiers for i in idx])))
-            else:
-                movers += [([i], stores[i].stack.begin(plans[i].tiers)) for i in idx]
+        for group in groups.values():
+            stacks = [stores[i].stack for i in group]
+            parts = move_parts(stacks) if stackable(stacks) else [[k] for k in range(len(group))]
+            for part in parts:
+                idx = [group[k] for k in part]
+                if len(idx) > 1:
+                    movers.append((idx, StackedMoves([stacks[k] for k in part],
+                                                     [plans[i].tiers for i in idx])))  # fmt: skip
+                else:
+                    movers.append((idx, stores[idx[0]].stack.begin(plans[idx[0]].tiers)))
         return cls(stores, plans, reasons, movers, done)
 
     def drop(self, i: int) -> None:
