@@ -24,7 +24,8 @@ a fresh process; the peak is the process's peak resident memory less its residen
 before the plan (the stores already built). Both ways' plans are compared (equal tiers).
 
     python bench/routing_memory.py --policy h2o --batch 32 --out bench/results/routing-memory
-    python bench/routing_memory.py --step land --policy h2o --batch 32 --out bench/results/routing-memory
+    python bench/routing_memory.py --step land --policy h2o --batch 32 \
+        --out bench/results/routing-memory
 """
 
 from __future__ import annotations
@@ -100,8 +101,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     host_peak.batch_args(p, WAYS, batch=32)
     p.add_argument("--policy", default="h2o")
-    p.add_argument("--step", choices=("plan", "land"), default="plan",
-                   help="plan: the routing's plan; land: the moves of the planned tiers")
+    p.add_argument(
+        "--step",
+        choices=("plan", "land"),
+        default="plan",
+        help="plan: the routing's plan; land: the moves of the planned tiers",
+    )
     args = p.parse_args()
     lengths = host_peak.lengths(args)
     if args.one:

@@ -12,8 +12,8 @@ import torch
 from test_store import FILES, RULES, signals
 
 from tiered_radix import load_policy
-from tiered_radix.engine import planner
 from tiered_radix.engine import pending as pending_mod
+from tiered_radix.engine import planner
 from tiered_radix.engine.pending import PendingRoutes
 from tiered_radix.engine.stacked import StackedMoves
 from tiered_radix.engine.store import TierStore
