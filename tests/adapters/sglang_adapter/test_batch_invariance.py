@@ -306,7 +306,9 @@ def assert_alike(name: str, head_dim: int, options: KVOptions | None = None,
     return together
 
 
-GRAPHED = ["kivi", "qevict", "rdkv"]  # the shipped policies whose decode replays graphs
+# shipped policies whose decode replays graphs, covering each kind of routing: windows (kivi,
+# qevict), pages (rdkv) and token units routed every step (h2o, streaming; GPU run 34)
+GRAPHED = ["h2o", "kivi", "qevict", "rdkv", "streaming"]
 
 
 @pytest.mark.parametrize("name", GRAPHED)
