@@ -211,10 +211,12 @@ class Scheduler:
             self.outs[req.rid].append(out)
             self.left[req.rid] -= 1
         self.running = [r for r in batch if self.left[r.rid] > 0]
-        # SGLang closes the finished requests' views (before_close -> flush): a routing of
-        # theirs still to land is dropped, alone as in a batch (their stores stay to compare)
-        if ended := [r.rid for r in batch if not self.left[r.rid]]:
-            self.r.h.backend.flush(ended)
+        # SGLang closes the finished requests' views one by one, in the batch's order
+        # (before_close -> flush): a routing of theirs still to land is dropped, alone as in a
+        # batch (their stores stay to compare)
+        for req in batch:
+            if not self.left[req.rid]:
+                self.r.h.backend.flush([req.rid])
 
     def _replay(self) -> None:
         """A decode step replayed, then the overlap loop's processing of the step before: the
@@ -225,8 +227,8 @@ class Scheduler:
             if self.left[req.rid] > 0:
                 self.outs[req.rid].append(out)
             self.left[req.rid] -= 1
-        if ending:
-            self.r.h.backend.flush([r.rid for r in ending])
+        for req in ending:  # one by one, as SGLang's result processing closes them
+            self.r.h.backend.flush([req.rid])
         self.past_end = [r for r in self.running if not self.left[r.rid]]
         self.running = [r for r in self.running if self.left[r.rid] > 0]
 
@@ -311,9 +313,10 @@ def assert_alike(name: str, head_dim: int, options: KVOptions | None = None,
 GRAPHED = ["h2o", "kivi", "qevict", "rdkv", "streaming"]
 
 
+@pytest.mark.parametrize("ends", ["apart", "together"])
 @pytest.mark.parametrize("name", GRAPHED)
 def test_replayed_decode_in_the_overlap_order_is_alike_alone_and_in_a_batch(
-    name, stride, monkeypatch
+    name, stride, monkeypatch, ends
 ):
     """The server's decode: graph replays (batch 4 captured, the TriZone kernel interpreted),
     SGLang's overlap loop (a routing lands a step late; a request runs one step past its last
@@ -321,7 +324,10 @@ def test_replayed_decode_in_the_overlap_order_is_alike_alone_and_in_a_batch(
     steps. Requests end at different steps, so in the batch one closes while the others'
     routings are due: each request's outputs at every position, its tiers and bytes are the
     same as alone. (Here the routings after the first move little, so a landing a step early
-    would pass too: ``test_route_landing.py`` checks the landing steps themselves.)"""
+    would pass too: ``test_route_landing.py`` checks the landing steps themselves.)
+    ``together``: ``a`` and ``b`` end at the same step, a routing due there (GPU run 34: the
+    first one's close landed the other's routing planned after its last token, in the batch
+    only)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     shipped = policy_text
@@ -333,6 +339,9 @@ def test_replayed_decode_in_the_overlap_order_is_alike_alone_and_in_a_batch(
         return text.replace(line, steps if "every(" in line else line + ", every(2)")
 
     monkeypatch.setattr(sys.modules[__name__], "policy_text", every_2)
+    if ends == "together":  # their last steps (index 5) route: every(2) falls after 1, 3, 5
+        monkeypatch.setitem(DECODES, "a", 6)
+        monkeypatch.setitem(DECODES, "b", 6)
     options = KVOptions(decode="kernel")
     together = assert_alike(name, 64, options, late=True, graph_bs=4)
     assert together.r.h.backend.stats()["kernel_steps"] >= max(DECODES.values())

@@ -78,8 +78,10 @@ def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, 
     """GPU run 16's crash (``KeyError`` in ``route_many``): a replayed step's routing is planned
     at the flush a request's close runs (``before_close``), so under ``--kv-overlap`` it was
     still pending when the view closed, and landed at the next step over a view that was gone.
-    The closing request's part is not planned (GPU run 18: it held up the request's last
-    token), the other's lands when the next step is processed, with the serial order's tiers
+    A close only drops (GPU run 34: run at one close, the step's work landed the routings of
+    requests closing after it); the step's work waits for the next forward, where the closed
+    request's part is not planned (GPU run 18: it held up the request's last token) and the
+    other's is, landing when the next step is processed, with the serial order's tiers
     and owner states (not at the close: that made its landing depend on the batch); a part whose
     view closes while it is pending is dropped (its windows stay at the states its close
     left). Every slot, row and block comes back (finish: inserted in the tree, then evicted;
@@ -104,11 +106,11 @@ def test_a_routing_landing_after_its_request_ended_drops_that_part(monkeypatch, 
             h.sim.cache.cache_finished_req(c, is_insert=False, kv_len_to_handle=len(c.tokens))
             h.sim.r2t.free_slots.append(c.req_pool_idx)
         reqs[h] = a
-    assert [r.rid for r, _ in late.backend.landing[0]] == ["a"]  # c's close planned a's only
+    assert late.backend.landing is None and late.backend.pending  # c's close only dropped
     before = tiers(late, "a")
     for h, a in reqs.items():
         h.replay([a], [[70]], 2, rids=True)  # step 2 still reads the old tiers: one step late
-    assert late.backend.landing is not None
+    assert [r.rid for r, _ in late.backend.landing[0]] == ["a"]  # planned a's only
     assert all(torch.equal(x, y) for x, y in zip(before, tiers(late, "a"), strict=True))
     for h, a in reqs.items():
         h.replay([a], [[71]], 2, rids=True)  # step 2 processed first: a's part lands

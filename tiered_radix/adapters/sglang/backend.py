@@ -52,9 +52,12 @@ close's flush, an extend or the next metadata, whose timing depends on the batch
 request's routings land at the same steps alone and in any batch. The parts of requests whose view
 closes before they land (finished, aborted, retracted, flushed) are dropped: their windows stay at
 the states their close left, so a request's routings after its last token never land, in any
-batch. The flush a close runs plans no routing for the closing requests either: it would be
-dropped, and it would hold up their last token (a deferred first routing of a long prompt runs
-long: bench/routing_notes.md). On the device every piece of
+batch. A close's flush only drops: a replayed step's work (observing, landing, planning) waits
+for the next forward, so every request that ended at one step has closed before it runs
+(SGLang closes them one by one, and the first close's flush landed the others' routings planned
+after their last token: GPU run 34). It plans no routing for the closed requests either: it
+would be dropped, and it would hold up their last token (a deferred first routing of a long
+prompt runs long: bench/routing_notes.md). On the device every piece of
 work runs in the order the host issued it: SGLang's forward stream waits for its schedule stream
 before each forward, and the plugin's :func:`~.plugin.graph_execute` makes the schedule stream wait
 for the whole replay.
@@ -276,6 +279,7 @@ class TieredAttnBackend(AttentionBackend):
         self.graph_bs: int | None = None  # the captured batch size this step runs at, if any
         self.pending = False  # a captured step's observe/route waits for flush()
         self.landing: tuple | None = None  # a routing planned, moving at the next flush()
+        self.closed: set[str] = set()  # requests closed since the replayed step's work waits
         # a decode routing lands one step late only where SGLang's overlap scheduler runs: not
         # under --no-kv-overlap, a user's --disable-overlap-schedule or a runner without
         # server args (a serial stand-in)
@@ -571,11 +575,26 @@ class TieredAttnBackend(AttentionBackend):
     def flush(self, closing: list[str] = ()) -> None:
         """A replayed decode step's work after its last layer, which a graph cannot record:
         the side output to each request's engine, and routing where due. Runs before the next
-        forward's metadata and before requests' views close (:attr:`~.radix.TieredRadixCache.
-        before_close`, with their ids as ``closing``): routing happens before anything reads
-        its result, as in eager mode."""
+        forward's metadata, so routing happens before anything reads its result, as in eager
+        mode, and before requests' views close (:attr:`~.radix.TieredRadixCache.before_close`,
+        with their ids as ``closing``). Under the overlap scheduler a close only drops the
+        closing requests' parts of the pending routing, and the step's work waits for the next
+        forward, after SGLang has closed every request that ended at the step it processes
+        (they close one by one): run at the first close, it would land the routings of those
+        closing after it, planned after their last token (GPU run 34: two requests ending at
+        one step, the second routed once more than alone)."""
         if closing:  # routings of theirs still to land would be read by nobody
             self._drop(lambda r: r.rid in closing)
+            if self.late_landing:
+                self.closed.update(closing)
+                return
+        try:
+            self._replayed_work(closing)
+        finally:
+            self.closed.clear()
+
+    def _replayed_work(self, closing: list[str]) -> None:
+        """:meth:`flush`'s work of the replayed step, if one is pending."""
         if not self.pending:
             return
         self.pending = False
@@ -785,10 +804,13 @@ class TieredAttnBackend(AttentionBackend):
         return out.to(q3.dtype)
 
     def _observe_decode(self) -> None:
-        """After the last layer: every layer's per-window mass to each request's engine."""
+        """After the last layer: every layer's per-window mass to each request's engine (those
+        whose view is still open: a replayed step's work runs after the requests that ended at
+        it closed)."""
         attn = trizone.window_attn(self.dbatch, self._unit_tokens())
         for b, r in enumerate(self.batch):
-            r.session.store.observe_attn(attn[:, b, :, : r.seq])
+            if not self._ended(r):
+                r.session.store.observe_attn(attn[:, b, :, : r.seq])
 
     # -- routing ---------------------------------------------------------------------------
     def _route_due(self, closing: list[str] = ()) -> bool:
@@ -812,8 +834,8 @@ class TieredAttnBackend(AttentionBackend):
         due = due_routings(self.batch, self.extend, clock)
         if not self.extend:
             self.counters.request_decode_steps += len(self.batch)
-        if self.late_landing and closing:
-            due = [(r, why) for r, why in due if r.rid not in closing]
+        if self.late_landing:  # the ended (closed since the step ran) would not land
+            due = [(r, why) for r, why in due if r.rid not in closing and not self._ended(r)]
         if due:  # their scores up to date (replayed steps summed their attention)
             self.fold_pending([r for r, _ in due])
         # planned together (one pass over their stacked layers), then one pool move for all
@@ -865,7 +887,7 @@ class TieredAttnBackend(AttentionBackend):
         """A routing left pending by :meth:`_route_due` moves now; whether one did. Requests
         that ended since it was planned (finished, aborted, retracted, flushed: their view
         closed) drop out of it; the others' parts land."""
-        self._drop(lambda r: not self._live(r))
+        self._drop(self._ended)
         if self.landing is None:
             return False
         (due, pending), self.landing = self.landing, None
@@ -894,6 +916,10 @@ class TieredAttnBackend(AttentionBackend):
             return False
         rids = {r.rid for r in batch}
         return any(d is not None and d[0].rid in rids for d in self.landing[0])
+
+    def _ended(self, r: _Req) -> bool:
+        """Whether request ``r`` closed since its step ran (its view, or a close's flush)."""
+        return r.rid in self.closed or not self._live(r)
 
     def _live(self, r: _Req) -> bool:
         """Whether request ``r``'s view is still open, with the session ``r`` was planned in."""
