@@ -588,12 +588,10 @@ class TieredAttnBackend(AttentionBackend):
             if self.late_landing:
                 self.closed.update(closing)
                 return
-        try:
-            self._replayed_work(closing)
-        finally:
-            self.closed.clear()
+        self._replayed_work()
+        self.closed.clear()
 
-    def _replayed_work(self, closing: list[str]) -> None:
+    def _replayed_work(self) -> None:
         """:meth:`flush`'s work of the replayed step, if one is pending."""
         if not self.pending:
             return
@@ -605,7 +603,7 @@ class TieredAttnBackend(AttentionBackend):
             with self._timed("observe"):
                 self._observe_decode()
         with self._timed("route"):
-            if self._route_due(closing):  # blocks moved: the next step rebuilds its lists
+            if self._route_due():  # blocks moved: the next step rebuilds its lists
                 self.relist = True
 
     def fold_pending(self, only: list[_Req] | None = None) -> None:
@@ -813,14 +811,15 @@ class TieredAttnBackend(AttentionBackend):
                 r.session.store.observe_attn(attn[:, b, :, : r.seq])
 
     # -- routing ---------------------------------------------------------------------------
-    def _route_due(self, closing: list[str] = ()) -> bool:
+    def _route_due(self) -> bool:
         """Route the batch's requests whose schedule is due; whether blocks moved now. Under
         SGLang's overlap scheduler a decode step's routing is planned and its masks computed
         now, and it lands (units and blocks move) when the next decode step is processed here
         (a replay's at :meth:`flush`, an eager step's at its last layer), so the host does not
         wait for the device: the next step still reads the old tiers (one step late), and
         every request's routings land at the same steps in any batch, whatever closes or
-        prefills in between; requests ``closing`` are not planned (their part would not land).
+        prefills in between; requests that closed since their step ran are not planned (their
+        part would not land: :meth:`_ended`).
         An extend batch lands the pending routing only where its requests are in it (mixed
         chunks: a store takes no routing while one of its own is pending)."""
         landed = False
@@ -835,7 +834,7 @@ class TieredAttnBackend(AttentionBackend):
         if not self.extend:
             self.counters.request_decode_steps += len(self.batch)
         if self.late_landing:  # the ended (closed since the step ran) would not land
-            due = [(r, why) for r, why in due if r.rid not in closing and not self._ended(r)]
+            due = [(r, why) for r, why in due if not self._ended(r)]
         if due:  # their scores up to date (replayed steps summed their attention)
             self.fold_pending([r for r, _ in due])
         # planned together (one pass over their stacked layers), then one pool move for all
